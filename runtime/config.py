@@ -1,0 +1,335 @@
+"""Model shape (ModelConfig), runtime switches (EngineConfig) and SamplingParams.
+
+ModelConfig describes an architecture and nothing else; it is frozen and hashable so it can be a
+static argument of jitted functions. EngineConfig holds what the runtime decides (slots, pages,
+dtypes, attention backend). The two never mix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+# HF `model_type` -> our family name. Families share one forward; differences are config fields.
+_FAMILIES = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "llama",
+    "gemma3_text": "gemma3",
+    "gemma3": "gemma3",
+}
+
+
+class ConfigError(ValueError):
+    """A checkpoint's configuration cannot be served."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency-dependent rope scaling (`rope_type: llama3`) or linear scaling."""
+
+    kind: str  # "llama3" | "linear"
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str  # "llama" | "gemma3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    activation: str = "silu"  # "silu" | "gelu_tanh"
+    # Gemma 3 features (defaults are the Llama family's behaviour)
+    qk_norm: bool = False
+    sandwich_norms: bool = False  # post-attention and post-FFW norms
+    embed_scale: float = 1.0
+    query_pre_attn_scalar: float | None = None  # softmax scale = scalar**-0.5 (else head_dim)
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()  # per layer "global" | "local" (empty: all global)
+    rope_local_theta: float | None = None
+    final_logit_softcap: float | None = None
+    attn_logit_softcap: float | None = None
+    # tokens
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    architecture: str = ""  # the checkpoint's own name, for messages
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
+            )
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ConfigError(f"{len(self.layer_types)} layer_types for {self.num_layers} layers")
+
+    @property
+    def sm_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_is_local(self, i: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[i] == "local"
+
+    def layer_window(self, i: int) -> int | None:
+        return self.sliding_window if self.layer_is_local(i) else None
+
+    def layer_rope_theta(self, i: int) -> float:
+        if self.layer_is_local(i) and self.rope_local_theta is not None:
+            return self.rope_local_theta
+        return self.rope_theta
+
+    def layer_rope_scaling(self, i: int) -> RopeScaling | None:
+        return None if self.layer_is_local(i) else self.rope_scaling
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["layer_types"] = list(self.layer_types)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        d = dict(d)
+        if d.get("rope_scaling") is not None:
+            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        d["layer_types"] = tuple(d.get("layer_types") or ())
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+        return cls(**d)
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        """Build from an HF `config.json` dict. Raises ConfigError naming `source` on anything
+        we cannot serve."""
+        if "text_config" in hf and hf.get("model_type") == "gemma3":
+            hf = {**hf["text_config"], "model_type": "gemma3_text"}
+        model_type = hf.get("model_type")
+        family = _FAMILIES.get(model_type or "")
+        if family is None:
+            arch = hf.get("architectures") or [model_type]
+            raise ConfigError(
+                f"{source}: unsupported architecture {arch[0]!r} (model_type {model_type!r}); "
+                f"supported model_types: {sorted(_FAMILIES)}"
+            )
+        try:
+            return _from_hf(hf, family, model_type)
+        except KeyError as e:
+            raise ConfigError(f"{source}: missing required field {e.args[0]!r}") from None
+
+
+def _eos_ids(v) -> tuple[int, ...]:
+    if v is None:
+        return ()
+    return tuple(v) if isinstance(v, (list, tuple)) else (int(v),)
+
+
+def _rope_scaling(hf: dict[str, Any]) -> RopeScaling | None:
+    rs = hf.get("rope_scaling") or hf.get("rope_parameters")
+    if not rs:
+        return None
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind == "llama3":
+        return RopeScaling(
+            kind="llama3",
+            factor=float(rs["factor"]),
+            low_freq_factor=float(rs["low_freq_factor"]),
+            high_freq_factor=float(rs["high_freq_factor"]),
+            original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
+        )
+    if kind == "linear":
+        return RopeScaling(kind="linear", factor=float(rs["factor"]))
+    raise ConfigError(f"unsupported rope_scaling type {kind!r}")
+
+
+def _rope_theta(hf: dict[str, Any], default: float) -> float:
+    if "rope_theta" in hf:
+        return float(hf["rope_theta"])
+    rp = hf.get("rope_parameters")
+    if isinstance(rp, dict):
+        if "rope_theta" in rp:
+            return float(rp["rope_theta"])
+        if "full_attention" in rp:  # gemma3 style: per layer-type parameters
+            return float(rp["full_attention"].get("rope_theta", default))
+    return default
+
+
+def _from_hf(hf: dict[str, Any], family: str, model_type: str) -> ModelConfig:
+    num_heads = int(hf["num_attention_heads"])
+    hidden = int(hf["hidden_size"])
+    head_dim = int(hf.get("head_dim") or hidden // num_heads)
+    common = dict(
+        family=family,
+        architecture=(hf.get("architectures") or [model_type])[0],
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(hf["intermediate_size"]),
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+        head_dim=head_dim,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=_eos_ids(hf.get("eos_token_id")),
+    )
+    if family == "llama":
+        window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+        if model_type == "qwen2" and not hf.get("use_sliding_window", False):
+            window = None
+        return ModelConfig(
+            **common,
+            rope_theta=_rope_theta(hf, 10000.0),
+            rope_scaling=_rope_scaling(hf),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+            activation=_activation(hf.get("hidden_act", "silu")),
+            sliding_window=window,
+            layer_types=("local",) * common["num_layers"] if window else (),
+        )
+    # gemma3
+    n = common["num_layers"]
+    layer_types = hf.get("layer_types")
+    if layer_types:
+        layer_types = tuple("local" if t == "sliding_attention" else "global" for t in layer_types)
+    else:
+        pattern = int(hf.get("sliding_window_pattern", 6))
+        layer_types = tuple("global" if (i + 1) % pattern == 0 else "local" for i in range(n))
+    rp = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+    local_theta = hf.get("rope_local_base_freq") or (rp.get("sliding_attention") or {}).get(
+        "rope_theta", 10000.0
+    )
+    return ModelConfig(
+        **common,
+        rope_theta=_rope_theta(hf, 1_000_000.0),
+        rope_scaling=_rope_scaling(
+            {"rope_scaling": hf.get("rope_scaling") or rp.get("full_attention")}
+        ),
+        rope_local_theta=float(local_theta),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        qkv_bias=bool(hf.get("attention_bias", False)),
+        activation=_activation(hf.get("hidden_activation") or hf.get("hidden_act", "gelu_pytorch_tanh")),
+        qk_norm=True,
+        sandwich_norms=True,
+        embed_scale=math.sqrt(hidden),
+        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", head_dim)),
+        sliding_window=int(hf.get("sliding_window", 4096)),
+        layer_types=layer_types,
+        final_logit_softcap=hf.get("final_logit_softcapping"),
+        attn_logit_softcap=hf.get("attn_logit_softcapping"),
+    )
+
+
+def _activation(name: str) -> str:
+    if name in ("silu", "swish"):
+        return "silu"
+    if name in ("gelu_pytorch_tanh", "gelu_tanh", "gelu"):
+        return "gelu_tanh"
+    raise ConfigError(f"unsupported activation {name!r}")
+
+
+ATTENTION_BACKENDS = (None, "xla", "pallas", "pallas_interpret")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Runtime switches. `LLM(...)` keyword arguments mirror these field names."""
+
+    dtype: str = "float32"  # activation/weight compute dtype: float32 | bfloat16
+    quantization: str | None = None  # None | "int8" | "fp8"
+    max_slots: int = 8
+    page_size: int = 16
+    num_pages: int | None = None  # None: enough for every slot at max_model_len
+    max_model_len: int = 2048  # longest prompt + output a sequence may reach
+    attention_backend: str | None = None  # None = by platform
+    prefill_chunk: int = 256  # per-step prompt token budget
+    speculative: dict | None = field(default=None, hash=False, compare=False)
+    tensor_parallel: int = 1
+
+    def __post_init__(self):
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+            )
+        for name in ("max_slots", "page_size", "max_model_len", "prefill_chunk", "tensor_parallel"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2 (page 0 is the null page), got {self.num_pages}")
+
+    @property
+    def pages_per_seq(self) -> int:
+        return -(-self.max_model_len // self.page_size)
+
+    @property
+    def total_pages(self) -> int:
+        """Pool size including the null page 0."""
+        if self.num_pages is not None:
+            return self.num_pages
+        return 1 + self.max_slots * self.pages_per_seq
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling. temperature 0 is greedy; `seed` makes sampling reproducible
+    (the key of each token derives from (seed, position) only)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None  # top-n logprobs per generated token
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        stop = self.stop
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        elif isinstance(stop, (list, tuple)):
+            if not all(isinstance(s, str) for s in stop):
+                raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+            stop = tuple(stop)
+        else:
+            raise ValueError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+        if any(s == "" for s in stop):
+            raise ValueError("stop strings must be non-empty")
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
