@@ -1,0 +1,182 @@
+"""Load an HF checkpoint directory (config.json + *.safetensors, sharded or not) into Params.
+
+Tensors stream one at a time from the safetensors files into their final layout and dtype, so
+peak host memory stays near one copy of the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import jax.numpy as jnp
+from safetensors import SafetensorError, safe_open
+
+from checkpoints.errors import CheckpointError
+from runtime.config import ConfigError, ModelConfig
+from runtime.model import LayerParams, Params
+
+# Prefixes of multimodal / wrapped checkpoints around the text model.
+_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
+
+
+def read_config(path: Path) -> ModelConfig:
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{cfg_file}: not found (an HF checkpoint dir needs config.json)")
+    try:
+        hf = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from None
+    try:
+        return ModelConfig.from_hf_config(hf, source=str(cfg_file))
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def safetensor_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+        files = [path / f for f in dict.fromkeys(weight_map.values())]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index}: shard file(s) missing: {', '.join(missing)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors weights found")
+    return files
+
+
+def iter_tensors(files: list[Path]) -> Iterator[tuple[str, object, Path]]:
+    """Yield (name, array, file) one tensor at a time (jax arrays keep bf16 exact)."""
+    for f in files:
+        try:
+            with safe_open(str(f), framework="flax") as st:
+                for name in st.keys():
+                    yield name, st.get_tensor(name), f
+        except SafetensorError as e:
+            raise CheckpointError(f"{f}: unreadable safetensors file ({e})") from None
+        except OSError as e:
+            raise CheckpointError(f"{f}: cannot read ({e})") from None
+
+
+def _strip(name: str) -> str:
+    for p in _PREFIXES:
+        if name.startswith(p):
+            return name[len(p):]
+    return name
+
+
+def hf_tensor_plan(cfg: ModelConfig) -> dict[str, tuple[str, Callable]]:
+    """HF tensor name (prefix stripped) -> (our param path, transform to our layout)."""
+    d, hq, hkv, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    gemma = cfg.family == "gemma3"
+    norm = (lambda w: w + 1.0) if gemma else (lambda w: w)  # Gemma stores w, applies (1 + w)
+    plan = {
+        "embed_tokens.weight": ("embed", lambda w: w),
+        "norm.weight": ("final_norm", norm),
+    }
+    if not cfg.tie_word_embeddings:
+        plan["lm_head.weight"] = ("lm_head", lambda w: w)
+    for i in range(cfg.num_layers):
+        pre = f"layers.{i}."
+        layer = {
+            "self_attn.q_proj.weight": ("wq", lambda w: w.T.reshape(d, hq, dh)),
+            "self_attn.k_proj.weight": ("wk", lambda w: w.T.reshape(d, hkv, dh)),
+            "self_attn.v_proj.weight": ("wv", lambda w: w.T.reshape(d, hkv, dh)),
+            "self_attn.o_proj.weight": ("wo", lambda w: w.T.reshape(hq, dh, d)),
+            "mlp.gate_proj.weight": ("w_gate", lambda w: w.T),
+            "mlp.up_proj.weight": ("w_up", lambda w: w.T),
+            "mlp.down_proj.weight": ("w_down", lambda w: w.T),
+            "input_layernorm.weight": ("attn_norm", norm),
+        }
+        if gemma:
+            layer |= {
+                "post_attention_layernorm.weight": ("post_attn_norm", norm),
+                "pre_feedforward_layernorm.weight": ("mlp_norm", norm),
+                "post_feedforward_layernorm.weight": ("post_mlp_norm", norm),
+            }
+        else:
+            layer["post_attention_layernorm.weight"] = ("mlp_norm", norm)
+        if cfg.qk_norm:
+            layer |= {
+                "self_attn.q_norm.weight": ("q_norm", norm),
+                "self_attn.k_norm.weight": ("k_norm", norm),
+            }
+        if cfg.qkv_bias:
+            layer |= {
+                "self_attn.q_proj.bias": ("bq", lambda b: b.reshape(hq, dh)),
+                "self_attn.k_proj.bias": ("bk", lambda b: b.reshape(hkv, dh)),
+                "self_attn.v_proj.bias": ("bv", lambda b: b.reshape(hkv, dh)),
+            }
+        for k, (field, fn) in layer.items():
+            plan[pre + k] = (pre + field, fn)
+    return plan
+
+
+def assemble_params(
+    cfg: ModelConfig,
+    tensors: Iterator[tuple[str, object, object]],
+    plan: dict[str, tuple[str, Callable]],
+    dtype,
+) -> Params:
+    """Place streamed (name, array, source) tensors into Params via `plan`. Unknown names are
+    ignored only when they are known extras (rotary caches); missing ones are an error."""
+    got: dict[str, object] = {}
+    for name, arr, src in tensors:
+        key = _strip(name)
+        if key not in plan:
+            if re.search(r"rotary_emb|vision|multi_modal|mm_", key):
+                continue
+            raise CheckpointError(f"{src}: unexpected tensor {name!r} for {cfg.architecture}")
+        target, fn = plan[key]
+        got[target] = jnp.asarray(fn(jnp.asarray(arr, jnp.float32)), dtype)
+    missing = [name for name, (target, _) in plan.items() if target not in got]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint is missing {len(missing)} tensor(s) for {cfg.architecture}, e.g. "
+            f"{missing[:3]}"
+        )
+    layers = []
+    fields = LayerParams.__dataclass_fields__
+    for i in range(cfg.num_layers):
+        kw = {f: got.pop(f"layers.{i}.{f}") for f in fields if f"layers.{i}.{f}" in got}
+        layers.append(LayerParams(**kw))
+    return Params(
+        embed=got["embed"], layers=tuple(layers), final_norm=got["final_norm"],
+        lm_head=got.get("lm_head"),
+    )
+
+
+def load_hf(path: str | Path, dtype=jnp.float32) -> tuple[ModelConfig, Params]:
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory")
+    cfg = read_config(path)
+    files = safetensor_files(path)
+    params = assemble_params(cfg, iter_tensors(files), hf_tensor_plan(cfg), dtype)
+    _check_shapes(cfg, params, path)
+    return cfg, params
+
+
+def _check_shapes(cfg: ModelConfig, params: Params, path: Path) -> None:
+    from runtime.model import init_params
+    import jax
+
+    want = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    for (kp, a), (_, b) in zip(
+        jax.tree_util.tree_flatten_with_path(params)[0], jax.tree_util.tree_flatten_with_path(want)[0]
+    ):
+        if tuple(a.shape) != tuple(b.shape):
+            raise CheckpointError(
+                f"{path}: tensor {jax.tree_util.keystr(kp)} has shape {tuple(a.shape)}, "
+                f"config.json implies {tuple(b.shape)}"
+            )
+

@@ -1,0 +1,200 @@
+"""Transformer families (Llama / Mistral / Qwen2, Gemma 3) as one pure forward.
+
+`forward(params, tokens, cache, md, cfg, backend) -> (logits, cache)`: no hidden state; params and
+cache are pytrees (flax struct dataclasses). Family differences are ModelConfig fields, never
+branches on a family name. Norm weights are stored as the effective multiplier (Gemma's `1 + w`
+is folded in at load time).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from runtime.attention import AttentionMetadata, attend
+from runtime.config import ModelConfig, RopeScaling
+from runtime.kv_cache import KVCache, write_pages
+from runtime.quantization import einsum, take_rows
+
+
+@struct.dataclass
+class LayerParams:
+    attn_norm: jax.Array  # [D]
+    wq: jax.Array  # [D, Hq, Dh]
+    wk: jax.Array  # [D, Hkv, Dh]
+    wv: jax.Array  # [D, Hkv, Dh]
+    wo: jax.Array  # [Hq, Dh, D]
+    mlp_norm: jax.Array  # [D]
+    w_gate: jax.Array  # [D, F]
+    w_up: jax.Array  # [D, F]
+    w_down: jax.Array  # [F, D]
+    bq: jax.Array | None = None  # [Hq, Dh]
+    bk: jax.Array | None = None  # [Hkv, Dh]
+    bv: jax.Array | None = None  # [Hkv, Dh]
+    q_norm: jax.Array | None = None  # [Dh]
+    k_norm: jax.Array | None = None  # [Dh]
+    post_attn_norm: jax.Array | None = None  # [D]
+    post_mlp_norm: jax.Array | None = None  # [D]
+
+
+@struct.dataclass
+class Params:
+    embed: jax.Array  # [V, D]
+    layers: tuple[LayerParams, ...]
+    final_norm: jax.Array  # [D]
+    lm_head: jax.Array | None = None  # [V, D]; None when tied to embed
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
+    """[Dh/2] f32 inverse frequencies (HF convention: computed in f32)."""
+    inv = 1.0 / (np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    inv = inv.astype(np.float32)
+    if scaling is None:
+        return inv
+    if scaling.kind == "linear":
+        return (inv / scaling.factor).astype(np.float32)
+    # llama3: keep high frequencies, divide low ones by `factor`, interpolate between
+    old = scaling.original_max_position_embeddings
+    low_wavelen = old / scaling.low_freq_factor
+    high_wavelen = old / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > low_wavelen, inv / scaling.factor, inv)
+    smooth = (old / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """x [T, H, Dh] rotated by position (rotate-half layout: pairs (i, i + Dh/2))."""
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, Dh/2]
+    cos = jnp.cos(angles)[:, None, :]
+    sin = jnp.sin(angles)[:, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def _activation(name: str):
+    return {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}[name]
+
+
+def _layer(
+    lp: LayerParams,
+    x: jax.Array,  # [T, D]
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    md: AttentionMetadata,
+    cfg: ModelConfig,
+    i: int,
+    backend: str,
+):
+    eps = cfg.rms_norm_eps
+    h = rms_norm(x, lp.attn_norm, eps)
+    q = einsum("td,dhk->thk", h, lp.wq)  # [T, Hq, Dh]
+    k = einsum("td,dhk->thk", h, lp.wk)  # [T, Hkv, Dh]
+    v = einsum("td,dhk->thk", h, lp.wv)  # [T, Hkv, Dh]
+    if lp.bq is not None:
+        q, k, v = q + lp.bq.astype(q.dtype), k + lp.bk.astype(k.dtype), v + lp.bv.astype(v.dtype)
+    if lp.q_norm is not None:
+        q, k = rms_norm(q, lp.q_norm, eps), rms_norm(k, lp.k_norm, eps)
+    inv_freq = rope_inv_freq(cfg.head_dim, cfg.layer_rope_theta(i), cfg.layer_rope_scaling(i))
+    q = apply_rope(q, md.positions, inv_freq)
+    k = apply_rope(k, md.positions, inv_freq)
+    k_pages = write_pages(k_pages, k, md.slot_mapping)
+    v_pages = write_pages(v_pages, v, md.slot_mapping)
+    o = attend(
+        q, k_pages, v_pages, md,
+        sm_scale=cfg.sm_scale,
+        sliding_window=cfg.layer_window(i),
+        soft_cap=cfg.attn_logit_softcap,
+        backend=backend,
+    )  # [T, Hq, Dh]
+    o = einsum("thk,hkd->td", o, lp.wo)  # [T, D]
+    if lp.post_attn_norm is not None:
+        o = rms_norm(o, lp.post_attn_norm, eps)
+    x = x + o
+
+    h = rms_norm(x, lp.mlp_norm, eps)
+    act = _activation(cfg.activation)
+    m = act(einsum("td,df->tf", h, lp.w_gate)) * einsum("td,df->tf", h, lp.w_up)  # [T, F]
+    m = einsum("tf,fd->td", m, lp.w_down)  # [T, D]
+    if lp.post_mlp_norm is not None:
+        m = rms_norm(m, lp.post_mlp_norm, eps)
+    return x + m, k_pages, v_pages
+
+
+def forward(
+    params: Params,
+    tokens: jax.Array,  # [T] int32
+    cache: KVCache,
+    md: AttentionMetadata,
+    cfg: ModelConfig,
+    backend: str = "xla",
+) -> tuple[jax.Array, KVCache]:
+    """Run T ragged tokens through the model, writing their K/V into the cache.
+    Returns f32 logits [N, V] for the rows in md.logits_indices, and the new cache."""
+    x = take_rows(params.embed, tokens)  # [T, D]
+    if cfg.embed_scale != 1.0:
+        x = x * jnp.asarray(cfg.embed_scale, dtype=x.dtype)
+    ks, vs = list(cache.k), list(cache.v)
+    for i, lp in enumerate(params.layers):
+        x, ks[i], vs[i] = _layer(lp, x, ks[i], vs[i], md, cfg, i, backend)
+    x = x[md.logits_indices]  # [N, D]
+    x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
+    head = params.embed if params.lm_head is None else params.lm_head
+    logits = einsum("nd,vd->nv", x, head).astype(jnp.float32)  # [N, V]
+    if cfg.final_logit_softcap is not None:
+        c = cfg.final_logit_softcap
+        logits = c * jnp.tanh(logits / c)
+    return logits, KVCache(k=tuple(ks), v=tuple(vs))
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> Params:
+    """Random parameters (tests, benchmarks). Norm weights near 1."""
+    d, hq, hkv, dh, f, v = (
+        cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+        cfg.intermediate_size, cfg.vocab_size,
+    )
+    keys = iter(jax.random.split(key, 16 * cfg.num_layers + 4))
+
+    def w(*shape):
+        return (scale * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
+
+    def norm(n):
+        return (1.0 + 0.1 * jax.random.normal(next(keys), (n,), jnp.float32)).astype(dtype)
+
+    layers = []
+    for _ in range(cfg.num_layers):
+        layers.append(
+            LayerParams(
+                attn_norm=norm(d), wq=w(d, hq, dh), wk=w(d, hkv, dh), wv=w(d, hkv, dh),
+                wo=w(hq, dh, d), mlp_norm=norm(d), w_gate=w(d, f), w_up=w(d, f), w_down=w(f, d),
+                bq=w(hq, dh) if cfg.qkv_bias else None,
+                bk=w(hkv, dh) if cfg.qkv_bias else None,
+                bv=w(hkv, dh) if cfg.qkv_bias else None,
+                q_norm=norm(dh) if cfg.qk_norm else None,
+                k_norm=norm(dh) if cfg.qk_norm else None,
+                post_attn_norm=norm(d) if cfg.sandwich_norms else None,
+                post_mlp_norm=norm(d) if cfg.sandwich_norms else None,
+            )
+        )
+    return Params(
+        embed=w(v, d),
+        layers=tuple(layers),
+        final_norm=norm(d),
+        lm_head=None if cfg.tie_word_embeddings else w(v, d),
+    )

@@ -1,0 +1,51 @@
+"""The step plan: what the host scheduler hands the device each step. Numpy only, no JAX.
+
+T token rows (padded to a bucket) packed sequence after sequence; S sequence rows (padded to a
+bucket). Row s of the per-sequence arrays describes the s-th scheduled sequence; rows >= num_seqs
+are padding (q_len 0, kv_len 0, page row all 0 = the null page).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class StepPlan:
+    # token rows [T]
+    token_ids: np.ndarray  # int32 [T]
+    positions: np.ndarray  # int32 [T]
+    slot_mapping: np.ndarray  # int32 [T] page * page_size + offset; padding rows -> 0
+    # sequence rows [S]
+    cu_q_lens: np.ndarray  # int32 [S+1]
+    kv_lens: np.ndarray  # int32 [S] KV length after this step's tokens are written
+    page_indices: np.ndarray  # int32 [S, P]
+    num_seqs: np.ndarray  # int32 [1]
+    logits_indices: np.ndarray  # int32 [S] token row of each sequence's last token (padding -> 0)
+    max_q_len: int  # static bound on q_len (a bucket)
+    # sampling, per sequence row [S]
+    temperature: np.ndarray  # float32 [S] (0 = greedy)
+    top_k: np.ndarray  # int32 [S] (0 = off)
+    top_p: np.ndarray  # float32 [S]
+    min_p: np.ndarray  # float32 [S]
+    seeds: np.ndarray  # uint32 [S]
+    sample_positions: np.ndarray  # int32 [S] position of the token being sampled (PRNG key input)
+    # host bookkeeping (not sent to the device)
+    request_ids: list[str] = field(default_factory=list)  # per live sequence row
+    samples: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))  # [S] row yields a token
+    num_logprobs: int = 0  # top-n logprobs wanted by any row this step (static bucket: 0 or 20)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.cu_q_lens[int(self.num_seqs[0])])
+
+    def device_arrays(self) -> dict[str, np.ndarray]:
+        """The arrays the jitted step consumes (shapes fixed by the buckets)."""
+        names = (
+            "token_ids", "positions", "slot_mapping", "cu_q_lens", "kv_lens", "page_indices",
+            "num_seqs", "logits_indices", "temperature", "top_k", "top_p", "min_p", "seeds",
+            "sample_positions",
+        )
+        return {n: getattr(self, n) for n in names}

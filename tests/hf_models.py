@@ -1,0 +1,54 @@
+"""Random-init HF models made in fixtures: the oracle for the Llama family."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+FAMILIES = {
+    "llama": dict(
+        cls="LlamaForCausalLM", cfg="LlamaConfig",
+        kw=dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+    ),
+    "llama3_rope": dict(
+        cls="LlamaForCausalLM", cfg="LlamaConfig",
+        kw=dict(
+            num_attention_heads=4, num_key_value_heads=1, rope_theta=500000.0,
+            rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                              high_freq_factor=4.0, original_max_position_embeddings=64),
+            tie_word_embeddings=False,
+        ),
+    ),
+    "mistral": dict(
+        cls="MistralForCausalLM", cfg="MistralConfig",
+        kw=dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=None,
+                tie_word_embeddings=False),
+    ),
+    "qwen2": dict(
+        cls="Qwen2ForCausalLM", cfg="Qwen2Config",
+        kw=dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    ),
+}
+
+
+def make_hf_model(family: str, out: Path, *, seed: int = 0, hidden=128, layers=2, vocab=512,
+                  dtype=torch.float32):
+    import transformers
+
+    spec = FAMILIES[family]
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, spec["cfg"])(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, **spec["kw"],
+    )
+    model = getattr(transformers, spec["cls"])(cfg).eval()
+    # random-init norms/biases are 1/0: perturb them so a mapping error cannot hide
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    model = model.to(dtype)
+    model.save_pretrained(out, safe_serialization=True)
+    return model

@@ -1,0 +1,59 @@
+"""Helpers for model tests: run whole sequences through the paged forward."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from runtime.attention import AttentionMetadata
+from runtime.kv_cache import init_cache
+from runtime.model import forward
+
+
+def single_sequence_metadata(start: int, num_tokens: int, page_size: int, pages: list[int],
+                             all_logits: bool = True) -> AttentionMetadata:
+    """Metadata for one sequence computing tokens [start, start + num_tokens) in `pages`."""
+    pos = np.arange(start, start + num_tokens)
+    slots = np.asarray(pages)[pos // page_size] * page_size + pos % page_size
+    return AttentionMetadata(
+        positions=jnp.asarray(pos, jnp.int32),
+        slot_mapping=jnp.asarray(slots, jnp.int32),
+        cu_q_lens=jnp.asarray([0, num_tokens], jnp.int32),
+        kv_lens=jnp.asarray([start + num_tokens], jnp.int32),
+        page_indices=jnp.asarray([pages], jnp.int32),
+        num_seqs=jnp.asarray([1], jnp.int32),
+        logits_indices=jnp.arange(num_tokens if all_logits else 1, dtype=jnp.int32)
+        + (0 if all_logits else num_tokens - 1),
+        max_q_len=num_tokens,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "backend"))
+def _fwd(params, tokens, cache, md, cfg, backend):
+    return forward(params, tokens, cache, md, cfg, backend)
+
+
+def run_sequence(params, cfg, tokens, *, page_size=16, backend="xla", decode_steps=0,
+                 cache_dtype=jnp.float32):
+    """Prefill `tokens` (all logits) then greedy-decode `decode_steps` tokens one at a time.
+    Returns (prefill_logits [T, V], decoded_ids, decode_logits [n, V])."""
+    tokens = list(tokens)
+    total = len(tokens) + decode_steps
+    n_pages = -(-total // page_size)
+    pages = list(range(1, n_pages + 1))
+    cache = init_cache(cfg, n_pages + 1, page_size, cache_dtype)
+    md = single_sequence_metadata(0, len(tokens), page_size, pages)
+    logits, cache = _fwd(params, jnp.asarray(tokens, jnp.int32), cache, md, cfg, backend)
+    out, dec_logits = [], []
+    last = logits[-1]
+    for i in range(decode_steps):
+        nxt = int(jnp.argmax(last))
+        out.append(nxt)
+        md = single_sequence_metadata(len(tokens) + i, 1, page_size, pages)
+        lg, cache = _fwd(params, jnp.asarray([nxt], jnp.int32), cache, md, cfg, backend)
+        last = lg[0]
+        dec_logits.append(np.asarray(last))
+    return np.asarray(logits), out, np.asarray(dec_logits)
