@@ -1,0 +1,18 @@
+"""`jaxinfer convert SRC OUT`: any loadable model -> orbax params + manifest + tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from checkpoints.loader import load_model
+from checkpoints.orbax_io import save_converted
+
+
+def convert(src: str, out: str | Path, *, dtype: str = "float32", overwrite: bool = False) -> Path:
+    m = load_model(src, dtype=dtype)
+    tok_dir = m.source if m.source.is_dir() else None
+    extra = {}
+    if tok_dir is None:  # GGUF: its vocabulary travels as a sentencepiece / tokenizer.json file
+        extra = m.tokenizer.export_files()
+    return save_converted(out, m.cfg, m.params, source=str(m.source), tokenizer_dir=tok_dir,
+                          extra_files=extra, overwrite=overwrite)

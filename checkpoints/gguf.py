@@ -1,0 +1,456 @@
+"""Load a GGUF file (llama.cpp's format) into ModelConfig + Params.
+
+Supported architectures (`general.architecture`): "gemma3", "llama" (also Mistral converted by
+llama.cpp) and "qwen2". Quantized tensors (Q4_K, Q5_0, Q6_K, Q8_0, ... — whatever
+`gguf.quants.dequantize` implements) and F32 / F16 / BF16 are dequantized one tensor at a time to
+the runtime dtype, so peak host memory stays near one copy of the weights in that dtype plus one
+f32 tensor.
+
+Facts about GGUF this loader relies on (checked numerically against HF transformers in the tests):
+- Tensor shapes are stored in ggml `ne` order (fastest axis first); the numpy array of a tensor
+  is shaped `reversed(ne)`, i.e. `[out, in]` for a linear weight — the same as PyTorch/HF.
+- llama.cpp permutes the rows of q/k projections of the "llama" architecture so that its
+  interleaved (GPT-J style) rope acts on pairs (2i, 2i+1). Our forward uses the rotate-half
+  layout (pairs i, i + Dh/2), so those rows are un-permuted here. "gemma3" and "qwen2" use
+  NEOX-style rope in llama.cpp and are stored unpermuted.
+- Gemma norm weights are stored with the +1 already added (llama.cpp adds it at conversion), so
+  they are the effective multiplier our forward expects; they are loaded unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from checkpoints.errors import CheckpointError
+from checkpoints.hf import assemble_params
+from runtime.config import ConfigError, ModelConfig, RopeScaling
+from runtime.model import Params, init_params
+
+try:  # the import is cheap, but keep a clear message if the package is absent
+    import gguf
+    from gguf import GGMLQuantizationType as QT
+except ImportError:  # pragma: no cover - gguf is a declared dependency
+    gguf = None
+    QT = None
+
+ARCHITECTURES = ("gemma3", "llama", "qwen2")
+
+
+def _require_gguf() -> None:
+    if gguf is None:
+        raise CheckpointError("reading GGUF files needs the `gguf` package (pip install gguf)")
+
+
+def open_gguf(path: str | os.PathLike) -> "gguf.GGUFReader":
+    """Open and parse a GGUF file's header (memory-mapped; tensor data is read lazily).
+    Raises CheckpointError naming the file if it is missing, truncated or not GGUF."""
+    _require_gguf()
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: GGUF file not found")
+    size = path.stat().st_size
+    if size == 0:
+        raise CheckpointError(f"{path}: empty file (not a GGUF file)")
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise CheckpointError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as e:
+        # The reader slices a memmap; a file cut short surfaces as a reshape/index error.
+        raise CheckpointError(
+            f"{path}: corrupt or truncated GGUF file ({size} bytes): {type(e).__name__}: {e}"
+        ) from None
+    for t in reader.tensors:
+        end = int(t.data_offset) + int(t.n_bytes)
+        if end > size:
+            raise CheckpointError(
+                f"{path}: truncated GGUF file: tensor {t.name!r} needs bytes up to {end}, "
+                f"file has {size}"
+            )
+    return reader
+
+
+# ----------------------------------------------------------------------------- metadata
+
+
+class _Meta:
+    def __init__(self, reader, source: str):
+        self.reader, self.source = reader, source
+
+    def get(self, key: str, default=None):
+        f = self.reader.fields.get(key)
+        if f is None:
+            return default
+        return f.contents()
+
+    def need(self, key: str):
+        v = self.get(key)
+        if v is None:
+            raise CheckpointError(f"{self.source}: GGUF metadata key {key!r} is missing")
+        return v
+
+
+def architecture(reader, source: str) -> str:
+    arch = _Meta(reader, source).get("general.architecture")
+    if arch is None:
+        raise CheckpointError(f"{source}: GGUF metadata has no 'general.architecture'")
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(
+            f"{source}: unsupported GGUF architecture {arch!r}; supported: {list(ARCHITECTURES)}"
+        )
+    return arch
+
+
+def _token_text(reader, i: int) -> str | None:
+    f = reader.fields.get("tokenizer.ggml.tokens")
+    if f is None or i >= len(f.data):
+        return None
+    return bytes(f.parts[f.data[i]]).decode("utf-8", errors="replace")
+
+
+def gguf_config(reader, source: str) -> ModelConfig:
+    """ModelConfig from GGUF metadata (+ the tensor directory for vocab size and tying)."""
+    arch = architecture(reader, source)
+    m = _Meta(reader, source)
+    a = f"{arch}."
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise CheckpointError(f"{source}: GGUF has no 'token_embd.weight' tensor")
+    embd_ne = [int(x) for x in tensors["token_embd.weight"].shape]  # [D, V]
+    hidden = int(m.need(a + "embedding_length"))
+    n_layers = int(m.need(a + "block_count"))
+    n_heads = int(m.need(a + "attention.head_count"))
+    n_kv = m.get(a + "attention.head_count_kv", n_heads)
+    if isinstance(n_kv, list):  # per-layer lists (some archs): require them uniform
+        if len(set(n_kv)) != 1:
+            raise CheckpointError(f"{source}: per-layer head_count_kv {n_kv} is not supported")
+        n_kv = n_kv[0]
+    ffn = m.need(a + "feed_forward_length")
+    if isinstance(ffn, list):
+        if len(set(ffn)) != 1:
+            raise CheckpointError(f"{source}: per-layer feed_forward_length is not supported")
+        ffn = ffn[0]
+    head_dim = int(m.get(a + "attention.key_length") or hidden // n_heads)
+    v_len = m.get(a + "attention.value_length")
+    if v_len is not None and int(v_len) != head_dim:
+        raise CheckpointError(
+            f"{source}: key_length {head_dim} != value_length {v_len} is not supported"
+        )
+    rope_dims = m.get(a + "rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != head_dim:
+        raise CheckpointError(
+            f"{source}: partial rope (rope.dimension_count {rope_dims} < head_dim {head_dim}) "
+            "is not supported"
+        )
+    bos = m.get("tokenizer.ggml.bos_token_id")
+    eos = []
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):
+        v = m.get(key)
+        if v is not None and int(v) not in eos:
+            eos.append(int(v))
+    common = dict(
+        architecture=f"gguf:{arch}",
+        vocab_size=embd_ne[1],
+        hidden_size=hidden,
+        intermediate_size=int(ffn),
+        num_layers=n_layers,
+        num_heads=n_heads,
+        num_kv_heads=int(n_kv),
+        head_dim=head_dim,
+        rms_norm_eps=float(m.get(a + "attention.layer_norm_rms_epsilon", 1e-6)),
+        max_position_embeddings=int(m.get(a + "context_length", 4096)),
+        tie_word_embeddings="output.weight" not in tensors,
+        bos_token_id=None if bos is None else int(bos),
+    )
+    rope_scaling = _rope_scaling(m, a, reader, head_dim, float(m.get(a + "rope.freq_base", 1e4)))
+    try:
+        if arch == "gemma3":
+            # Gemma 3 chat turns end with <end_of_turn>; HF's generation config stops on it too.
+            for i in (106,):
+                if _token_text(reader, i) == "<end_of_turn>" and i not in eos:
+                    eos.append(i)
+            pattern = int(m.get(a + "attention.sliding_window_pattern", 6))
+            layer_types = tuple(
+                "global" if (i + 1) % pattern == 0 else "local" for i in range(n_layers)
+            )
+            # llama.cpp: attention scale 1/sqrt(key_length), except Gemma 3 27B (62 layers),
+            # which uses 1/sqrt(hidden / heads) — the same values HF's configs carry.
+            scalar = hidden / n_heads if n_layers == 62 else head_dim
+            return ModelConfig(
+                family="gemma3",
+                **common,
+                eos_token_ids=tuple(eos),
+                rope_theta=float(m.get(a + "rope.freq_base", 1_000_000.0)),
+                rope_scaling=rope_scaling,
+                rope_local_theta=float(m.get(a + "rope.freq_base_swa", 10_000.0)),
+                activation="gelu_tanh",
+                qk_norm=True,
+                sandwich_norms=True,
+                embed_scale=math.sqrt(hidden),
+                query_pre_attn_scalar=float(scalar),
+                sliding_window=int(m.get(a + "attention.sliding_window", 4096)),
+                layer_types=layer_types,
+                final_logit_softcap=_opt_float(m.get(a + "final_logit_softcapping")),
+                attn_logit_softcap=_opt_float(m.get(a + "attn_logit_softcapping")),
+            )
+        window = m.get(a + "attention.sliding_window")
+        window = int(window) if window else None
+        return ModelConfig(
+            family="llama",
+            **common,
+            eos_token_ids=tuple(eos),
+            rope_theta=float(m.get(a + "rope.freq_base", 10_000.0)),
+            rope_scaling=rope_scaling,
+            qkv_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensors,
+            activation="silu",
+            sliding_window=window,
+            layer_types=("local",) * n_layers if window else (),
+        )
+    except ConfigError as e:
+        raise CheckpointError(f"{source}: {e}") from None
+
+
+def _opt_float(v) -> float | None:
+    return None if v is None or float(v) == 0.0 else float(v)
+
+
+def _rope_scaling(m: _Meta, a: str, reader, head_dim: int, theta: float) -> RopeScaling | None:
+    kind = m.get(a + "rope.scaling.type")
+    factor = m.get(a + "rope.scaling.factor")
+    if kind == "linear" and factor and float(factor) != 1.0:
+        return RopeScaling(kind="linear", factor=float(factor))
+    if kind not in (None, "none", "linear"):
+        raise CheckpointError(f"{m.source}: unsupported rope scaling type {kind!r}")
+    # Llama 3.x: llama.cpp stores the per-frequency divisors as a `rope_freqs.weight` tensor.
+    # Recover the llama3 parameters and check they reproduce the stored divisors exactly.
+    t = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if t is None:
+        return None
+    stored = np.asarray(_dequantize(t, m.source), np.float32).reshape(-1)
+    if np.allclose(stored, 1.0):
+        return None
+    from runtime.model import rope_inv_freq
+
+    orig = int(m.get(a + "rope.scaling.original_context_length") or 8192)
+    cand = RopeScaling(kind="llama3", factor=float(stored.max()), low_freq_factor=1.0,
+                       high_freq_factor=4.0, original_max_position_embeddings=orig)
+    base = rope_inv_freq(head_dim, theta, None)
+    want = base / rope_inv_freq(head_dim, theta, cand)
+    if want.shape != stored.shape or not np.allclose(want, stored, rtol=1e-4):
+        raise CheckpointError(
+            f"{m.source}: rope_freqs.weight does not match llama3 rope scaling "
+            f"(factor {cand.factor}, low 1, high 4, original context {orig}); not supported"
+        )
+    return cand
+
+
+# ----------------------------------------------------------------------------- tensors
+
+
+def _dequantize(t, source: str) -> np.ndarray:
+    """One tensor as an f32 numpy array in numpy (reversed-ne) shape."""
+    shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+    qtype = t.tensor_type
+    if qtype in (QT.F32, QT.F16, QT.BF16) or qtype in _dequantizable():
+        try:
+            return _dequantize_rows(t.data, qtype, shape)
+        except NotImplementedError:
+            pass
+    raise CheckpointError(
+        f"{source}: tensor {t.name!r} has quantization type {qtype.name}, which cannot be "
+        f"dequantized (supported: {', '.join(sorted(q.name for q in _dequantizable()))})"
+    )
+
+
+_ROW_CHUNK_BYTES = 32 << 20  # dequantize big tensors in ~32 MB slabs of rows
+
+
+def _dequantize_rows(data: np.ndarray, qtype, shape: tuple[int, ...]) -> np.ndarray:
+    """Dequantize into one preallocated f32 array, a slab of rows at a time, so the
+    temporaries of gguf.quants stay small next to a 262k-row embedding."""
+    if qtype == QT.F32:
+        return np.asarray(data, np.float32).reshape(shape)
+    out = np.empty(shape, np.float32)
+    rows_out = out.reshape(-1, shape[-1]) if shape else out.reshape(1, 1)
+    rows_in = data.reshape(rows_out.shape[0], -1)
+    step = max(1, _ROW_CHUNK_BYTES // max(1, rows_in.shape[1] * rows_in.itemsize))
+    for r in range(0, rows_in.shape[0], step):
+        chunk = gguf.quants.dequantize(rows_in[r: r + step], qtype)
+        rows_out[r: r + step] = chunk.reshape(-1, rows_out.shape[1])
+    return out
+
+
+_DEQ_CACHE: set | None = None
+
+
+def _dequantizable() -> set:
+    """Quantization types gguf.quants implements (probed once on one zero block)."""
+    global _DEQ_CACHE
+    if _DEQ_CACHE is None:
+        ok = set()
+        for q in QT:
+            size = gguf.GGML_QUANT_SIZES.get(q)
+            if size is None:
+                continue
+            block, nbytes = size
+            if q in (QT.F32, QT.F16, QT.BF16):
+                ok.add(q)
+                continue
+            if q.name.startswith(("I8", "I16", "I32", "I64", "F64")):
+                continue
+            try:
+                gguf.quants.dequantize(np.zeros((1, nbytes), np.uint8), q)
+            except (NotImplementedError, ValueError, KeyError, AssertionError):
+                continue
+            ok.add(q)
+        _DEQ_CACHE = ok
+    return _DEQ_CACHE
+
+
+def _unpermute_rows(n_head: int) -> Callable:
+    """Invert llama.cpp's q/k row permutation ([H, 2, Dh/2] -> [H, Dh/2, 2] per head)."""
+
+    def fn(w):  # w: [H*Dh, D] (rows = outputs)
+        out, d = w.shape
+        return w.reshape(n_head, out // n_head // 2, 2, d).swapaxes(1, 2).reshape(out, d)
+
+    return fn
+
+
+def _unpermute_bias(n_head: int) -> Callable:
+    def fn(b):
+        return b.reshape(n_head, -1, 2).swapaxes(1, 2).reshape(-1)
+
+    return fn
+
+
+def gguf_tensor_plan(cfg: ModelConfig, arch: str) -> dict[str, tuple[str, Callable]]:
+    """GGUF tensor name -> (our param path, transform from the numpy [out, in] layout)."""
+    d, hq, hkv, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    ident = lambda w: w  # noqa: E731
+    perm_q = _unpermute_rows(hq) if arch == "llama" else ident
+    perm_k = _unpermute_rows(hkv) if arch == "llama" else ident
+    perm_bq = _unpermute_bias(hq) if arch == "llama" else ident
+    perm_bk = _unpermute_bias(hkv) if arch == "llama" else ident
+    plan = {
+        "token_embd.weight": ("embed", ident),
+        "output_norm.weight": ("final_norm", ident),
+    }
+    if not cfg.tie_word_embeddings:
+        plan["output.weight"] = ("lm_head", ident)
+    for i in range(cfg.num_layers):
+        layer = {
+            "attn_norm.weight": ("attn_norm", ident),
+            "attn_q.weight": ("wq", lambda w, p=perm_q: p(w).T.reshape(d, hq, dh)),
+            "attn_k.weight": ("wk", lambda w, p=perm_k: p(w).T.reshape(d, hkv, dh)),
+            "attn_v.weight": ("wv", lambda w: w.T.reshape(d, hkv, dh)),
+            "attn_output.weight": ("wo", lambda w: w.T.reshape(hq, dh, d)),
+            "ffn_norm.weight": ("mlp_norm", ident),
+            "ffn_gate.weight": ("w_gate", lambda w: w.T),
+            "ffn_up.weight": ("w_up", lambda w: w.T),
+            "ffn_down.weight": ("w_down", lambda w: w.T),
+        }
+        if cfg.sandwich_norms:
+            layer |= {
+                "post_attention_norm.weight": ("post_attn_norm", ident),
+                "post_ffw_norm.weight": ("post_mlp_norm", ident),
+            }
+        if cfg.qk_norm:
+            layer |= {
+                "attn_q_norm.weight": ("q_norm", ident),
+                "attn_k_norm.weight": ("k_norm", ident),
+            }
+        if cfg.qkv_bias:
+            layer |= {
+                "attn_q.bias": ("bq", lambda b, p=perm_bq: p(b).reshape(hq, dh)),
+                "attn_k.bias": ("bk", lambda b, p=perm_bk: p(b).reshape(hkv, dh)),
+                "attn_v.bias": ("bv", lambda b: b.reshape(hkv, dh)),
+            }
+        for k, (field, fn) in layer.items():
+            plan[f"blk.{i}.{k}"] = (f"layers.{i}.{field}", fn)
+    return plan
+
+
+# Tensors some converters write that carry no weights we need.
+_IGNORED = ("rope_freqs.weight",)
+
+
+def iter_gguf_tensors(reader, source: str) -> Iterator[tuple[str, np.ndarray, str]]:
+    """Yield (name, f32 numpy array, source), dequantizing one tensor at a time."""
+    for t in reader.tensors:
+        if t.name in _IGNORED or t.name.endswith(".attn_rot_embd"):
+            continue
+        yield t.name, _dequantize(t, source), source
+
+
+def _check_unsupported_types(reader, source: str) -> None:
+    """Fail before any dequantization work if a tensor's type cannot be read."""
+    ok = _dequantizable()
+    for t in reader.tensors:
+        if t.tensor_type not in ok:
+            raise CheckpointError(
+                f"{source}: tensor {t.name!r} has unsupported quantization type "
+                f"{t.tensor_type.name}; supported: {', '.join(sorted(q.name for q in ok))}"
+            )
+
+
+def _check_shapes(cfg: ModelConfig, params: Params, source: str) -> None:
+    want = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    got_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    want_leaves = jax.tree_util.tree_flatten_with_path(want)[0]
+    if len(got_leaves) != len(want_leaves):
+        raise CheckpointError(f"{source}: tensor set does not match the metadata's architecture")
+    for (kp, a), (_, b) in zip(got_leaves, want_leaves):
+        if tuple(a.shape) != tuple(b.shape):
+            raise CheckpointError(
+                f"{source}: tensor {jax.tree_util.keystr(kp)} has shape {tuple(a.shape)}, "
+                f"the GGUF metadata implies {tuple(b.shape)}"
+            )
+
+
+def load_gguf(path: str | os.PathLike, dtype=jnp.float32, *, reader=None
+              ) -> tuple[ModelConfig, Params]:
+    """Read a GGUF file into (ModelConfig, Params) with weights dequantized to `dtype`.
+
+    `reader`: an already open `open_gguf(path)` (parsing the header of a 262k-token vocabulary
+    takes seconds; the tokenizer needs the same reader)."""
+    source = str(path)
+    if reader is None:
+        reader = open_gguf(path)
+    cfg = gguf_config(reader, source)
+    arch = architecture(reader, source)
+    _check_unsupported_types(reader, source)
+    plan = gguf_tensor_plan(cfg, arch)
+    try:
+        params = assemble_params(cfg, iter_gguf_tensors(reader, source), plan, dtype)
+    except ValueError as e:
+        if isinstance(e, CheckpointError):
+            if source not in str(e):
+                raise CheckpointError(f"{source}: {e}") from None
+            raise
+        # a reshape in a layout transform: the metadata and the tensor shapes disagree
+        raise CheckpointError(f"{source}: tensor shapes disagree with the metadata ({e})") from None
+    _check_shapes(cfg, params, source)
+    return cfg, params
+
+
+def load_gguf_tokenizer(path: str | os.PathLike, *, reader=None):
+    """The tokenizer stored in the GGUF's metadata (runtime.tokenizer.tokenizer_from_gguf).
+    Pass the `reader` already used for load_gguf to avoid parsing the header twice."""
+    from runtime.tokenizer import TokenizerError, tokenizer_from_gguf
+
+    if reader is None:
+        reader = open_gguf(path)
+    try:
+        return tokenizer_from_gguf(reader, str(path))
+    except TokenizerError as e:
+        raise CheckpointError(str(e)) from None

@@ -1,0 +1,73 @@
+"""One entry point for every model source: a named model, an HF dir, a GGUF file, or a dir
+written by `jaxinfer convert`. The kind is read from the content (manifest, config.json, the
+GGUF magic), never guessed from a file name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from checkpoints.errors import CheckpointError
+from runtime.config import ModelConfig
+from runtime.model import Params
+from runtime.tokenizer import Tokenizer, check_compatible, load_tokenizer
+
+DEFAULT_MODEL = "gemma3-270m"
+
+
+@dataclass
+class LoadedModel:
+    cfg: ModelConfig
+    params: Params
+    tokenizer: Tokenizer
+    source: Path
+
+
+def _is_gguf(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def resolve(model: str | Path) -> Path:
+    from checkpoints.named import resolve_named
+
+    named = resolve_named(str(model)) if isinstance(model, str) else None
+    path = named or Path(model).expanduser()
+    if not path.exists():
+        raise CheckpointError(
+            f"{model}: no such file or directory, and not a known model name "
+            f"(known: {DEFAULT_MODEL!r})"
+        )
+    return path
+
+
+def load_model(model: str | Path, dtype: str = "float32") -> LoadedModel:
+    from checkpoints.orbax_io import is_converted, load_converted
+
+    jdtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype]
+    path = resolve(model)
+    if path.is_file():
+        if not _is_gguf(path):
+            raise CheckpointError(f"{path}: not a GGUF file (bad magic) and not a checkpoint dir")
+        from checkpoints.gguf import load_gguf, load_gguf_tokenizer, open_gguf
+
+        reader = open_gguf(path)  # the header (262k-entry vocab) is parsed once
+        cfg, params = load_gguf(path, dtype=jdtype, reader=reader)
+        tok = load_gguf_tokenizer(path, reader=reader)
+    elif is_converted(path):
+        cfg, params = load_converted(path, dtype=jdtype)
+        tok = load_tokenizer(path, bos_id=cfg.bos_token_id, eos_ids=cfg.eos_token_ids or None)
+    elif (path / "config.json").is_file():
+        from checkpoints.hf import load_hf
+
+        cfg, params = load_hf(path, dtype=jdtype)
+        tok = load_tokenizer(path, bos_id=cfg.bos_token_id, eos_ids=cfg.eos_token_ids or None)
+    else:
+        raise CheckpointError(
+            f"{path}: not a model: expected config.json (HF checkpoint), jaxinfer.json "
+            "(a `jaxinfer convert` output) or a .gguf file"
+        )
+    check_compatible(tok, cfg.vocab_size, str(path))
+    return LoadedModel(cfg, params, tok, path)

@@ -1,0 +1,210 @@
+"""The engine: owns params, cache and the step function; runs the continuous-batching loop.
+
+Each `step()`: the scheduler plans (host, numpy), the jitted step runs the model and samples on
+the device, one packed array comes back, the scheduler updates, and per-request text is
+detokenized incrementally with stop strings held back so they never stream.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from runtime.attention import resolve_backend
+from runtime.config import EngineConfig, ModelConfig, SamplingParams
+from runtime.kv_cache import init_cache
+from runtime.model import Params
+from runtime.scheduler import Request, Scheduler
+from runtime.steps import make_step
+from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class RequestMetrics:
+    arrival: float
+    scheduled: float | None = None
+    first_token: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished: float | None = None
+
+    def summary(self) -> dict:
+        itl = list(np.diff(self.token_times)) if len(self.token_times) > 1 else []
+        return {
+            "queue_s": None if self.scheduled is None else self.scheduled - self.arrival,
+            "ttft_s": None if self.first_token is None else self.first_token - self.arrival,
+            "itl_s": [float(x) for x in itl],
+            "itl_s_mean": float(np.mean(itl)) if itl else None,
+            "e2e_s": None if self.finished is None else self.finished - self.arrival,
+        }
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    metrics: RequestMetrics
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)
+    text: str = ""  # full text so far (stop strings cut)
+    emitted: int = 0  # chars of `text` already streamed
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+@dataclass
+class Delta:
+    """What one step added to one request (streaming unit)."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+
+
+class Engine:
+    def __init__(self, cfg: ModelConfig, params: Params, tokenizer: Tokenizer, ecfg: EngineConfig):
+        self.cfg, self.params, self.tokenizer, self.ecfg = cfg, params, tokenizer, ecfg
+        self.backend = resolve_backend(ecfg.attention_backend)
+        dtype = jnp.bfloat16 if ecfg.dtype == "bfloat16" else jnp.float32
+        self.cache = init_cache(cfg, ecfg.total_pages, ecfg.page_size, dtype)
+        self.scheduler = Scheduler(
+            max_slots=ecfg.max_slots, num_pages=ecfg.total_pages, page_size=ecfg.page_size,
+            max_model_len=ecfg.max_model_len, token_budget=ecfg.prefill_chunk,
+        )
+        self._step = make_step(cfg, self.backend)
+        self.requests: dict[str, RequestState] = {}
+        self._ids = itertools.count()
+        self.eos_ids = tuple(tokenizer.eos_ids) or tuple(cfg.eos_token_ids)
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None) -> str:
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise ValueError(f"duplicate request_id {rid!r}")
+        prompt_ids = [int(t) for t in prompt_ids]
+        bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {self.cfg.vocab_size}): {bad[:5]}")
+        now = time.monotonic()
+        self.scheduler.add_request(
+            Request(request_id=rid, prompt_ids=prompt_ids, params=params, eos_ids=self.eos_ids,
+                    arrival_time=now)
+        )
+        self.requests[rid] = RequestState(
+            request_id=rid, prompt_ids=prompt_ids, params=params,
+            detok=IncrementalDetokenizer(self.tokenizer, prompt_ids),
+            metrics=RequestMetrics(arrival=now),
+        )
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        st = self.requests.get(request_id)
+        if st is None or st.finished:
+            return False
+        self.scheduler.abort(request_id)
+        self._finish(st, "abort", time.monotonic())
+        return True
+
+    def has_unfinished(self) -> bool:
+        return any(not s.finished for s in self.requests.values())
+
+    def pop(self, request_id: str) -> RequestState:
+        return self.requests.pop(request_id)
+
+    @property
+    def compile_count(self) -> int:
+        return self._step._cache_size()
+
+    # ---- the loop -------------------------------------------------------------------------
+    def step(self) -> list[Delta]:
+        plan = self.scheduler.schedule()
+        if plan is None:
+            return []
+        live = slice(0, int(plan.num_seqs[0]))
+        filtered = bool(np.any(
+            (plan.temperature[live] > 0)
+            & ((plan.top_k[live] > 0) | (plan.top_p[live] < 1) | (plan.min_p[live] > 0))
+        ))
+        packed, self.cache = self._step(
+            self.params, self.cache, plan.device_arrays(), max_q_len=plan.max_q_len,
+            num_logprobs=plan.num_logprobs, filtered=filtered,
+        )
+        host = np.asarray(jax.device_get(packed))  # [S, 1 (+ 1 + 2n)]
+        now = time.monotonic()
+        for rid in plan.request_ids:
+            st = self.requests.get(rid)
+            if st is not None and st.metrics.scheduled is None:
+                st.metrics.scheduled = now
+        row_of = {rid: s for s, rid in enumerate(plan.request_ids)}
+        deltas = []
+        for out in self.scheduler.update(plan, host[:, 0].astype(np.int32)):
+            st = self.requests.get(out.request_id)
+            if st is None or st.finished:
+                continue
+            row = host[row_of[out.request_id]]
+            deltas.append(self._consume(st, out.new_token_ids, out.finished, out.finish_reason,
+                                        row, plan.num_logprobs, now))
+        return deltas
+
+    def _consume(self, st: RequestState, new_ids, finished, reason, row, n_lp, now) -> Delta:
+        for tok in new_ids:
+            st.token_ids.append(tok)
+            st.metrics.token_times.append(now)
+            if st.metrics.first_token is None:
+                st.metrics.first_token = now
+            if st.params.logprobs is not None and n_lp:
+                k = st.params.logprobs
+                st.logprobs.append({
+                    "token_id": tok, "logprob": float(row[1]),
+                    "top": [(int(i), float(v)) for v, i in zip(row[2:2 + k], row[2 + n_lp:2 + n_lp + k])],
+                })
+            st.text += st.detok.add(tok)
+        if finished:
+            st.text += st.detok.flush()
+        cut = _find_stop(st.text, st.params.stop, max(0, st.emitted - _max_len(st.params.stop)))
+        if cut is not None:
+            st.text = st.text[:cut]
+            if not finished:
+                self.scheduler.finish(st.request_id, "stop")
+            finished, reason = True, "stop"
+        if finished:
+            self._finish(st, reason, now)
+            upto = len(st.text)
+        else:
+            upto = len(st.text) - _holdback(st.text, st.params.stop)
+        delta = st.text[st.emitted:upto]
+        st.emitted = max(st.emitted, upto)
+        return Delta(st.request_id, delta, list(new_ids), finished, st.finish_reason)
+
+    def _finish(self, st: RequestState, reason: str | None, now: float) -> None:
+        st.finished, st.finish_reason = True, reason
+        st.metrics.finished = now
+
+
+def _max_len(stops) -> int:
+    return max((len(s) for s in stops), default=0)
+
+
+def _find_stop(text: str, stops, start: int) -> int | None:
+    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def _holdback(text: str, stops) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best

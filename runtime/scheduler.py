@@ -1,0 +1,460 @@
+"""Host scheduler: waiting queue, slots, page allocation, chunked prefill, preemption. No JAX.
+
+One model covers prefill, chunking, decode and recompute after preemption (vLLM v1 style): every
+sequence has `num_computed` tokens whose K/V are in the cache, catching up to its `num_tokens` =
+prompt + outputs. Each step, `schedule()` gives sequences new tokens to compute under a token
+budget; the step that makes a sequence's computed tokens reach all its tokens samples its next
+token, which `update()` appends.
+
+Policy (tests pin every point):
+  * Row order of a plan: running sequences whose prompt is computed (decodes) in admission order,
+    then running sequences still prefilling (chunk continuation) in admission order, then
+    sequences admitted this step, in queue order.
+  * Budget: `token_budget` tokens per step, decodes included. A chunk is
+    min(uncomputed tokens, budget left). Decodes go first, so a long prompt never stalls them.
+  * Admission: FCFS from the head of the waiting queue while a slot is free, budget is left and the
+    pages for the head's first chunk can be allocated. If the head does not fit, nobody behind it
+    is admitted this step (no overtaking). Nothing is admitted in a step that preempted.
+  * Pages are allocated only for the tokens computed this step (a sequence grows page by page).
+  * Preemption: when a running sequence cannot get the pages it needs, the youngest running
+    sequence (latest arrival_time, ties: later add_request) is preempted, possibly the asker
+    itself; repeat until the pages are found or the asker is preempted. A victim loses its pages
+    and slot, goes back to the FRONT of the waiting queue with num_computed = 0 and keeps its
+    outputs: when readmitted it recomputes prompt + outputs as its prefill and the final chunk
+    samples the next new token (never a token it already has).
+  * Finished sequences (EOS / stop token: "stop"; max_tokens: "length"; `finish()`; `abort()`)
+    free their slot and pages at once, so the next `schedule()` can admit the next request.
+  * Pages of a sequence are returned tail first (reverse order) to the allocator's FIFO queue, so
+    once prefix caching lands the head (most shareable) pages stay cached longest.
+  * Slots: lowest free slot first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from runtime.config import SamplingParams
+from runtime.page_allocator import PageAllocator
+from runtime.plan import StepPlan
+
+LOGPROBS_BUCKET = 20  # static top-n logprobs width when any row asks for logprobs
+
+
+class QueueFull(Exception):
+    """The waiting queue holds max_queue requests; the caller should retry later (back-pressure)."""
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    eos_ids: tuple[int, ...] = ()  # the model's EOS ids (ignored when params.ignore_eos)
+    arrival_time: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | given to finish()
+
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+@dataclass(eq=False)
+class _Seq:
+    req: Request
+    order: int  # add_request counter: FCFS tie-break and seed derivation
+    seed: int
+    stop_ids: frozenset[int]
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    pages: list[int] = field(default_factory=list)
+    slot: int | None = None
+    prefilled: bool = False  # computed tokens have reached all tokens once since (re)admission
+    status: str = WAITING
+    finish_reason: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.req.prompt_ids) + len(self.output_ids)
+
+    def token(self, i: int) -> int:
+        n = len(self.req.prompt_ids)
+        return self.req.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+    @property
+    def age_key(self) -> tuple[float, int]:
+        return (self.req.arrival_time, self.order)
+
+
+def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    """Powers of two from lo up to the smallest power >= hi."""
+    out = [lo]
+    while out[-1] < hi:
+        out.append(out[-1] * 2)
+    return tuple(out)
+
+
+def _bucket(buckets: Sequence[int], n: int) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Scheduler:
+    """Continuous-batching scheduler over `max_slots` slots and a pool of `num_pages` KV pages
+    (page 0 null) of `page_size` tokens. Loop: add_request()* -> schedule() -> device step ->
+    update(plan, sampled) -> repeat. Buckets (static shapes): T from `token_buckets` (default
+    powers of two 8..>=token_budget), S = max_slots, P from `page_buckets` (default powers of two
+    below pages_per_seq, then pages_per_seq), max_q_len from `q_buckets` capped at T."""
+
+    def __init__(
+        self,
+        *,
+        max_slots: int,
+        num_pages: int,
+        page_size: int,
+        max_model_len: int,
+        token_budget: int,
+        max_queue: int | None = None,
+        token_buckets: Sequence[int] | None = None,
+        q_buckets: Sequence[int] | None = None,
+        page_buckets: Sequence[int] | None = None,
+    ):
+        for name, v in (("max_slots", max_slots), ("page_size", page_size),
+                        ("max_model_len", max_model_len), ("token_budget", token_budget)):
+            if v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+        self.max_slots = max_slots
+        self.page_size = page_size
+        self.max_model_len = max_model_len
+        self.token_budget = token_budget
+        self.max_queue = max_queue
+        self.pages_per_seq = _cdiv(max_model_len, page_size)
+        self.allocator = PageAllocator(num_pages)
+
+        self.token_buckets = tuple(sorted(token_buckets or _pow2_buckets(8, token_budget)))
+        if self.token_buckets[-1] < token_budget:
+            raise ValueError(
+                f"largest token bucket {self.token_buckets[-1]} < token_budget {token_budget}"
+            )
+        self.q_buckets = tuple(sorted(q_buckets or _pow2_buckets(1, self.token_buckets[-1])))
+        if page_buckets is None:
+            page_buckets = [b for b in _pow2_buckets(1, self.pages_per_seq) if b < self.pages_per_seq]
+            page_buckets.append(self.pages_per_seq)
+        self.page_buckets = tuple(sorted(page_buckets))
+        if self.page_buckets[-1] < self.pages_per_seq:
+            raise ValueError(
+                f"largest page bucket {self.page_buckets[-1]} < pages per sequence {self.pages_per_seq}"
+            )
+
+        self._waiting: deque[_Seq] = deque()
+        self._running: list[_Seq] = []  # admission order
+        self._live: dict[str, _Seq] = {}  # waiting + running, by request id
+        self._free_slots = list(range(max_slots))  # heap: lowest slot first
+        self._counter = 0
+        self._last_plan: StepPlan | None = None
+        self._last_rows: list[tuple[_Seq, int]] = []  # (sequence, q_len) per row of _last_plan
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def add_request(self, req: Request) -> None:
+        n, m = len(req.prompt_ids), req.params.max_tokens
+        if n == 0:
+            raise ValueError(f"request {req.request_id!r}: empty prompt")
+        if n + m > self.max_model_len:
+            raise ValueError(
+                f"request {req.request_id!r}: prompt ({n} tokens) + max_tokens ({m}) exceeds "
+                f"max_model_len {self.max_model_len}"
+            )
+        # The last sampled token is never fed back, so K/V is needed for n + m - 1 tokens.
+        if _cdiv(n + m - 1, self.page_size) > self.allocator.num_total:
+            raise ValueError(
+                f"request {req.request_id!r}: prompt + max_tokens needs more KV pages than the whole "
+                f"pool holds ({self.allocator.num_total} pages of {self.page_size} tokens)"
+            )
+        if req.request_id in self._live:
+            raise ValueError(f"request id {req.request_id!r} is already in flight")
+        if self.max_queue is not None and len(self._waiting) >= self.max_queue:
+            raise QueueFull(f"waiting queue is full ({self.max_queue} requests)")
+        p = req.params
+        if p.seed is not None:
+            seed = p.seed & 0xFFFFFFFF
+        else:
+            digest = hashlib.blake2b(f"{req.request_id}:{self._counter}".encode(), digest_size=4)
+            seed = int.from_bytes(digest.digest(), "little")
+        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(req.eos_ids))
+        seq = _Seq(req=req, order=self._counter, seed=seed, stop_ids=frozenset(stop_ids))
+        self._counter += 1
+        self._waiting.append(seq)
+        self._live[req.request_id] = seq
+
+    def finish(self, request_id: str, reason: str) -> bool:
+        """External stop (stop string matched, client gone): free slot and pages now. Returns
+        False (and does nothing) when the request is no longer in flight, e.g. it already
+        finished on its own in the same step."""
+        seq = self._live.get(request_id)
+        if seq is None:
+            return False
+        self._retire(seq, reason)
+        return True
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a waiting or running request; True if it was in flight."""
+        return self.finish(request_id, "abort")
+
+    # ------------------------------------------------------------------ introspection
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def free_pages(self) -> int:
+        return self.allocator.num_free
+
+    @property
+    def waiting_ids(self) -> list[str]:
+        return [s.req.request_id for s in self._waiting]
+
+    @property
+    def running_ids(self) -> list[str]:
+        return [s.req.request_id for s in self._running]
+
+    def pages_of(self, request_id: str) -> list[int]:
+        return list(self._live[request_id].pages)
+
+    def slot_of(self, request_id: str) -> int | None:
+        return self._live[request_id].slot
+
+    def output_ids(self, request_id: str) -> list[int]:
+        return list(self._live[request_id].output_ids)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent (cheap; for tests and soaks)."""
+        owned = [p for s in self._running for p in s.pages]
+        assert len(owned) == len(set(owned)), f"a page is held by two sequences: {owned}"
+        assert 0 not in owned, "the null page is held by a sequence"
+        free = self.allocator.free_list
+        assert sorted(owned + free) == list(range(1, self.allocator.num_pages)), "pages leaked"
+        for p in owned:
+            assert self.allocator.ref_count(p) == 1
+        slots = [s.slot for s in self._running]
+        assert sorted(slots + self._free_slots) == list(range(self.max_slots)), "slots leaked"
+        for s in self._running:
+            assert s.status == RUNNING
+            assert len(s.pages) >= _cdiv(s.num_computed, self.page_size)
+            assert s.num_computed <= s.num_tokens
+        for s in self._waiting:
+            assert s.status == WAITING and not s.pages and s.slot is None and s.num_computed == 0
+        assert set(self._live) == {s.req.request_id for s in [*self._waiting, *self._running]}
+
+    # ------------------------------------------------------------------ the step
+
+    def _num_new_tokens(self, seq: _Seq) -> int:
+        """Tokens this sequence wants computed this step. Speculative decoding will add the
+        sequence's k draft tokens here (a decode then computes 1 + k tokens)."""
+        return seq.num_tokens - seq.num_computed
+
+    def schedule(self) -> StepPlan | None:
+        """Pick this step's tokens (one catch-up loop over running sequences, then admission) and
+        return the padded plan, or None when nothing can run. Call update() with it next."""
+        budget = self.token_budget
+        rows: list[tuple[_Seq, int]] = []  # (sequence, tokens this step), in plan row order
+        preempted = False
+
+        # Running sequences: decodes first, then chunk continuations (stable: admission order).
+        for seq in sorted(self._running, key=lambda s: not s.prefilled):
+            if seq.status != RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(self._num_new_tokens(seq), budget)
+            if n <= 0:
+                continue
+            while not self._grow(seq, n):
+                victim = max(self._running, key=lambda s: s.age_key)
+                self._preempt(victim)
+                preempted = True
+                for i, (s, k) in enumerate(rows):
+                    if s is victim:
+                        del rows[i]
+                        budget += k
+                        break
+                if victim is seq:
+                    break
+            if seq.status == RUNNING:
+                rows.append((seq, n))
+                budget -= n
+
+        # Admission, FCFS with no overtaking.
+        while self._waiting and self._free_slots and budget > 0 and not preempted:
+            seq = self._waiting[0]
+            n = min(self._num_new_tokens(seq), budget)
+            if not self._grow(seq, n):
+                break
+            self._waiting.popleft()
+            seq.slot = heapq.heappop(self._free_slots)
+            seq.status = RUNNING
+            self._running.append(seq)
+            rows.append((seq, n))
+            budget -= n
+
+        if not rows:
+            self._last_plan, self._last_rows = None, []
+            return None
+        plan = self._build_plan(rows)
+        self._last_plan, self._last_rows = plan, rows
+        return plan
+
+    def _grow(self, seq: _Seq, n: int) -> bool:
+        """Give `seq` the pages for its next `n` tokens; False if the pool is short."""
+        need = _cdiv(seq.num_computed + n, self.page_size) - len(seq.pages)
+        if need <= 0:
+            return True
+        pages = self.allocator.allocate(need)
+        if pages is None:
+            return False
+        seq.pages.extend(pages)
+        return True
+
+    def _release(self, seq: _Seq) -> None:
+        self.allocator.free(reversed(seq.pages))
+        seq.pages = []
+        if seq.slot is not None:
+            heapq.heappush(self._free_slots, seq.slot)
+            seq.slot = None
+
+    def _preempt(self, seq: _Seq) -> None:
+        self._release(seq)
+        self._running.remove(seq)
+        seq.num_computed = 0
+        seq.prefilled = False
+        seq.status = WAITING
+        self._waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _retire(self, seq: _Seq, reason: str) -> None:
+        self._release(seq)
+        if seq.status == RUNNING:
+            self._running.remove(seq)
+        else:
+            self._waiting.remove(seq)
+        seq.status = FINISHED
+        seq.finish_reason = reason
+        del self._live[seq.req.request_id]
+
+    def _build_plan(self, rows: list[tuple[_Seq, int]]) -> StepPlan:
+        ps = self.page_size
+        num_seqs = len(rows)
+        num_tokens = sum(n for _, n in rows)
+        T = _bucket(self.token_buckets, num_tokens)
+        S = self.max_slots
+        P = _bucket(self.page_buckets, max(len(s.pages) for s, _ in rows))
+        max_q_len = min(_bucket(self.q_buckets, max(n for _, n in rows)), T)
+
+        token_ids = np.zeros(T, np.int32)
+        positions = np.zeros(T, np.int32)
+        slot_mapping = np.zeros(T, np.int32)
+        cu_q_lens = np.zeros(S + 1, np.int32)
+        kv_lens = np.zeros(S, np.int32)
+        page_indices = np.zeros((S, P), np.int32)
+        logits_indices = np.zeros(S, np.int32)
+        temperature = np.zeros(S, np.float32)
+        top_k = np.zeros(S, np.int32)
+        top_p = np.ones(S, np.float32)
+        min_p = np.zeros(S, np.float32)
+        seeds = np.zeros(S, np.uint32)
+        sample_positions = np.zeros(S, np.int32)
+        samples = np.zeros(S, bool)
+
+        t = 0
+        for s, (seq, n) in enumerate(rows):
+            start = seq.num_computed
+            for i in range(n):
+                pos = start + i
+                token_ids[t + i] = seq.token(pos)
+                positions[t + i] = pos
+                slot_mapping[t + i] = seq.pages[pos // ps] * ps + pos % ps
+            t += n
+            cu_q_lens[s + 1] = t
+            kv_lens[s] = start + n
+            page_indices[s, : len(seq.pages)] = seq.pages
+            logits_indices[s] = t - 1
+            p = seq.req.params
+            temperature[s], top_k[s], top_p[s], min_p[s] = p.temperature, p.top_k, p.top_p, p.min_p
+            seeds[s] = seq.seed
+            sample_positions[s] = start + n
+            samples[s] = start + n >= seq.num_tokens
+        cu_q_lens[num_seqs + 1 :] = t
+
+        return StepPlan(
+            token_ids=token_ids,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            cu_q_lens=cu_q_lens,
+            kv_lens=kv_lens,
+            page_indices=page_indices,
+            num_seqs=np.array([num_seqs], np.int32),
+            logits_indices=logits_indices,
+            max_q_len=max_q_len,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            seeds=seeds,
+            sample_positions=sample_positions,
+            request_ids=[seq.req.request_id for seq, _ in rows],
+            samples=samples,
+            num_logprobs=LOGPROBS_BUCKET if any(s.req.params.logprobs is not None for s, _ in rows) else 0,
+        )
+
+    def update(self, plan: StepPlan, sampled: np.ndarray) -> list[StepOutput]:
+        """Apply the step's results. `sampled`: int [S], one token per sequence row (only rows with
+        plan.samples[s] are read). Must be called with the plan of the latest schedule(). Rows whose
+        request was finished or aborted in between are ignored."""
+        if plan is not self._last_plan:
+            raise ValueError("update() must get the plan returned by the latest schedule()")
+        rows, self._last_plan, self._last_rows = self._last_rows, None, []
+        outputs: list[StepOutput] = []
+        for s, (seq, n) in enumerate(rows):
+            if seq.status != RUNNING:
+                continue
+            seq.num_computed += n
+            if not plan.samples[s]:
+                continue
+            seq.prefilled = True
+            tok = int(sampled[s])
+            seq.output_ids.append(tok)
+            reason = None
+            if tok in seq.stop_ids:
+                reason = "stop"
+            elif len(seq.output_ids) >= seq.req.params.max_tokens:
+                reason = "length"
+            if reason is not None:
+                self._retire(seq, reason)
+            outputs.append(StepOutput(seq.req.request_id, [tok], reason is not None, reason))
+        return outputs

