@@ -9,7 +9,7 @@ import time
 DEFAULT_MODEL = "gemma3-270m"
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
+def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="HF checkpoint dir, .gguf file, `jaxinfer convert` dir, or a model name "
                         f"(default: {DEFAULT_MODEL})")
@@ -22,7 +22,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    choices=["xla", "pallas", "pallas_interpret"])
 
 
-def _llm(args):
+def llm_from_args(args):
     from runtime import LLM
 
     opts = dict(dtype=args.dtype, max_slots=args.max_slots, page_size=args.page_size,
@@ -36,7 +36,7 @@ def cmd_generate(args) -> int:
     from runtime import SamplingParams
 
     t0 = time.perf_counter()
-    llm = _llm(args)
+    llm = llm_from_args(args)
     load_s = time.perf_counter() - t0
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                         top_k=args.top_k, top_p=args.top_p, seed=args.seed,
@@ -69,12 +69,18 @@ def cmd_convert(args) -> int:
     return 0
 
 
+# Modules that add their own subcommands: each has `register(subparsers, engine_args)`.
+COMMAND_MODULES: tuple[str, ...] = ()
+
+
 def build_parser() -> argparse.ArgumentParser:
+    import importlib
+
     p = argparse.ArgumentParser(prog="jaxinfer", description="LLM inference on JAX/XLA")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     g = sub.add_parser("generate", help="generate a continuation of a prompt")
-    _engine_args(g)
+    engine_args(g)
     g.add_argument("prompt")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -91,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     c.add_argument("--overwrite", action="store_true")
     c.set_defaults(fn=cmd_convert)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub, engine_args)
     return p
 
 
