@@ -75,9 +75,13 @@ class Engine:
         self.backend = resolve_backend(ecfg.attention_backend)
         dtype = jnp.bfloat16 if ecfg.dtype == "bfloat16" else jnp.float32
         self.cache = init_cache(cfg, ecfg.total_pages, ecfg.page_size, dtype)
+        budget = max(ecfg.prefill_chunk, ecfg.max_slots)  # a full decode batch always fits
+        tokens, pages = _buckets(16, budget), _buckets(1, ecfg.pages_per_seq)
         self.scheduler = Scheduler(
             max_slots=ecfg.max_slots, num_pages=ecfg.total_pages, page_size=ecfg.page_size,
-            max_model_len=ecfg.max_model_len, token_budget=ecfg.prefill_chunk,
+            max_model_len=ecfg.max_model_len, token_budget=budget, token_buckets=tokens,
+            # q_len bucket: 1 for decode-only steps, else the token bucket (cap) -> few compiles
+            q_buckets=(1, tokens[-1]), page_buckets=pages,
         )
         self._step = make_step(cfg, self.backend)
         self.requests: dict[str, RequestState] = {}
@@ -124,6 +128,24 @@ class Engine:
     def compile_count(self) -> int:
         return self._step._cache_size()
 
+    def warmup(self, logprobs: bool = False, filtered: bool = False) -> int:
+        """Compile every step shape the scheduler can emit (token x page buckets; q_len 1 for
+        decode-only steps) with an all-padding plan. Returns the number of new compilations."""
+        before = self.compile_count
+        sch, s = self.scheduler, self.ecfg.max_slots
+        decode_t = min(b for b in sch.token_buckets if b >= s)
+        for t in sch.token_buckets:
+            for p in sch.page_buckets:
+                for q in sorted({1 if t <= decode_t else t, t}):
+                    self.cache = self._run(_padding_plan(t, s, p), q, logprobs, filtered)[1]
+        return self.compile_count - before
+
+    def _run(self, arrays, max_q_len, logprobs, filtered):
+        from runtime.scheduler import LOGPROBS_BUCKET
+
+        return self._step(self.params, self.cache, arrays, max_q_len=max_q_len,
+                          num_logprobs=LOGPROBS_BUCKET if logprobs else 0, filtered=filtered)
+
     # ---- the loop -------------------------------------------------------------------------
     def step(self) -> list[Delta]:
         plan = self.scheduler.schedule()
@@ -134,10 +156,8 @@ class Engine:
             (plan.temperature[live] > 0)
             & ((plan.top_k[live] > 0) | (plan.top_p[live] < 1) | (plan.min_p[live] > 0))
         ))
-        packed, self.cache = self._step(
-            self.params, self.cache, plan.device_arrays(), max_q_len=plan.max_q_len,
-            num_logprobs=plan.num_logprobs, filtered=filtered,
-        )
+        packed, self.cache = self._run(plan.device_arrays(), plan.max_q_len,
+                                       plan.num_logprobs > 0, filtered)
         host = np.asarray(jax.device_get(packed))  # [S, 1 (+ 1 + 2n)]
         now = time.monotonic()
         for rid in plan.request_ids:
@@ -188,6 +208,28 @@ class Engine:
     def _finish(self, st: RequestState, reason: str | None, now: float) -> None:
         st.finished, st.finish_reason = True, reason
         st.metrics.finished = now
+
+
+def _padding_plan(t: int, s: int, p: int) -> dict[str, np.ndarray]:
+    """Arrays of a step with no live sequence (every row padding) at the given bucket shape."""
+    i32 = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+    f32 = lambda *shape: np.zeros(shape, np.float32)  # noqa: E731
+    return dict(
+        token_ids=i32(t), positions=i32(t), slot_mapping=i32(t), cu_q_lens=i32(s + 1),
+        kv_lens=i32(s), page_indices=i32(s, p), num_seqs=i32(1), logits_indices=i32(s),
+        temperature=f32(s), top_k=i32(s), top_p=np.ones(s, np.float32), min_p=f32(s),
+        seeds=np.zeros(s, np.uint32), sample_positions=i32(s),
+    )
+
+
+def _buckets(lo: int, hi: int, factor: int = 4) -> tuple[int, ...]:
+    """Powers of `factor` from `lo`, capped by and ending at `hi`: few static shapes, each at
+    most `factor`x the work it stands for."""
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= factor
+    return tuple(out) + (hi,)
 
 
 def _max_len(stops) -> int:
