@@ -1,0 +1,138 @@
+"""The model's attention backends agree, and the whole jitted step lowers for TPU and CUDA.
+
+- the XLA path (CPU serving) vs the kernels' jnp reference over the parameter product, with
+  unused pages NaN-filled;
+- the model forward with the Pallas kernel (interpret mode) vs the XLA path;
+- `jax.export` of runtime.steps.step with attention_backend pallas for ["tpu"] and ["cuda"].
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
+from runtime.attention import resolve_backend, xla_ragged_paged_attention
+from runtime.config import ModelConfig
+from runtime.kv_cache import init_cache
+from runtime.model import init_params
+from runtime.steps import step
+from tests.model_utils import run_sequence
+from tests.pallas_kernels.test_ragged_paged_attention import make_case
+
+MIXED = lambda ps: [(1, 1), (0, 0), (1, ps - 1), (5, ps), (1, ps + 1), (12, 4 * ps + 3),  # noqa: E731
+                    (1, 6 * ps), (5, ps + 1)]
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (8, 1)], ids=["g1", "g4", "g8"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("page_size", [8, 16, 32])
+@pytest.mark.parametrize("window,dtype", [(None, jnp.float32), (7, jnp.float32),
+                                          (None, jnp.bfloat16)], ids=["f32", "f32-w7", "bf16"])
+def test_xla_path_matches_reference(heads, head_dim, page_size, window, dtype):
+    hq, hkv = heads
+    case = make_case(MIXED(page_size), num_q_heads=hq, num_kv_heads=hkv, head_dim=head_dim,
+                     page_size=page_size, dtype=dtype, seed=head_dim + page_size)
+    kw = dict(sm_scale=head_dim ** -0.5, sliding_window=window)
+    out = xla_ragged_paged_attention(*case.args, **kw, max_q_len=16)
+    ref = ragged_paged_attention_reference(*case.args, **kw)
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert not np.isnan(out).any(), "an unused (NaN) page leaked into the output"
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(out[case.owned], ref[case.owned], atol=tol, rtol=tol)
+    assert (out[~case.owned] == 0).all()
+
+
+def _cfg(**kw) -> ModelConfig:
+    base = dict(family="llama", vocab_size=256, hidden_size=128, intermediate_size=256,
+                num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, bos_token_id=1,
+                eos_token_ids=(2,))
+    return ModelConfig(**{**base, **kw})
+
+
+GEMMA_LIKE = dict(family="gemma3", num_heads=4, num_kv_heads=1, qk_norm=True, sandwich_norms=True,
+                  activation="gelu_tanh", embed_scale=128 ** 0.5, query_pre_attn_scalar=64.0,
+                  sliding_window=8, layer_types=("local", "global"), rope_local_theta=10000.0,
+                  rope_theta=1e6, tie_word_embeddings=True)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma_like"])
+def test_model_pallas_interpret_equals_xla(kind):
+    cfg = _cfg(**(GEMMA_LIKE if kind == "gemma_like" else {}))
+    params = init_params(cfg, jax.random.key(1), scale=0.1)
+    prompt = list(np.random.RandomState(0).randint(3, 256, size=21))  # crosses the window
+    runs = {b: run_sequence(params, cfg, prompt, page_size=16, backend=b, decode_steps=6)
+            for b in ("xla", "pallas_interpret")}
+    (pa, ta, da), (pb, tb, db) = runs["xla"], runs["pallas_interpret"]
+    assert np.abs(pa - pb).max() <= 1e-5
+    assert ta == tb
+    assert np.abs(da - db).max() <= 1e-5
+
+
+def test_resolve_backend():
+    assert resolve_backend(None, "cpu") == "xla"
+    assert resolve_backend(None, "tpu") == "pallas_tpu"
+    assert resolve_backend("pallas", "gpu") == "pallas_gpu"
+    assert resolve_backend("pallas_interpret", "cpu") == "pallas_interpret"
+    with pytest.raises(ValueError, match="needs a TPU or GPU"):
+        resolve_backend("pallas", "cpu")
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        resolve_backend("flash", "cpu")
+
+
+# --------------------------------------------------------------- lowering of the whole step
+
+GEMMA3_270M = ModelConfig(
+    family="gemma3", vocab_size=262144, hidden_size=640, intermediate_size=2048, num_layers=18,
+    num_heads=4, num_kv_heads=1, head_dim=256, qk_norm=True, sandwich_norms=True,
+    activation="gelu_tanh", embed_scale=640 ** 0.5, query_pre_attn_scalar=256.0,
+    sliding_window=512, layer_types=tuple("global" if (i + 1) % 6 == 0 else "local"
+                                          for i in range(18)),
+    rope_local_theta=10000.0, rope_theta=1e6, tie_word_embeddings=True,
+)
+TRITON_OK = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+
+
+def _step_args(cfg, dtype, t, s, p, num_pages=64, page_size=16):
+    sds = jax.ShapeDtypeStruct
+    params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), dtype=dtype))
+    cache = jax.eval_shape(lambda: init_cache(cfg, num_pages, page_size, dtype))
+    i32 = lambda *sh: sds(sh, jnp.int32)  # noqa: E731
+    f32 = lambda *sh: sds(sh, jnp.float32)  # noqa: E731
+    arrays = dict(
+        token_ids=i32(t), positions=i32(t), slot_mapping=i32(t), cu_q_lens=i32(s + 1),
+        kv_lens=i32(s), page_indices=i32(s, p), num_seqs=i32(1), logits_indices=i32(s),
+        temperature=f32(s), top_k=i32(s), top_p=f32(s), min_p=f32(s),
+        seeds=sds((s,), jnp.uint32), sample_positions=i32(s),
+    )
+    return params, cache, arrays
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+@pytest.mark.parametrize("model,dtype", [
+    ("gemma3_270m", jnp.bfloat16),
+    ("llama_d128_gqa4", jnp.bfloat16),
+    ("llama_d64_gqa1", jnp.float32),
+])
+@pytest.mark.parametrize("shape", ["decode", "prefill"])
+def test_step_exports_with_pallas(platform, model, dtype, shape):
+    cfg = {
+        "gemma3_270m": GEMMA3_270M,
+        "llama_d128_gqa4": _cfg(num_heads=8, num_kv_heads=2, head_dim=128, hidden_size=256),
+        "llama_d64_gqa1": _cfg(num_heads=2, num_kv_heads=2),
+    }[model]
+    t, q = (16, 1) if shape == "decode" else (64, 64)
+    backend = "pallas_tpu" if platform == "tpu" else "pallas_gpu"
+    f = functools.partial(step, cfg=cfg, backend=backend, max_q_len=q, num_logprobs=20,
+                          filtered=True)
+    exported = jax.export.export(jax.jit(f), platforms=[platform],
+                                 disabled_checks=TRITON_OK if platform == "cuda" else ())(
+        *_step_args(cfg, dtype, t, s=8, p=8))
+    packed = exported.out_avals[0]
+    assert packed.shape == (8, 1 + 1 + 2 * 20) and packed.dtype == jnp.float32
+    text = exported.mlir_module()
+    assert ("tpu_custom_call" if platform == "tpu" else "__gpu$xla.gpu.triton") in text
