@@ -1,0 +1,240 @@
+"""`jaxinfer bench throughput`: a seeded workload through the engine, optionally side by side with
+HF transformers `generate` and with static batching, plus batch-1 decode step time vs the
+memory-bandwidth floor and decode step time vs context length.
+
+    jaxinfer bench throughput --model M --num-requests 32 --input-len 16:128 --output-len 16:64 \
+        [--compare-hf] [--static-batching] [--decode-contexts 512,2048,8192] [--out r.json]
+
+Every figure is a median or a percentile over the run; ratios are measured in the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    return int(lo), int(hi or lo)
+
+
+def workload(n: int, vocab: int, in_len, out_len, seed: int, special: set[int]):
+    """n (prompt ids, output length) pairs; ids avoid special tokens."""
+    rng = np.random.default_rng(seed)
+    pool = np.array([i for i in range(min(vocab, 32000)) if i not in special])
+    reqs = []
+    for _ in range(n):
+        plen = int(rng.integers(in_len[0], in_len[1] + 1))
+        olen = int(rng.integers(out_len[0], out_len[1] + 1))
+        reqs.append((rng.choice(pool, size=plen).tolist(), olen))
+    return reqs
+
+
+def _pct(xs, q):
+    return float(np.percentile(xs, q)) if len(xs) else None
+
+
+def run_engine(llm, reqs, *, static: bool) -> dict:
+    from runtime import SamplingParams
+
+    sps = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for _, o in reqs]
+    prompts = [p for p, _ in reqs]
+    t0 = time.perf_counter()
+    if static:  # wait for a full batch, run it to completion, then the next
+        b = llm.config.max_slots
+        outs = []
+        for i in range(0, len(prompts), b):
+            outs += llm.generate(prompts[i:i + b], sps[i:i + b])
+    else:
+        outs = llm.generate(prompts, sps)
+    wall = time.perf_counter() - t0
+    ntok = sum(len(o.token_ids) for o in outs)
+    # static batching: a request's clock starts when the whole workload is submitted
+    ttft = [o.metrics["ttft_s"] for o in outs]
+    if static:
+        offsets, t = [], 0.0
+        for i in range(0, len(outs), llm.config.max_slots):
+            grp = outs[i:i + llm.config.max_slots]
+            offsets += [t] * len(grp)
+            t += max(o.metrics["e2e_s"] for o in grp)
+        ttft = [a + b for a, b in zip(ttft, offsets)]
+    itl = [x for o in outs for x in o.metrics["itl_s"]]
+    return {
+        "requests": len(outs), "output_tokens": ntok, "wall_s": wall,
+        "output_tokens_per_s": ntok / wall,
+        "ttft_s_p50": _pct(ttft, 50), "ttft_s_p99": _pct(ttft, 99),
+        "itl_s_p50": _pct(itl, 50), "itl_s_p99": _pct(itl, 99),
+    }
+
+
+def run_hf(model_source, reqs, batch: int, dtype: str) -> dict:
+    """HF transformers generate, static batches of `batch`, greedy, left padding; each batch
+    generates its longest requested length (static batching's cost) and is credited only the
+    requested tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pathlib import Path
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    src = Path(model_source)
+    tdtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    if src.is_file():
+        model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name,
+                                                     torch_dtype=tdtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(src), torch_dtype=tdtype)
+    model.eval()
+    pad = 0
+
+    def gen(group):
+        width = max(len(p) for p, _ in group)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in group])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in group])
+        n = max(o for _, o in group)
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, pad_token_id=pad)
+
+    gen(reqs[:1])  # warm-up
+    t0 = time.perf_counter()
+    for i in range(0, len(reqs), batch):
+        gen(reqs[i:i + batch])
+    wall = time.perf_counter() - t0
+    ntok = sum(o for _, o in reqs)
+    return {"hf_output_tokens": ntok, "hf_wall_s": wall, "hf_output_tokens_per_s": ntok / wall}
+
+
+def decode_step_time(llm, context: int, steps: int = 24) -> float:
+    """Median inter-token latency of one sequence decoding at `context` tokens."""
+    from runtime import SamplingParams
+
+    prompt = (np.arange(context) % 1000 + 10).tolist()
+    out = llm.generate([prompt], SamplingParams(max_tokens=steps, temperature=0.0,
+                                                ignore_eos=True))[0]
+    return float(np.median(out.metrics["itl_s"][2:]))
+
+
+def param_bytes(params) -> int:
+    import jax
+
+    return int(sum(x.nbytes for x in jax.tree.leaves(params)))
+
+
+def run(args) -> dict:
+    import jax
+
+    from runtime import LLM
+    from tools.bench_attention import copy_bandwidth
+
+    opts = dict(dtype=args.dtype, max_slots=args.max_slots, page_size=args.page_size,
+                max_model_len=args.max_model_len, prefill_chunk=args.prefill_chunk)
+    if args.num_pages:
+        opts["num_pages"] = args.num_pages
+    llm = LLM(args.model, **opts)
+    cfg = llm.model.cfg
+    special = set(llm.tokenizer.eos_ids) | {llm.tokenizer.bos_id or 0}
+    reqs = workload(args.num_requests, cfg.vocab_size, _range(args.input_len),
+                    _range(args.output_len), args.seed, special)
+    t0 = time.perf_counter()
+    compiles = llm.engine.warmup()
+    report = {
+        "model": str(llm.model.source), "dtype": args.dtype, "max_slots": args.max_slots,
+        "platform": jax.default_backend(), "warmup_compiles": compiles,
+        "warmup_s": time.perf_counter() - t0,
+        "workload": {"num_requests": args.num_requests, "input_len": args.input_len,
+                     "output_len": args.output_len, "seed": args.seed},
+    }
+    report |= run_engine(llm, reqs, static=False)
+    if args.static_batching:
+        st = run_engine(llm, reqs, static=True)
+        report["static"] = st
+        report["continuous_vs_static"] = report["output_tokens_per_s"] / st["output_tokens_per_s"]
+    report["new_compiles_after_warmup"] = llm.engine.compile_count - compiles
+    if args.decode_contexts:
+        ctxs = [int(c) for c in args.decode_contexts.split(",")]
+        report["decode_step_s_by_context"] = {str(c): decode_step_time(llm, c) for c in ctxs}
+    wbytes = param_bytes(llm.model.params)
+    bw = copy_bandwidth(512 * 2**20, repeats=5)
+    step1 = decode_step_time(llm, 16)
+    report |= {"param_bytes": wbytes, "copy_bandwidth_GBps": bw / 1e9,
+               "batch1_decode_step_s": step1, "bandwidth_floor_s": wbytes / bw,
+               "batch1_vs_floor": step1 / (wbytes / bw)}
+    if args.compare_hf:
+        report |= run_hf(llm.model.source, reqs, args.max_slots, args.dtype)
+        report["speedup_vs_hf"] = report["output_tokens_per_s"] / report["hf_output_tokens_per_s"]
+    return report
+
+
+def format_table(r: dict) -> str:
+    rows = [("engine (continuous)", r["output_tokens_per_s"], r["ttft_s_p50"], r["ttft_s_p99"],
+             r["itl_s_p50"], r["itl_s_p99"])]
+    if "static" in r:
+        s = r["static"]
+        rows.append(("engine (static batches)", s["output_tokens_per_s"], s["ttft_s_p50"],
+                     s["ttft_s_p99"], s["itl_s_p50"], s["itl_s_p99"]))
+    if "hf_output_tokens_per_s" in r:
+        rows.append(("HF transformers generate", r["hf_output_tokens_per_s"], None, None, None, None))
+    f = lambda x, s=1e3: "-" if x is None else f"{x * s:9.1f}"  # noqa: E731
+    out = [f"{'system':26s} {'tok/s':>9s} {'TTFT p50':>9s} {'TTFT p99':>9s} {'ITL p50':>9s} "
+           f"{'ITL p99':>9s}   (ms)"]
+    for name, tps, a, b, c, d in rows:
+        out.append(f"{name:26s} {tps:9.1f} {f(a)} {f(b)} {f(c)} {f(d)}")
+    for k in ("continuous_vs_static", "speedup_vs_hf", "batch1_vs_floor"):
+        if k in r:
+            out.append(f"{k}: {r[k]:.2f}x")
+    out.append(f"batch-1 decode step {r['batch1_decode_step_s'] * 1e3:.2f} ms; floor "
+               f"{r['bandwidth_floor_s'] * 1e3:.2f} ms ({r['param_bytes'] / 1e6:.0f} MB of params "
+               f"at {r['copy_bandwidth_GBps']:.1f} GB/s)")
+    for c, s in (r.get("decode_step_s_by_context") or {}).items():
+        out.append(f"decode step at context {c}: {s * 1e3:.2f} ms")
+    return "\n".join(out)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="gemma3-270m")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--max-slots", type=int, default=8)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--num-pages", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--prefill-chunk", type=int, default=256)
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--input-len", default="16:128", help="MIN:MAX prompt tokens")
+    p.add_argument("--output-len", default="16:64", help="MIN:MAX generated tokens")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compare-hf", action="store_true")
+    p.add_argument("--static-batching", action="store_true")
+    p.add_argument("--decode-contexts", default="", help="e.g. 512,2048,8192 (needs max-model-len)")
+    p.add_argument("--out", default=None, help="write the JSON report here")
+
+
+def cmd(args) -> int:
+    report = run(args)
+    print(format_table(report))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+def register(sub, engine_args) -> None:
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    t = bench.add_parser("throughput", help="engine throughput / latency (vs HF, vs static)")
+    add_args(t)
+    t.set_defaults(fn=cmd)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_args(p)
+    return cmd(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
