@@ -17,8 +17,8 @@ PRESETS = {
     # ~0.3M params: tests
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2),
-    # ~50M params: load-time and throughput measurements
-    "50m": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+    # ~49M params: load-time and throughput measurements
+    "50m": dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=12,
                 num_attention_heads=8, num_key_value_heads=4),
 }
 
