@@ -8,8 +8,16 @@ from checkpoints.loader import load_model
 from checkpoints.orbax_io import save_converted
 
 
-def convert(src: str, out: str | Path, *, dtype: str = "float32", overwrite: bool = False) -> Path:
-    m = load_model(src, dtype=dtype)
+def convert(src: str, out: str | Path, *, dtype: str = "float32", overwrite: bool = False,
+            quantize: str | None = None, quantize_embeddings: bool = True) -> Path:
+    """`quantize` "int8" | "fp8": weights are quantized as they stream in and saved quantized
+    (loading the output needs no re-quantization)."""
+    place = None
+    if quantize is not None:
+        from runtime.quantization import placer
+
+        place = placer(quantize, dtype, quantize_embeddings=quantize_embeddings)
+    m = load_model(src, dtype=dtype, place=place)
     tok_dir = m.source if m.source.is_dir() else None
     extra = {}
     if tok_dir is None:  # GGUF: its vocabulary travels as a sentencepiece / tokenizer.json file

@@ -403,9 +403,13 @@ def _check_unsupported_types(reader, source: str) -> None:
             )
 
 
+def _is_quantized(a) -> bool:  # a runtime.quantization.QuantizedArray counts as one leaf
+    return hasattr(a, "dequantize")
+
+
 def _check_shapes(cfg: ModelConfig, params: Params, source: str) -> None:
     want = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
-    got_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    got_leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_quantized)[0]
     want_leaves = jax.tree_util.tree_flatten_with_path(want)[0]
     if len(got_leaves) != len(want_leaves):
         raise CheckpointError(f"{source}: tensor set does not match the metadata's architecture")
@@ -417,7 +421,7 @@ def _check_shapes(cfg: ModelConfig, params: Params, source: str) -> None:
             )
 
 
-def load_gguf(path: str | os.PathLike, dtype=jnp.float32, *, reader=None
+def load_gguf(path: str | os.PathLike, dtype=jnp.float32, *, reader=None, place=None
               ) -> tuple[ModelConfig, Params]:
     """Read a GGUF file into (ModelConfig, Params) with weights dequantized to `dtype`.
 
@@ -431,7 +435,7 @@ def load_gguf(path: str | os.PathLike, dtype=jnp.float32, *, reader=None
     _check_unsupported_types(reader, source)
     plan = gguf_tensor_plan(cfg, arch)
     try:
-        params = assemble_params(cfg, iter_gguf_tensors(reader, source), plan, dtype)
+        params = assemble_params(cfg, iter_gguf_tensors(reader, source), plan, dtype, place)
     except ValueError as e:
         if isinstance(e, CheckpointError):
             if source not in str(e):
@@ -451,6 +455,9 @@ def load_gguf_tokenizer(path: str | os.PathLike, *, reader=None):
     if reader is None:
         reader = open_gguf(path)
     try:
-        return tokenizer_from_gguf(reader, str(path))
+        tok = tokenizer_from_gguf(reader, str(path))
     except TokenizerError as e:
         raise CheckpointError(str(e)) from None
+    field = reader.fields.get("tokenizer.chat_template")
+    tok.chat_template = str(field.contents()) if field is not None else None
+    return tok

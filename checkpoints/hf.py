@@ -126,9 +126,11 @@ def assemble_params(
     tensors: Iterator[tuple[str, object, object]],
     plan: dict[str, tuple[str, Callable]],
     dtype,
+    place: Callable | None = None,
 ) -> Params:
     """Place streamed (name, array, source) tensors into Params via `plan`. Unknown names are
-    ignored only when they are known extras (rotary caches); missing ones are an error."""
+    ignored only when they are known extras (rotary caches); missing ones are an error.
+    `place(path, f32_array)`, if given, makes each leaf (e.g. quantizes it as it streams in)."""
     got: dict[str, object] = {}
     for name, arr, src in tensors:
         key = _strip(name)
@@ -137,7 +139,8 @@ def assemble_params(
                 continue
             raise CheckpointError(f"{src}: unexpected tensor {name!r} for {cfg.architecture}")
         target, fn = plan[key]
-        got[target] = jnp.asarray(fn(jnp.asarray(arr, jnp.float32)), dtype)
+        value = fn(jnp.asarray(arr, jnp.float32))
+        got[target] = place(target, value) if place else jnp.asarray(value, dtype)
     missing = [name for name, (target, _) in plan.items() if target not in got]
     if missing:
         raise CheckpointError(
@@ -155,15 +158,20 @@ def assemble_params(
     )
 
 
-def load_hf(path: str | Path, dtype=jnp.float32) -> tuple[ModelConfig, Params]:
+def load_hf(path: str | Path, dtype=jnp.float32, place: Callable | None = None
+            ) -> tuple[ModelConfig, Params]:
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory")
     cfg = read_config(path)
     files = safetensor_files(path)
-    params = assemble_params(cfg, iter_tensors(files), hf_tensor_plan(cfg), dtype)
+    params = assemble_params(cfg, iter_tensors(files), hf_tensor_plan(cfg), dtype, place)
     _check_shapes(cfg, params, path)
     return cfg, params
+
+
+def _is_quantized(a) -> bool:  # a runtime.quantization.QuantizedArray counts as one leaf
+    return hasattr(a, "dequantize")
 
 
 def _check_shapes(cfg: ModelConfig, params: Params, path: Path) -> None:
@@ -172,7 +180,8 @@ def _check_shapes(cfg: ModelConfig, params: Params, path: Path) -> None:
 
     want = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
     for (kp, a), (_, b) in zip(
-        jax.tree_util.tree_flatten_with_path(params)[0], jax.tree_util.tree_flatten_with_path(want)[0]
+        jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_quantized)[0],
+        jax.tree_util.tree_flatten_with_path(want)[0],
     ):
         if tuple(a.shape) != tuple(b.shape):
             raise CheckpointError(

@@ -43,7 +43,9 @@ def resolve(model: str | Path) -> Path:
     return path
 
 
-def load_model(model: str | Path, dtype: str = "float32") -> LoadedModel:
+def load_model(model: str | Path, dtype: str = "float32", place=None, mesh=None) -> LoadedModel:
+    """`place(path, f32_array)`: optional per-leaf hook (quantization while streaming); a
+    converted dir that is already quantized is restored as saved."""
     from checkpoints.orbax_io import is_converted, load_converted
 
     jdtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype]
@@ -54,15 +56,15 @@ def load_model(model: str | Path, dtype: str = "float32") -> LoadedModel:
         from checkpoints.gguf import load_gguf, load_gguf_tokenizer, open_gguf
 
         reader = open_gguf(path)  # the header (262k-entry vocab) is parsed once
-        cfg, params = load_gguf(path, dtype=jdtype, reader=reader)
+        cfg, params = load_gguf(path, dtype=jdtype, reader=reader, place=place)
         tok = load_gguf_tokenizer(path, reader=reader)
     elif is_converted(path):
-        cfg, params = load_converted(path, dtype=jdtype)
+        cfg, params = load_converted(path, dtype=jdtype, place=place, mesh=mesh)
         tok = load_tokenizer(path, bos_id=cfg.bos_token_id, eos_ids=cfg.eos_token_ids or None)
     elif (path / "config.json").is_file():
         from checkpoints.hf import load_hf
 
-        cfg, params = load_hf(path, dtype=jdtype)
+        cfg, params = load_hf(path, dtype=jdtype, place=place)
         tok = load_tokenizer(path, bos_id=cfg.bos_token_id, eos_ids=cfg.eos_token_ids or None)
     else:
         raise CheckpointError(

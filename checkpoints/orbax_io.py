@@ -2,7 +2,8 @@
 
 Layout of a converted dir:
   jaxinfer.json   {"format": "jaxinfer-orbax", "version": 1, "model_config": {...},
-                   "dtype": "float32", "source": "..."}
+                   "dtype": "float32", "source": "...",
+                   "quantization": null | {"fmt": "int8"|"fp8", "mode": ..., "weights": [paths]}}
   params/         orbax checkpoint of the Params pytree
   tokenizer files copied from the source (tokenizer.json / tokenizer.model / configs), or
   tokenizer.model written from a GGUF vocabulary
@@ -43,7 +44,10 @@ def save_converted(out: str | Path, cfg: ModelConfig, params: Params, *, source:
             raise CheckpointError(f"{out}: exists and is not empty (pass overwrite)")
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    dtype = str(jax.tree.leaves(params)[0].dtype)
+    from runtime.quantization import quantization_spec
+
+    dtype = str(params.final_norm.dtype)  # the compute dtype (quantized leaves are int8 / fp8)
+    qspec = quantization_spec(params)
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(out / "params", params)
     for name in TOKENIZER_FILES if tokenizer_dir else ():
@@ -52,7 +56,7 @@ def save_converted(out: str | Path, cfg: ModelConfig, params: Params, *, source:
     for name, data in (extra_files or {}).items():
         (out / name).write_bytes(data)
     manifest = {"format": FORMAT, "version": 1, "model_config": cfg.to_dict(), "dtype": dtype,
-                "source": source}
+                "source": source, "quantization": qspec}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return out
 
@@ -68,18 +72,45 @@ def read_manifest(path: Path) -> dict:
     return m
 
 
-def load_converted(path: str | Path, dtype=None) -> tuple[ModelConfig, Params]:
-    """Restore params saved by `save_converted`. `dtype` None keeps the saved dtype."""
+def load_converted(path: str | Path, dtype=None, place=None, mesh=None
+                   ) -> tuple[ModelConfig, Params]:
+    """Restore params saved by `save_converted`. `dtype` None keeps the saved dtype.
+    `mesh` (tensor parallel): restore straight into the shards `runtime.sharding` assigns, on
+    any layout whatever the one saved (each device reads only its slice).
+    Quantized params (manifest "quantization") are restored as saved, bit-exact, with no
+    re-quantization; `place` (a quantizing hook) then applies only to unquantized params."""
+    from runtime.quantization import QuantizedArray, quantize_params, weight_name
+
     path = Path(path).absolute()
     m = read_manifest(path)
     cfg = ModelConfig.from_dict(m["model_config"])
     saved = jnp.dtype(m["dtype"])
+    qspec = m.get("quantization")
     target = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), dtype=saved))
+    if qspec:  # the abstract target with the quantized leaves' types
+        embeds = any(weight_name(p) in ("embed", "lm_head") for p in qspec["weights"])
+        target = jax.eval_shape(lambda: quantize_params(
+            init_params(cfg, jax.random.key(0)), qspec["fmt"], saved, mode=qspec["mode"],
+            quantize_embeddings=embeds))
+    if mesh is not None:
+        from runtime.sharding import param_shardings
+
+        target = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                              target, param_shardings(target, mesh))
     try:
         with ocp.StandardCheckpointer() as ckptr:
             params = ckptr.restore(path / "params", target)
     except (FileNotFoundError, ValueError, KeyError) as e:
         raise CheckpointError(f"{path / 'params'}: cannot restore orbax params ({e})") from None
     if dtype is not None and jnp.dtype(dtype) != saved:
-        params = jax.tree.map(lambda a: a.astype(dtype), params)
+        def cast(a):
+            if isinstance(a, QuantizedArray):
+                return a.replace(dtype=jnp.dtype(dtype).name)
+            return a.astype(dtype)
+
+        params = jax.tree.map(cast, params, is_leaf=lambda a: isinstance(a, QuantizedArray))
+    if place is not None and not qspec:
+        from runtime.quantization import path_str
+
+        params = jax.tree_util.tree_map_with_path(lambda kp, a: place(path_str(kp), a), params)
     return cfg, params

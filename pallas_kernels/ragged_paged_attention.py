@@ -10,6 +10,8 @@ Layouts (T query rows, S sequence rows, P pages per sequence, N pages in the poo
   page_indices  i32[S, P]             pages of s; entries past its length point at page 0
   cu_q_lens     i32[S + 1]
   num_seqs      i32[1]                rows >= num_seqs of the three above are ignored
+  k/v_scale     f32[Hkv, N, ps]       optional (reference only): int8 k/v_pages hold
+                                      round(x / scale), one scale per token per head
 
 Query i of sequence s sits at position p = kv_len_s - q_len_s + i and attends KV positions j with
 j <= p and, with a sliding window w, p - j < w (the window counts the token itself). Rows owned by
@@ -55,6 +57,8 @@ def validate_static(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     platform: str | None = None,
+    k_scale=None,
+    v_scale=None,
 ) -> None:
     """Shape, dtype and option checks that need no array values (safe under jit tracing).
 
@@ -83,9 +87,20 @@ def validate_static(
         raise ValueError(f"empty page pool: num_pages {num_pages}, page_size {page_size}")
     if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
         raise ValueError(f"q dtype {q.dtype} unsupported; use one of {[str(d) for d in SUPPORTED_DTYPES]}")
-    # int8 KV (with k_scale / v_scale) is a planned extension; until then K/V match q.
-    if jnp.dtype(k_pages.dtype) != jnp.dtype(q.dtype):
-        raise ValueError(f"k/v_pages dtype {k_pages.dtype} must equal q dtype {q.dtype}")
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("pass both k_scale and v_scale (int8 KV) or neither")
+    if k_scale is not None:
+        if jnp.dtype(k_pages.dtype) != jnp.dtype(jnp.int8):
+            raise ValueError(f"k/v_scale given: k/v_pages must be int8, got {k_pages.dtype}")
+        for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if tuple(sc.shape) != tuple(k_pages.shape[:3]):
+                raise ValueError(f"{name} shape {sc.shape} must be {k_pages.shape[:3]} "
+                                 "([num_kv_heads, num_pages, page_size])")
+            if jnp.dtype(sc.dtype) != jnp.dtype(jnp.float32):
+                raise ValueError(f"{name} dtype must be float32, got {sc.dtype}")
+    elif jnp.dtype(k_pages.dtype) != jnp.dtype(q.dtype):
+        raise ValueError(f"k/v_pages dtype {k_pages.dtype} must equal q dtype {q.dtype} "
+                         "(int8 pages need k_scale / v_scale)")
     if page_indices.ndim != 2:
         raise ValueError(f"page_indices must be [num_seqs, pages_per_seq], got shape {page_indices.shape}")
     max_seqs, _ = page_indices.shape
@@ -204,14 +219,18 @@ def ragged_paged_attention_reference(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    k_scale: jax.Array | None = None,  # f32[Hkv, N, ps] with int8 k/v_pages
+    v_scale: jax.Array | None = None,
 ) -> jax.Array:  # [T, Hq, D], q.dtype
     """Plain-jnp ragged paged attention, computed in f32. Jittable (all shapes static).
+    int8 K/V pages (with k_scale / v_scale) are dequantized as value * scale.
 
     Each query row gathers its own sequence's pages: vmapped over all rows when that is small,
     else lax.map over batches of rows so memory stays O(256 MiB), not O(T * P * ps * Hkv * D).
     """
     validate_static(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                    sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+                    sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                    k_scale=k_scale, v_scale=v_scale)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     max_seqs, pages_per_seq = page_indices.shape
@@ -234,6 +253,9 @@ def ragged_paged_attention_reference(
         pages = page_indices[s]  # [P]
         k = k_pages[:, pages].reshape(num_kv_heads, kv_span, head_dim).astype(jnp.float32)  # [Hkv, L, D]
         v = v_pages[:, pages].reshape(num_kv_heads, kv_span, head_dim).astype(jnp.float32)
+        if k_scale is not None:
+            k = k * k_scale[:, pages].reshape(num_kv_heads, kv_span, 1)
+            v = v * v_scale[:, pages].reshape(num_kv_heads, kv_span, 1)
         j = jnp.arange(kv_span)  # [L]
         stored = j < kv_len  # [L]
         mask = stored & (j <= pos) & ok  # [L]
@@ -279,9 +301,12 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     platform: str | None = None,
     interpret: bool = False,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
     **block_options: Any,
 ) -> jax.Array:  # [T, Hq, D]
     """Run the Pallas kernel of `platform` ("tpu" Mosaic | "gpu" Triton).
+    int8 K/V (k_scale / v_scale) is not supported by the kernels yet: a clear error.
 
     platform None: the current default backend's kernel ("tpu" under interpret on CPU).
     block_options: TPU `block_q`, `pages_per_block`, `vmem_limit_bytes`;
@@ -302,6 +327,11 @@ def ragged_paged_attention(
             )
     if platform not in PLATFORMS:
         raise ValueError(f"platform must be one of {PLATFORMS} or None, got {platform!r}")
+    if k_scale is not None or v_scale is not None or jnp.dtype(k_pages.dtype) == jnp.int8:
+        raise NotImplementedError(
+            "int8 KV pages are not supported by the Pallas ragged paged attention kernels yet; "
+            "use ragged_paged_attention_reference or the XLA path (attention_backend='xla')"
+        )
     validate_static(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
                     sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                     platform=platform)

@@ -251,12 +251,16 @@ class EngineConfig:
 
     dtype: str = "float32"  # activation/weight compute dtype: float32 | bfloat16
     quantization: str | None = None  # None | "int8" | "fp8"
+    quant_mode: str | None = None  # None = by platform | "w8a8" (int8 only) | "weight_only"
+    quantize_embeddings: bool = True  # False keeps embed / lm_head in the compute dtype
+    kv_cache_dtype: str = "auto"  # "auto" = the compute dtype | "int8" (per-token-head scales)
     max_slots: int = 8
     page_size: int = 16
     num_pages: int | None = None  # None: enough for every slot at max_model_len
     max_model_len: int = 2048  # longest prompt + output a sequence may reach
     attention_backend: str | None = None  # None = by platform
     prefill_chunk: int = 256  # per-step prompt token budget
+    enable_prefix_caching: bool = True  # share KV pages of common full-page prompt prefixes
     speculative: dict | None = field(default=None, hash=False, compare=False)
     tensor_parallel: int = 1
 
@@ -270,6 +274,11 @@ class EngineConfig:
         for name in ("max_slots", "page_size", "max_model_len", "prefill_chunk", "tensor_parallel"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'int8', got {self.kv_cache_dtype!r}")
+        if self.quant_mode not in (None, "w8a8", "weight_only"):
+            raise ValueError(
+                f"quant_mode must be None, 'w8a8' or 'weight_only', got {self.quant_mode!r}")
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is the null page), got {self.num_pages}")
 

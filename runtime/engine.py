@@ -31,6 +31,7 @@ class RequestMetrics:
     first_token: float | None = None
     token_times: list[float] = field(default_factory=list)
     finished: float | None = None
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
     def summary(self) -> dict:
         itl = list(np.diff(self.token_times)) if len(self.token_times) > 1 else []
@@ -40,6 +41,7 @@ class RequestMetrics:
             "itl_s": [float(x) for x in itl],
             "itl_s_mean": float(np.mean(itl)) if itl else None,
             "e2e_s": None if self.finished is None else self.finished - self.arrival,
+            "cached_tokens": self.cached_tokens,
         }
 
 
@@ -70,11 +72,26 @@ class Delta:
 
 
 class Engine:
-    def __init__(self, cfg: ModelConfig, params: Params, tokenizer: Tokenizer, ecfg: EngineConfig):
+    def __init__(self, cfg: ModelConfig, params: Params, tokenizer: Tokenizer, ecfg: EngineConfig,
+                 mesh=None):
         self.cfg, self.params, self.tokenizer, self.ecfg = cfg, params, tokenizer, ecfg
         self.backend = resolve_backend(ecfg.attention_backend)
         dtype = jnp.bfloat16 if ecfg.dtype == "bfloat16" else jnp.float32
-        self.cache = init_cache(cfg, ecfg.total_pages, ecfg.page_size, dtype)
+        kv_dtype = "int8" if ecfg.kv_cache_dtype == "int8" else dtype
+        # tensor parallel: params and page pools live in shards on a ("data", "model") mesh
+        self.mesh = mesh
+        if mesh is None and (ecfg.tensor_parallel > 1 or jax.process_count() > 1):
+            from runtime.sharding import make_mesh
+
+            self.mesh = make_mesh(ecfg.tensor_parallel)
+        make_cache = lambda: init_cache(cfg, ecfg.total_pages, ecfg.page_size, kv_dtype)  # noqa: E731
+        if self.mesh is None:
+            self.cache = make_cache()
+        else:
+            from runtime.sharding import init_sharded_cache, shard_params
+
+            self.params = shard_params(params, self.mesh)
+            self.cache = init_sharded_cache(make_cache, self.mesh)
         budget = max(ecfg.prefill_chunk, ecfg.max_slots)  # a full decode batch always fits
         tokens, pages = _buckets(16, budget), _buckets(1, ecfg.pages_per_seq)
         self.scheduler = Scheduler(
@@ -82,8 +99,26 @@ class Engine:
             max_model_len=ecfg.max_model_len, token_budget=budget, token_buckets=tokens,
             # q_len bucket: 1 for decode-only steps, else the token bucket (cap) -> few compiles
             q_buckets=(1, tokens[-1]), page_buckets=pages,
+            enable_prefix_caching=ecfg.enable_prefix_caching,
         )
-        self._step = make_step(cfg, self.backend)
+        shardings, self.plan_channel, self.leader = None, None, jax.process_index() == 0
+        if self.mesh is not None:
+            from runtime import sharding as shd
+
+            if self.mesh.shape["model"] > 1 and self.backend in ("pallas_tpu", "pallas_gpu"):
+                # Mosaic / Triton kernels are not auto-partitioned by XLA SPMD (they need a
+                # shard_map over the kv-head axis, not wired yet): serve TP with the XLA path
+                if ecfg.attention_backend == "pallas":
+                    raise ValueError("attention_backend='pallas' with tensor_parallel > 1 is not "
+                                     "supported yet; use 'xla' (or leave it unset)")
+                self.backend = "xla"
+
+            shardings = (shd.param_shardings(self.params, self.mesh),
+                         shd.cache_shardings(self.cache, self.mesh), shd.replicated(self.mesh))
+            if jax.process_count() > 1:  # multi-host: process 0 schedules and broadcasts plans
+                self.plan_channel = shd.PlanChannel(
+                    shd.PlanCodec(tokens[-1], ecfg.max_slots, pages[-1]))
+        self._step = make_step(cfg, self.backend, shardings)
         self.requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
         self.eos_ids = tuple(tokenizer.eos_ids) or tuple(cfg.eos_token_ids)
@@ -143,8 +178,19 @@ class Engine:
     def _run(self, arrays, max_q_len, logprobs, filtered):
         from runtime.scheduler import LOGPROBS_BUCKET
 
+        if self.plan_channel is not None and self.leader:  # followers run the same step
+            self.plan_channel.send(arrays, max_q_len, LOGPROBS_BUCKET if logprobs else 0, filtered)
+        if self.mesh is not None and jax.process_count() > 1:
+            from runtime.sharding import global_plan
+
+            arrays = global_plan(arrays, self.mesh)
         return self._step(self.params, self.cache, arrays, max_q_len=max_q_len,
                           num_logprobs=LOGPROBS_BUCKET if logprobs else 0, filtered=filtered)
+
+    def release_followers(self) -> None:
+        """Multi-host leader: tell the follower processes (in `runtime.sharding.follow`) to stop."""
+        if self.plan_channel is not None and self.leader:
+            self.plan_channel.send_stop()
 
     # ---- the loop -------------------------------------------------------------------------
     def step(self) -> list[Delta]:
@@ -164,6 +210,7 @@ class Engine:
             st = self.requests.get(rid)
             if st is not None and st.metrics.scheduled is None:
                 st.metrics.scheduled = now
+                st.metrics.cached_tokens = self.scheduler.cached_tokens_of(rid)
         row_of = {rid: s for s, rid in enumerate(plan.request_ids)}
         deltas = []
         for out in self.scheduler.update(plan, host[:, 0].astype(np.int32)):

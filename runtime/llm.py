@@ -20,12 +20,13 @@ class RequestOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop" | "length" | "abort"
-    metrics: dict = field(default_factory=dict)  # queue_s, ttft_s, itl_s (list), itl_s_mean, e2e_s
+    metrics: dict = field(default_factory=dict)  # queue_s, ttft_s, itl_s (list), itl_s_mean, e2e_s, cached_tokens
     logprobs: list[dict] | None = None
 
     @property
     def usage(self) -> dict:
-        return {"prompt_tokens": len(self.prompt_token_ids), "completion_tokens": len(self.token_ids)}
+        return {"prompt_tokens": len(self.prompt_token_ids), "completion_tokens": len(self.token_ids),
+                "cached_tokens": int(self.metrics.get("cached_tokens", 0))}
 
 
 @dataclass
@@ -44,6 +45,7 @@ class LLM:
     def __init__(self, model: str = "gemma3-270m", **options):
         from checkpoints.loader import load_model
 
+        enable_compilation_cache()
         known = {f.name for f in dataclasses.fields(EngineConfig)}
         unknown = sorted(set(options) - known)
         if unknown:
@@ -51,19 +53,42 @@ class LLM:
         q = options.get("quantization")
         if q not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {q!r}")
-        if q is not None:
-            raise NotImplementedError(f"quantization={q!r} is not available yet")
+        place = None
+        if q is not None:  # quantize each weight as it streams in (peak ~ the int8 model)
+            from runtime.quantization import placer
+
+            place = placer(q, options.get("dtype", "float32"), mode=options.get("quant_mode"),
+                           quantize_embeddings=options.get("quantize_embeddings", True))
         if options.get("speculative"):
             raise NotImplementedError("speculative decoding is not available yet")
-        if options.get("tensor_parallel", 1) != 1:
-            raise NotImplementedError("tensor_parallel > 1 is not available yet")
-        self.model = load_model(model, dtype=options.get("dtype", "float32"))
+        mesh = None
+        if options.get("tensor_parallel", 1) != 1 or _multi_process():
+            # tensor parallel: every tensor streams straight into its shards on the mesh
+            import jax.numpy as jnp
+
+            from runtime.sharding import make_mesh, shard_placer
+
+            mesh = make_mesh(options.get("tensor_parallel", 1))
+            place = shard_placer(mesh, jnp.dtype(options.get("dtype", "float32")), inner=place)
+        self.model = load_model(model, dtype=options.get("dtype", "float32"), place=place,
+                                mesh=mesh)
+        from runtime.quantization import default_mode, quantization_spec, with_mode
+
+        spec = quantization_spec(self.model.params)  # a converted dir may be quantized already
+        if spec is not None:
+            if q is not None and q != spec["fmt"]:
+                raise ValueError(f"{model}: holds {spec['fmt']} weights; cannot serve them as {q!r}")
+            options["quantization"] = spec["fmt"]
+            mode = options.get("quant_mode") or default_mode(spec["fmt"])
+            if mode != spec["mode"]:
+                self.model.params = with_mode(self.model.params, mode)
         options.setdefault(
             "max_model_len", min(self.model.cfg.max_position_embeddings, 2048)
         )
         self.config = EngineConfig(**options)
         self.tokenizer = self.model.tokenizer
-        self.engine = Engine(self.model.cfg, self.model.params, self.tokenizer, self.config)
+        self.engine = Engine(self.model.cfg, self.model.params, self.tokenizer, self.config,
+                             mesh=mesh)
 
     # ---- inputs ---------------------------------------------------------------------------
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
@@ -137,6 +162,34 @@ class LLM:
             metrics=st.metrics.summary(),
             logprobs=st.logprobs if st.params.logprobs is not None else None,
         )
+
+    def generate_jsonl(self, in_path, out_path, **kw) -> dict:
+        """Run a JSONL file through the engine (see `serve.batch.run_batch` for the format and
+        options: sampling=dict(...), resume, ordered, ...); returns the summary dict."""
+        from serve.batch import run_batch
+
+        return run_batch(self.engine, self.tokenizer, str(in_path), str(out_path), **kw)
+
+
+def enable_compilation_cache() -> None:
+    """Persist compiled steps across processes (first run compiles, later runs load) unless the
+    caller configured a cache already. JAXINFER_COMPILATION_CACHE=DIR overrides, =0 disables."""
+    import os
+
+    import jax
+
+    where = os.environ.get("JAXINFER_COMPILATION_CACHE",
+                           os.path.join(os.path.expanduser("~"), ".cache", "jaxinfer", "xla"))
+    if where == "0" or jax.config.jax_compilation_cache_dir:
+        return
+    jax.config.update("jax_compilation_cache_dir", where)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
+def _multi_process() -> bool:
+    import jax
+
+    return jax.process_count() > 1
 
 
 class _NoBar:

@@ -24,9 +24,26 @@ Policy (tests pin every point):
     samples the next new token (never a token it already has).
   * Finished sequences (EOS / stop token: "stop"; max_tokens: "length"; `finish()`; `abort()`)
     free their slot and pages at once, so the next `schedule()` can admit the next request.
-  * Pages of a sequence are returned tail first (reverse order) to the allocator's FIFO queue, so
-    once prefix caching lands the head (most shareable) pages stay cached longest.
+  * Pages of a sequence are returned tail first (reverse order) to the allocator, so with prefix
+    caching the head (most shareable) pages are the most recently used and stay cached longest.
   * Slots: lowest free slot first.
+
+Prefix caching (`enable_prefix_caching=True`; see runtime/page_allocator.py for page states):
+  * At admission (first or after preemption) a sequence looks up the longest run of cached FULL
+    pages matching its tokens (prompt, plus outputs when recomputing), limited to the pages that
+    end before its last token: k = (num_tokens - 1) // page_size pages at most, so at least the
+    last token is always computed and its logits sampled. It shares those k pages (ref + 1) and
+    starts with num_computed = k * page_size; only the rest is prefilled.
+  * Shared pages are never written: a sequence writes only at positions >= num_computed, which
+    lie in pages allocated to it alone after the shared ones.
+  * A page is registered under its chained prefix hash as soon as all its tokens are computed
+    (in `update`, during prefill chunks and decode alike), so later admissions can share it even
+    while its writer is still running. If the hash is already registered (two sequences computed
+    the same page concurrently) the second page stays private and is simply freed later.
+  * Admission counts cached-but-unheld pages as available (they are evicted LRU first when truly
+    free pages run out), minus the cached pages the sequence itself is about to take back.
+  * Stats: `prefix_cache_stats()`; per request `cached_tokens_of(rid)` = prompt tokens served from
+    the cache at its first admission.
 """
 
 from __future__ import annotations
@@ -41,7 +58,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from runtime.config import SamplingParams
-from runtime.page_allocator import PageAllocator
+from runtime.page_allocator import PageAllocator, page_hashes
 from runtime.plan import StepPlan
 
 LOGPROBS_BUCKET = 20  # static top-n logprobs width when any row asks for logprobs
@@ -81,6 +98,9 @@ class _Seq:
     num_computed: int = 0  # tokens whose K/V are in the cache
     pages: list[int] = field(default_factory=list)
     slot: int | None = None
+    hashes: list[bytes] = field(default_factory=list)  # prefix hashes of full pages, lazily grown
+    num_registered: int = 0  # leading pages already hashed in the allocator (shared or registered)
+    cached_tokens: int | None = None  # tokens taken from the prefix cache at first admission
     prefilled: bool = False  # computed tokens have reached all tokens once since (re)admission
     status: str = WAITING
     finish_reason: str | None = None
@@ -122,7 +142,9 @@ class Scheduler:
     (page 0 null) of `page_size` tokens. Loop: add_request()* -> schedule() -> device step ->
     update(plan, sampled) -> repeat. Buckets (static shapes): T from `token_buckets` (default
     powers of two 8..>=token_budget), S = max_slots, P from `page_buckets` (default powers of two
-    below pages_per_seq, then pages_per_seq), max_q_len from `q_buckets` capped at T."""
+    below pages_per_seq, then pages_per_seq), max_q_len from `q_buckets` capped at T.
+    `enable_prefix_caching` is off by default here (host tests pin exact free-list orders);
+    EngineConfig turns it on. `cache_salt` namespaces the prefix hashes (LoRA, KV dtype...)."""
 
     def __init__(
         self,
@@ -136,6 +158,8 @@ class Scheduler:
         token_buckets: Sequence[int] | None = None,
         q_buckets: Sequence[int] | None = None,
         page_buckets: Sequence[int] | None = None,
+        enable_prefix_caching: bool = False,
+        cache_salt: bytes = b"",
     ):
         for name, v in (("max_slots", max_slots), ("page_size", page_size),
                         ("max_model_len", max_model_len), ("token_budget", token_budget)):
@@ -148,6 +172,8 @@ class Scheduler:
         self.max_queue = max_queue
         self.pages_per_seq = _cdiv(max_model_len, page_size)
         self.allocator = PageAllocator(num_pages)
+        self.enable_prefix_caching = bool(enable_prefix_caching)
+        self.cache_salt = bytes(cache_salt)  # namespace of the prefix hashes (adapter, KV dtype...)
 
         self.token_buckets = tuple(sorted(token_buckets or _pow2_buckets(8, token_budget)))
         if self.token_buckets[-1] < token_budget:
@@ -172,6 +198,8 @@ class Scheduler:
         self._last_plan: StepPlan | None = None
         self._last_rows: list[tuple[_Seq, int]] = []  # (sequence, q_len) per row of _last_plan
         self.num_preemptions = 0
+        self._stats = dict(prompt_tokens=0, cached_tokens=0, recompute_tokens=0,
+                           recompute_cached_tokens=0)
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -255,15 +283,46 @@ class Scheduler:
     def output_ids(self, request_id: str) -> list[int]:
         return list(self._live[request_id].output_ids)
 
+    def cached_tokens_of(self, request_id: str) -> int:
+        """Prompt tokens of a live request served from the prefix cache at its first admission
+        (0 before admission or without prefix caching)."""
+        return self._live[request_id].cached_tokens or 0
+
+    def prefix_cache_stats(self) -> dict:
+        """Counters since construction. prompt_tokens / cached_tokens: over first admissions;
+        hit_rate = cached_tokens / prompt_tokens; recompute_*: the same over readmissions after
+        preemption (prompt + outputs); cached_pages: unheld cached pages now; evictions: cached
+        pages reused for other content."""
+        st = dict(self._stats)
+        st["hit_rate"] = st["cached_tokens"] / st["prompt_tokens"] if st["prompt_tokens"] else 0.0
+        st["cached_pages"] = self.allocator.num_cached
+        st["evictions"] = self.allocator.num_evictions
+        return st
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached page nobody holds (e.g. after swapping weights). Returns the count."""
+        return self.allocator.reset_prefix_cache()
+
     def check_invariants(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent (cheap; for tests and soaks)."""
-        owned = [p for s in self._running for p in s.pages]
-        assert len(owned) == len(set(owned)), f"a page is held by two sequences: {owned}"
-        assert 0 not in owned, "the null page is held by a sequence"
-        free = self.allocator.free_list
-        assert sorted(owned + free) == list(range(1, self.allocator.num_pages)), "pages leaked"
-        for p in owned:
-            assert self.allocator.ref_count(p) == 1
+        a = self.allocator
+        a.check_invariants()
+        holders: dict[int, int] = {}
+        for s in self._running:
+            assert len(s.pages) == len(set(s.pages)), f"a page twice in one page table: {s.pages}"
+            for p in s.pages:
+                holders[p] = holders.get(p, 0) + 1
+            # pages this sequence still writes into (the partial page and later) are its own
+            for p in s.pages[s.num_computed // self.page_size:]:
+                assert a.ref_count(p) == 1 and a.hash_of(p) is None, f"writable page {p} is shared"
+            assert s.num_registered <= s.num_computed // self.page_size
+        assert 0 not in holders, "the null page is held by a sequence"
+        held = [p for p in range(1, a.num_pages) if a.ref_count(p) > 0]
+        assert sorted(holders) == held, "a page is held by no sequence (leak) or vice versa"
+        for p, c in holders.items():
+            assert a.ref_count(p) == c, f"page {p}: ref count {a.ref_count(p)} != {c} holders"
+        if not self.enable_prefix_caching:
+            assert a.num_cached == 0
         slots = [s.slot for s in self._running]
         assert sorted(slots + self._free_slots) == list(range(self.max_slots)), "slots leaked"
         for s in self._running:
@@ -313,8 +372,8 @@ class Scheduler:
         # Admission, FCFS with no overtaking.
         while self._waiting and self._free_slots and budget > 0 and not preempted:
             seq = self._waiting[0]
-            n = min(self._num_new_tokens(seq), budget)
-            if not self._grow(seq, n):
+            n = self._admit_pages(seq, budget)
+            if n is None:
                 break
             self._waiting.popleft()
             seq.slot = heapq.heappop(self._free_slots)
@@ -341,9 +400,63 @@ class Scheduler:
         seq.pages.extend(pages)
         return True
 
+    def _admit_pages(self, seq: _Seq, budget: int) -> int | None:
+        """Give a waiting `seq` its cached prefix pages plus pages for its first chunk; return the
+        chunk size, or None (and nothing changed) if the pool is short."""
+        shared = self._cached_prefix(seq)
+        start = len(shared) * self.page_size
+        n = min(seq.num_tokens - start, budget)
+        need = _cdiv(start + n, self.page_size) - len(shared)
+        reclaimed = sum(1 for p in shared if self.allocator.ref_count(p) == 0)  # leave the LRU
+        if need > self.allocator.num_free - reclaimed:
+            return None
+        self.allocator.incref(shared)
+        pages = self.allocator.allocate(need)
+        assert pages is not None
+        seq.pages = shared + pages
+        seq.num_computed = start
+        seq.num_registered = len(shared)
+        st = self._stats
+        if seq.cached_tokens is None:  # first admission: its prompt
+            seq.cached_tokens = start
+            st["prompt_tokens"] += seq.num_tokens
+            st["cached_tokens"] += start
+        else:
+            st["recompute_tokens"] += seq.num_tokens
+            st["recompute_cached_tokens"] += start
+        return n
+
+    def _hashes(self, seq: _Seq, n_pages: int) -> list[bytes]:
+        """The prefix hashes of `seq`'s first `n_pages` full pages (tokens must be known)."""
+        have = len(seq.hashes)
+        if have < n_pages:
+            ps = self.page_size
+            toks = [seq.token(i) for i in range(have * ps, n_pages * ps)]
+            parent = seq.hashes[-1] if have else None
+            seq.hashes += page_hashes(toks, ps, self.cache_salt, parent=parent)
+        return seq.hashes[:n_pages]
+
+    def _cached_prefix(self, seq: _Seq) -> list[int]:
+        """Cached pages matching `seq`'s leading full pages, never covering its last token."""
+        if not self.enable_prefix_caching:
+            return []
+        k = (seq.num_tokens - 1) // self.page_size
+        return self.allocator.lookup(self._hashes(seq, k)) if k else []
+
+    def _register_full_pages(self, seq: _Seq) -> None:
+        """Publish the pages of `seq` whose tokens are now all computed."""
+        full = seq.num_computed // self.page_size
+        if not self.enable_prefix_caching or full <= seq.num_registered:
+            return
+        hashes = self._hashes(seq, full)
+        for j in range(seq.num_registered, full):
+            self.allocator.register(seq.pages[j], hashes[j])
+        seq.num_registered = full
+
     def _release(self, seq: _Seq) -> None:
         self.allocator.free(reversed(seq.pages))
         seq.pages = []
+        seq.num_registered = 0
         if seq.slot is not None:
             heapq.heappush(self._free_slots, seq.slot)
             seq.slot = None
@@ -444,6 +557,7 @@ class Scheduler:
             if seq.status != RUNNING:
                 continue
             seq.num_computed += n
+            self._register_full_pages(seq)
             if not plan.samples[s]:
                 continue
             seq.prefilled = True

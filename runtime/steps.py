@@ -52,10 +52,20 @@ def step(
     return jnp.concatenate(cols, axis=1), cache
 
 
-def make_step(cfg: ModelConfig, backend: str):
-    """The jitted step for one model; static: q bucket, logprob count, filter flag."""
+def make_step(cfg: ModelConfig, backend: str, shardings=None):
+    """The jitted step for one model; static: q bucket, logprob count, filter flag.
+    `shardings` (tensor parallel): (params, cache, replicated) NamedSharding trees from
+    runtime.sharding. Inputs arrive laid out (params and cache committed to their shardings;
+    host plan arrays are replicated); the packed output is replicated and the new cache keeps
+    the donated cache's layout, so steady-state steps never reshard or recompile. (jit takes
+    no in_shardings together with keyword static args.)"""
+    kw = {}
+    if shardings is not None:
+        _, cache_sh, rep = shardings
+        kw = dict(out_shardings=(rep, cache_sh))
     return jax.jit(
         functools.partial(step, cfg=cfg, backend=backend),
         static_argnames=("max_q_len", "num_logprobs", "filtered"),
         donate_argnames=("cache",),
+        **kw,
     )

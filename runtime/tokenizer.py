@@ -76,6 +76,9 @@ class Tokenizer:
     add_eos: bool = False
     special_ids: frozenset[int] = frozenset()
     source: str = "<tokenizer>"
+    # Jinja chat template from the checkpoint (tokenizer_config.json `chat_template`, a
+    # `chat_template.jinja` file, or GGUF `tokenizer.chat_template`); None when it has none.
+    chat_template: str | None = None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         raise NotImplementedError
@@ -111,6 +114,8 @@ class Tokenizer:
             cfg["bos_token"] = self.id_to_piece(self.bos_id)
         if self.eos_ids:
             cfg["eos_token"] = self.id_to_piece(self.eos_ids[0])
+        if self.chat_template:
+            cfg["chat_template"] = self.chat_template
         return json.dumps(cfg, indent=2, ensure_ascii=False).encode("utf-8")
 
     # -- helpers shared by the back ends ------------------------------------------------------
@@ -521,14 +526,30 @@ def load_tokenizer(
     if not d.is_dir():
         raise TokenizerError(f"tokenizer directory {d} does not exist or is not a directory")
     tj = d / "tokenizer.json"
-    if tj.is_file():
-        return HFTokenizer(tj, config_dir=d, bos_id=bos_id, eos_ids=eos_ids)
     tm = d / "tokenizer.model"
-    if tm.is_file():
-        return _sentencepiece_with_configs(tm, d, bos_id=bos_id, eos_ids=eos_ids)
+    if tj.is_file() or tm.is_file():
+        tok: Tokenizer = (HFTokenizer(tj, config_dir=d, bos_id=bos_id, eos_ids=eos_ids) if tj.is_file()
+                          else _sentencepiece_with_configs(tm, d, bos_id=bos_id, eos_ids=eos_ids))
+        tok.chat_template = chat_template_from_dir(d)
+        return tok
     raise TokenizerError(
         f"no tokenizer found in {d}: looked for {' and '.join(_LOOKED_FOR)} (neither exists)"
     )
+
+
+def chat_template_from_dir(d: Path) -> str | None:
+    """The checkpoint's chat template: `chat_template.jinja` (newer HF layout) or
+    tokenizer_config.json `chat_template` (a string, or a list of {name, template} where the
+    one named "default" is taken)."""
+    f = d / "chat_template.jinja"
+    if f.is_file():
+        return f.read_text(encoding="utf-8")
+    cfg = _read_json(d / "tokenizer_config.json") if (d / "tokenizer_config.json").is_file() else {}
+    t = cfg.get("chat_template")
+    if isinstance(t, list):
+        named = {e.get("name"): e.get("template") for e in t if isinstance(e, dict)}
+        t = named.get("default")
+    return t if isinstance(t, str) and t else None
 
 
 def _sentencepiece_with_configs(

@@ -20,6 +20,12 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--attention-backend", default=None,
                    choices=["xla", "pallas", "pallas_interpret"])
+    p.add_argument("--tensor-parallel", type=int, default=1,
+                   help="shard params and KV cache over N devices (multi-host: all devices)")
+    p.add_argument("--distributed", action="store_true",
+                   help="join a multi-host job (jax.distributed.initialize; env "
+                        "JAXINFER_COORDINATOR_ADDRESS / _NUM_PROCESSES / _PROCESS_ID or "
+                        "auto-detected on TPU pods); process 0 serves, the others follow")
 
 
 def llm_from_args(args):
@@ -29,6 +35,21 @@ def llm_from_args(args):
                 num_pages=args.num_pages, attention_backend=args.attention_backend)
     if args.max_model_len:
         opts["max_model_len"] = args.max_model_len
+    tp = getattr(args, "tensor_parallel", 1)
+    if tp != 1:
+        opts["tensor_parallel"] = tp
+    if getattr(args, "distributed", False):
+        from runtime.sharding import follow, init_distributed
+
+        leader = init_distributed()
+        llm = LLM(args.model, **opts)
+        if not leader:  # a follower runs the leader's steps on its devices until released
+            follow(llm.engine)
+            sys.exit(0)
+        import atexit
+
+        atexit.register(llm.engine.release_followers)
+        return llm
     return LLM(args.model, **opts)
 
 
@@ -41,22 +62,27 @@ def cmd_generate(args) -> int:
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                         top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                         stop=tuple(args.stop or ()))
-    n = 0
     t1 = time.perf_counter()
+    ids, first = [], None
     if args.no_stream:
         out = llm.generate([args.prompt], sp)[0]
         sys.stdout.write(args.prompt + out.text + "\n")
-        n = len(out.token_ids)
+        ids, m = out.token_ids, out.metrics
+        first = t1 + (m["ttft_s"] or 0.0)
     else:
         sys.stdout.write(args.prompt)
         for d in llm.stream(args.prompt, sp):
+            if first is None and d.token_ids:
+                first = time.perf_counter()
             sys.stdout.write(d.text)
             sys.stdout.flush()
-            n += len(d.token_ids)
+            ids += d.token_ids
         sys.stdout.write("\n")
-    gen_s = time.perf_counter() - t1
-    print(f"[{n} tokens in {gen_s:.2f}s ({n / gen_s:.1f} tok/s incl. compile); load {load_s:.1f}s]",
-          file=sys.stderr)
+    done = time.perf_counter()
+    n = len(ids)
+    rate = (n - 1) / (done - first) if n > 1 and first and done > first else float("nan")
+    print(f"[{n} tokens; first token {(first or done) - t1:.2f}s (incl. compile); "
+          f"decode {rate:.1f} tok/s; load {load_s:.1f}s]", file=sys.stderr)
     return 0
 
 
@@ -64,13 +90,14 @@ def cmd_convert(args) -> int:
     from checkpoints.convert import convert
 
     t0 = time.perf_counter()
-    out = convert(args.src, args.out, dtype=args.dtype, overwrite=args.overwrite)
+    out = convert(args.src, args.out, dtype=args.dtype, overwrite=args.overwrite,
+                  quantize=args.quantize, quantize_embeddings=not args.keep_embeddings)
     print(f"wrote {out} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     return 0
 
 
 # Modules that add their own subcommands: each has `register(subparsers, engine_args)`.
-COMMAND_MODULES: tuple[str, ...] = ()
+COMMAND_MODULES: tuple[str, ...] = ("tools.bench_throughput", "serve.batch", "serve.grpc_server", "tools.bench_serving")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,9 +123,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("out")
     c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     c.add_argument("--overwrite", action="store_true")
+    c.add_argument("--quantize", default=None, choices=["int8", "fp8"],
+                   help="save int8 / fp8 weights with per-channel scales")
+    c.add_argument("--keep-embeddings", action="store_true",
+                   help="with --quantize: keep embed / lm_head in --dtype")
     c.set_defaults(fn=cmd_convert)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub, engine_args)
+    importlib.import_module("tools.bench_quality").register(sub, engine_args)
     return p
 
 

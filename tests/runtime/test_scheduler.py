@@ -58,21 +58,33 @@ class FakeEngine:
 
 
 def check_plan(plan, sched):
-    """Plan-level invariants: no page shared by two live rows, no live row on the null page,
-    consistent row accounting, padding rows inert."""
+    """Plan-level invariants: no page shared by two live rows (with prefix caching: no page
+    written by one row is in another's table, and written pages are private and unhashed), no
+    live row on the null page, consistent row accounting, padding rows inert."""
     n = int(plan.num_seqs[0])
     ps = sched.page_size
     seen = set()
+    tables, written = [], []
     for s in range(n):
         kv = int(plan.kv_lens[s])
-        q = int(plan.cu_q_lens[s + 1] - plan.cu_q_lens[s])
+        a, b = int(plan.cu_q_lens[s]), int(plan.cu_q_lens[s + 1])
+        q = b - a
         assert q >= 1 and kv >= q
         row = plan.page_indices[s, : -(-kv // ps)].tolist()
         assert 0 not in row
-        assert not seen & set(row), f"page shared by two live sequences: {row}"
+        if not sched.enable_prefix_caching:
+            assert not seen & set(row), f"page shared by two live sequences: {row}"
         seen |= set(row)
+        tables.append(set(row))
+        written.append(set((plan.slot_mapping[a:b] // ps).tolist()))
         assert plan.logits_indices[s] == plan.cu_q_lens[s + 1] - 1
         assert plan.sample_positions[s] == kv
+    for s in range(n):  # a page written this step is in no other live page table and not cached
+        for p in written[s]:
+            assert all(p not in t for r, t in enumerate(tables) if r != s), f"shared page {p} written"
+            assert sched.allocator.hash_of(p) is None
+            if plan.request_ids[s] in sched.running_ids:  # (not aborted since schedule())
+                assert sched.allocator.ref_count(p) == 1
     t = plan.num_tokens
     assert (plan.cu_q_lens[n:] == t).all()
     assert (plan.kv_lens[n:] == 0).all() and (plan.page_indices[n:] == 0).all()
@@ -488,9 +500,11 @@ def test_seeds_given_or_derived_deterministically():
 # --------------------------------------------------------------------------- soak
 
 
-def test_randomized_soak_matches_running_alone():
+@pytest.mark.parametrize("caching", [False, True])
+def test_randomized_soak_matches_running_alone(caching):
     rng = np.random.default_rng(1234)
-    sched = Scheduler(max_slots=5, num_pages=14, page_size=4, max_model_len=40, token_budget=16)
+    sched = Scheduler(max_slots=5, num_pages=14, page_size=4, max_model_len=40, token_budget=16,
+                      enable_prefix_caching=caching)
     arrivals, reqs = {}, {}
     for i in range(200):
         prompt = rng.integers(1, V, rng.integers(1, 25)).tolist()
@@ -526,3 +540,256 @@ def test_randomized_soak_matches_running_alone():
 def test_scheduler_imports_no_jax():
     code = "import sys, runtime.scheduler, runtime.page_allocator; assert 'jax' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
+
+
+# --------------------------------------------------------------------------- prefix caching
+
+
+def cached_sched(**kw):
+    return Scheduler(enable_prefix_caching=True, **kw)
+
+
+def serve_one(sched, engine, req, plans=None):
+    """Add `req`, run until it finishes (other running sequences step along); return its tokens."""
+    sched.add_request(req)
+    toks = []
+    while sched.has_work and req.request_id in sched.waiting_ids + sched.running_ids:
+        plan = sched.schedule()
+        sched.check_invariants()
+        check_plan(plan, sched)
+        if plans is not None:
+            plans.append(plan)
+        for out in sched.update(plan, engine.step(plan)):
+            if out.request_id == req.request_id:
+                toks += out.new_token_ids
+        sched.check_invariants()
+    return toks
+
+
+def test_prefix_pages_shared_exact_ids_and_last_token_always_computed():
+    sched = cached_sched(max_slots=2, num_pages=9, page_size=4, max_model_len=32, token_budget=16)
+    eng = FakeEngine(9, 4)
+    a = Request("A", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], greedy(2))
+    plans = []
+    assert serve_one(sched, eng, a, plans) == run_alone(a.prompt_ids, a.params)[0]
+    assert live_pages(plans[0], 0) == [1, 2, 3]
+    # A computed 11 tokens: pages 1, 2 are full and registered; page 3 (partial) is not.
+    # Released tail first: 3 -> free queue back, 2 then 1 -> cached LRU.
+    assert sched.allocator.free_list == [4, 5, 6, 7, 8, 3]
+    assert sched.allocator.cached_list == [2, 1]
+    assert sched.free_pages == 8  # cached pages count as available
+    assert sched.prefix_cache_stats()["cached_pages"] == 2
+
+    # B shares A's first 8 tokens: takes pages 1, 2 (ref 0 -> 1), computes only token 8.
+    b = Request("B", [1, 2, 3, 4, 5, 6, 7, 8, 50], greedy(3))
+    sched.add_request(b)
+    p = sched.schedule()
+    assert rows(p) == [("B", 1, True)]
+    assert p.token_ids[:1].tolist() == [50] and p.positions[:1].tolist() == [8]
+    assert p.page_indices[0].tolist()[:3] == [1, 2, 4] and p.slot_mapping[:1].tolist() == [16]
+    assert p.kv_lens[0] == 9
+    assert sched.cached_tokens_of("B") == 8
+    assert sched.allocator.ref_count(1) == sched.allocator.ref_count(2) == 1
+    assert sched.allocator.cached_list == []
+    sched.update(p, eng.step(p))
+
+    # C, whose whole 8-token prompt is two cached full pages, while B still holds them: it shares
+    # only page 1 (ref 2) so that its last token is computed; its own copy of page 2's tokens goes
+    # into page 5 and is NOT registered (the hash already names page 2).
+    c = Request("C", [1, 2, 3, 4, 5, 6, 7, 8], greedy(1))
+    sched.add_request(c)
+    p = sched.schedule()
+    assert rows(p) == [("B", 1, True), ("C", 4, True)]
+    assert p.positions[1:5].tolist() == [4, 5, 6, 7]
+    assert live_pages(p, 1) == [1, 5]
+    assert sched.allocator.ref_count(1) == 2 and sched.allocator.ref_count(2) == 1
+    assert sched.cached_tokens_of("C") == 4
+    outs = sched.update(p, eng.step(p))
+    assert [o.request_id for o in outs if o.finished] == ["C"]
+    assert sched.allocator.hash_of(5) is None
+    assert sched.allocator.free_list[-1] == 5  # the duplicate page went back as truly free
+    assert sched.allocator.ref_count(1) == 1
+    st = sched.prefix_cache_stats()
+    assert (st["prompt_tokens"], st["cached_tokens"]) == (10 + 9 + 8, 8 + 4)
+    assert st["hit_rate"] == pytest.approx(12 / 27)
+
+    while sched.has_work:
+        p = sched.schedule()
+        sched.update(p, eng.step(p))
+    sched.check_invariants()
+    assert sched.free_pages == 8 and sched.allocator.num_cached + len(sched.allocator.free_list) == 8
+    assert all(sched.allocator.ref_count(p) == 0 for p in range(9))
+
+
+def test_lru_eviction_order_and_hits_after_eviction():
+    ps = 2
+    sched = cached_sched(max_slots=1, num_pages=8, page_size=ps, max_model_len=16, token_budget=16)
+    eng = FakeEngine(8, ps)
+    al = sched.allocator
+    A = [1, 2, 3, 4, 5]
+    B = [6, 7, 8, 9, 5]
+    serve_one(sched, eng, Request("A", A, greedy(1)))  # pages 1, 2, 3; 1 and 2 registered
+    assert al.free_list == [4, 5, 6, 7, 3] and al.cached_list == [2, 1]
+    serve_one(sched, eng, Request("B", B, greedy(1)))  # pages 4, 5, 6; 4 and 5 registered
+    assert al.free_list == [7, 3, 6] and al.cached_list == [2, 1, 5, 4]
+    # D reuses A's prefix: pages 1, 2 leave the LRU, come back at its most-recently-used end
+    serve_one(sched, eng, Request("D", [1, 2, 3, 4, 9], greedy(1)))
+    assert sched.prefix_cache_stats()["cached_tokens"] == 4
+    assert al.free_list == [3, 6, 7] and al.cached_list == [5, 4, 2, 1]
+    # E (9 tokens, 5 pages, no hit): the 3 truly free pages, then evicts B's pages, LRU first
+    plans = []
+    serve_one(sched, eng, Request("E", list(range(20, 29)), greedy(1)), plans)
+    assert live_pages(plans[0], 0) == [3, 6, 7, 5, 4]
+    # E's full pages 3, 6, 7, 5 are registered; 4 holds only token 8 (partial): truly free after
+    assert al.num_evictions == 2 and al.hash_of(4) is None and al.hash_of(5) is not None
+    assert al.cached_list == [2, 1, 5, 7, 6, 3] and al.free_list == [4]
+    # A's prefix survived: a hit of 4 tokens (G takes truly free page 4 for its last token)
+    g = Request("G", A, greedy(1))
+    plans = []
+    assert serve_one(sched, eng, g, plans) == run_alone(A, g.params)[0]
+    assert live_pages(plans[0], 0) == [1, 2, 4]
+    assert sched.prefix_cache_stats()["cached_tokens"] == 8
+    # B's prefix was evicted: a miss
+    serve_one(sched, eng, Request("F", B, greedy(1)))
+    assert sched.prefix_cache_stats()["cached_tokens"] == 8
+    sched.check_invariants()
+    assert len(al.free_list) + al.num_cached == 7 and al.num_free == 7
+
+
+def test_pages_filled_during_decode_are_registered_and_shared():
+    sched = cached_sched(max_slots=2, num_pages=12, page_size=4, max_model_len=32, token_budget=16)
+    eng = FakeEngine(12, 4)
+    a = Request("A", [1, 2, 3], greedy(7, ignore_eos=True))
+    sched.add_request(a)
+    out_a = []
+    for step in range(3):  # prefill (3 tokens), then decodes of positions 3, 4
+        p = sched.schedule()
+        out_a += [o.new_token_ids[0] for o in sched.update(p, eng.step(p))]
+        first = sched.pages_of("A")[0]
+        assert (sched.allocator.hash_of(first) is not None) == (step >= 1)  # full after pos 3
+    # B = A's first 4 tokens + 1 more: shares A's page while A still runs (ref 2)
+    b = Request("B", [1, 2, 3, out_a[0], 99], greedy(2))
+    sched.add_request(b)
+    p = sched.schedule()
+    assert rows(p) == [("A", 1, True), ("B", 1, True)]
+    assert live_pages(p, 1)[0] == sched.pages_of("A")[0]
+    assert sched.allocator.ref_count(sched.pages_of("A")[0]) == 2
+    sched.update(p, eng.step(p))
+    while sched.has_work:
+        p = sched.schedule()
+        check_plan(p, sched)
+        sched.update(p, eng.step(p))
+        sched.check_invariants()
+    assert sched.prefix_cache_stats()["cached_tokens"] == 4
+    # and a request replaying all of A's text hits the pages A filled while decoding
+    full = [1, 2, 3] + run_alone(a.prompt_ids, a.params)[0]  # 10 tokens: 2 full pages
+    c = Request("C", full[:9] + [7], greedy(1))
+    assert serve_one(sched, eng, c) == run_alone(c.prompt_ids, c.params)[0]
+    assert sched.prefix_cache_stats()["cached_tokens"] == 4 + 8
+
+
+def test_preempted_sequence_reuses_its_own_cached_pages():
+    # The preemption scenario of test_preempts_youngest_... with caching: B's full first page
+    # stays cached when B is preempted (its partial page is truly free and A takes that one), so
+    # B's recompute is 2 tokens instead of 4; the pages it then needs are evicted LRU first.
+    sched = cached_sched(max_slots=3, num_pages=5, page_size=2, max_model_len=16, token_budget=16)
+    reqs = [Request("A", [1, 2, 3], greedy(4), arrival_time=0.0),
+            Request("B", [4, 5], greedy(4), arrival_time=1.0)]
+    pages = []
+    results, plans = drive(sched, {0: reqs}, on_step=lambda step, plan: pages.append(
+        {r: sched.pages_of(r) for r in sched.running_ids}))
+    assert [rows(p) for p in plans] == [
+        [("A", 3, True), ("B", 2, True)],
+        [("A", 1, True), ("B", 1, True)],
+        [("A", 1, True)],  # B preempted: page 4 (partial) -> free, page 3 -> cached
+        [("A", 1, True)],  # B's hit (page 3) needs 1 more page, none available: waits
+        [("B", 2, True)],  # B shares its old page 3, recomputes b1, b2 only
+        [("B", 1, True)],
+    ]
+    assert pages == [
+        {"A": [1, 2], "B": [3]},
+        {"A": [1, 2], "B": [3, 4]},
+        {"A": [1, 2, 4]},
+        {"A": [1, 2, 4]},
+        {"B": [3, 4]},  # A released [4, 2, 1] all registered -> LRU [3, 4, 2, 1]; 4 evicted
+        {"B": [3, 4, 2]},  # 2 evicted next
+    ]
+    assert plans[4].positions[:2].tolist() == [2, 3]
+    for r in reqs:
+        assert results[r.request_id] == run_alone(r.prompt_ids, r.params)
+    st = sched.prefix_cache_stats()
+    assert st["recompute_tokens"] == 4 and st["recompute_cached_tokens"] == 2
+    assert st["evictions"] == 2 and st["cached_tokens"] == 0
+    assert sched.num_preemptions == 1
+    assert sched.allocator.free_list == [2] and sched.allocator.cached_list == [1, 4, 3]
+
+
+def test_abort_drops_shared_references():
+    sched = cached_sched(max_slots=3, num_pages=10, page_size=2, max_model_len=32, token_budget=32)
+    eng = FakeEngine(10, 2)
+    serve_one(sched, eng, Request("A", [1, 2, 3, 4, 5], greedy(1)))
+    assert sched.allocator.cached_list == [2, 1]
+    sched.add_request(Request("B", [1, 2, 3, 4, 6], greedy(5)))
+    sched.add_request(Request("C", [1, 2, 3, 4, 7], greedy(5)))
+    sched.add_request(Request("W", [1, 2, 3, 4, 8], greedy(5)))  # waits: no slot... (3 slots)
+    p = sched.schedule()
+    assert p.request_ids == ["B", "C", "W"]
+    assert sched.allocator.ref_count(1) == 3 and sched.allocator.ref_count(2) == 3
+    assert sched.abort("C")  # between schedule and update
+    assert sched.allocator.ref_count(1) == 2
+    sched.update(p, eng.step(p))
+    sched.check_invariants()
+    assert sched.abort("B") and sched.abort("W")
+    sched.check_invariants()
+    assert sched.allocator.ref_count(1) == 0 and sched.allocator.cached_list[-2:] == [2, 1]
+    assert sched.free_pages == 9 and not sched.has_work
+
+
+def test_shared_prefix_soak_identical_tokens_no_leaks():
+    """Many requests over a few shared system prefixes, a small pool (preemption + eviction),
+    aborts: every finished request's tokens equal running it alone, with caching on or off, and
+    every page ends free or cached with ref count 0."""
+    def run(caching):
+        rng = np.random.default_rng(7)
+        sched = Scheduler(max_slots=4, num_pages=24, page_size=4, max_model_len=64,
+                          token_budget=24, enable_prefix_caching=caching)
+        systems = [rng.integers(1, V, n).tolist() for n in (12, 17, 8)]
+        arrivals, reqs = {}, {}
+        for i in range(150):
+            sysp = systems[int(rng.integers(len(systems)))] if rng.random() < 0.8 else []
+            prompt = sysp + rng.integers(1, V, rng.integers(1, 10)).tolist()
+            params = greedy(int(rng.integers(1, 12)), ignore_eos=bool(rng.random() < 0.5))
+            r = Request(f"r{i}", prompt, params, eos_ids=(0,), arrival_time=float(i))
+            reqs[r.request_id] = r
+            arrivals.setdefault(int(rng.integers(0, 300)), []).append(r)
+        aborted = set()
+
+        def cancel_some(step, plan):
+            live = sched.running_ids + sched.waiting_ids
+            if live and rng.random() < 0.02:
+                rid = live[int(rng.integers(len(live)))]
+                assert sched.abort(rid)
+                aborted.add(rid)
+
+        results, _ = drive(sched, arrivals, on_step=cancel_some)
+        for rid, r in reqs.items():
+            want = run_alone(r.prompt_ids, r.params, r.eos_ids)
+            got = results[rid]
+            if rid in aborted:
+                assert got[0] == want[0][: len(got[0])], rid
+            else:
+                assert got == want, rid
+        al = sched.allocator
+        al.check_invariants()
+        assert len(al.free_list) + al.num_cached == al.num_total
+        assert all(al.ref_count(p) == 0 for p in range(al.num_pages))
+        return sched, results, aborted
+
+    on, res_on, ab_on = run(True)
+    off, res_off, ab_off = run(False)
+    both = set(res_on) - ab_on - ab_off
+    assert len(both) > 120 and all(res_on[r] == res_off[r] for r in both)
+    st = on.prefix_cache_stats()
+    assert st["hit_rate"] > 0.3 and st["evictions"] > 0 and on.num_preemptions > 0
+    assert st["recompute_cached_tokens"] > 0
+    assert off.prefix_cache_stats()["cached_tokens"] == 0 and off.allocator.num_cached == 0

@@ -1,0 +1,401 @@
+"""Tensor parallelism over a device mesh (XLA SPMD), and the multi-host plan channel.
+
+Every parameter and cache array declares *logical* axes; one rules table maps logical axes to
+the mesh axes `("data", "model")`. A logical axis is sharded only when its size divides evenly
+by the mesh axis: Gemma 3 270M's single KV head stays replicated on a tp=4 mesh (its 4 q heads
+are split), and no dimension is ever split unevenly. The jitted step runs with these
+`NamedSharding`s as in/out shardings; XLA inserts the collectives (all-reduce after `wo` and
+`w_down`, gathers for the vocab-sharded embedding and logits).
+
+    mesh = make_mesh(tensor_parallel=4)
+    params = shard_params(params, mesh)               # or load straight into shards:
+    place = shard_placer(mesh, jnp.float32)           #   loaders' per-tensor `place` hook
+    shardings = param_shardings(abstract, mesh)       #   orbax restore targets
+
+Any pytree leaf type is handled generically: a `QuantizedArray`'s values shard like the dense
+weight and its scales (size 1 on the contracted axes) along the same non-contracted axes,
+because an axis of size 1 never divides and stays replicated. Int8 KV pools (`QuantizedPages`)
+likewise: values [Hkv, N, ps, Dh], scales [Hkv, N, ps] split on the KV-head axis.
+
+Multi-host: one process (index 0) runs the scheduler; before each step it broadcasts the step
+plan, packed into one fixed-size int32 buffer (`PlanCodec`), with
+`multihost_utils.broadcast_one_to_all`; the other processes run `follow(engine)`, which receives
+plans and runs the same jitted step on their devices (SPMD needs every process to dispatch the
+same program). See README "Multi-host serving".
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "model")
+
+# logical axis -> mesh axis (None = replicated). Applied only where the size divides evenly.
+RULES: dict[str, str | None] = {
+    "vocab": "model",
+    "heads": "model",
+    "kv_heads": "model",
+    "mlp": "model",
+    "embed": None,
+    "head_dim": None,
+    "pages": None,
+    "page_slot": None,
+}
+
+# parameter leaf name -> logical axes of the dense weight (shapes as in runtime/model.py)
+PARAM_AXES: dict[str, tuple[str, ...]] = {
+    "embed": ("vocab", "embed"),  # [V, D]
+    "lm_head": ("vocab", "embed"),  # [V, D]
+    "wq": ("embed", "heads", "head_dim"),  # [D, Hq, Dh]
+    "wk": ("embed", "kv_heads", "head_dim"),  # [D, Hkv, Dh]
+    "wv": ("embed", "kv_heads", "head_dim"),
+    "wo": ("heads", "head_dim", "embed"),  # [Hq, Dh, D]
+    "w_gate": ("embed", "mlp"),  # [D, F]
+    "w_up": ("embed", "mlp"),
+    "w_down": ("mlp", "embed"),  # [F, D]
+    "bq": ("heads", "head_dim"),
+    "bk": ("kv_heads", "head_dim"),
+    "bv": ("kv_heads", "head_dim"),
+    "q_norm": ("head_dim",),
+    "k_norm": ("head_dim",),
+    "attn_norm": ("embed",),
+    "mlp_norm": ("embed",),
+    "post_attn_norm": ("embed",),
+    "post_mlp_norm": ("embed",),
+    "final_norm": ("embed",),
+}
+
+# KV page pool [Hkv, N, ps, Dh]; int8 pools' scales [Hkv, N, ps] take the leading axes
+CACHE_AXES: tuple[str, ...] = ("kv_heads", "pages", "page_slot", "head_dim")
+
+
+# ------------------------------------------------------------------------------------ mesh
+
+
+def make_mesh(tensor_parallel: int = 1, data_parallel: int = 1, devices=None) -> Mesh:
+    """A ("data", "model") mesh over the first dp * tp devices (all processes' devices in a
+    multi-host job). On TPU the device order follows the physical topology."""
+    devices = list(jax.devices() if devices is None else devices)
+    n = tensor_parallel * data_parallel
+    if tensor_parallel < 1 or data_parallel < 1:
+        raise ValueError(f"tensor_parallel and data_parallel must be >= 1, got "
+                         f"{tensor_parallel}, {data_parallel}")
+    if n > len(devices):
+        raise ValueError(
+            f"tensor_parallel={tensor_parallel} x data_parallel={data_parallel} needs {n} devices, "
+            f"{len(devices)} available ({devices[0].platform}); on CPU set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={n}"
+        )
+    if jax.process_count() > 1 and n != len(devices):
+        raise ValueError(f"multi-host: tensor_parallel x data_parallel ({n}) must cover all "
+                         f"{len(devices)} devices of the {jax.process_count()} processes")
+    shape = (data_parallel, tensor_parallel)
+    try:
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_device_mesh(shape, devices[:n])
+    except (ValueError, NotImplementedError, AssertionError):  # a topology it cannot tile
+        grid = np.asarray(devices[:n], dtype=object).reshape(shape)
+    return Mesh(grid, MESH_AXES)
+
+
+def mesh_spec(axes: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh,
+              rules: dict[str, str | None] = RULES) -> P:
+    """PartitionSpec for an array of `shape` with logical `axes`: each axis maps through
+    `rules` when its size divides the mesh axis (and the mesh axis is not used yet), else it is
+    replicated. A rank mismatch (an unknown leaf layout) is fully replicated."""
+    if len(axes) != len(shape):
+        return P()
+    used, out = set(), []
+    for name, size in zip(axes, shape):
+        m = rules.get(name)
+        if m is not None and m not in used and m in mesh.shape and size % mesh.shape[m] == 0:
+            used.add(m)
+            out.append(m)
+        else:
+            out.append(None)
+    while out and out[-1] is None:
+        out.pop()
+    return P(*out)
+
+
+def _path_names(kp) -> list[str]:
+    names = []
+    for k in kp:
+        if isinstance(k, jax.tree_util.GetAttrKey):
+            names.append(k.name)
+        elif isinstance(k, jax.tree_util.DictKey):
+            names.append(str(k.key))
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            names.append(str(k.idx))
+        else:
+            names.append(str(k))
+    return names
+
+
+def param_axes(path: str | list[str]) -> tuple[str, ...] | None:
+    """Logical axes of the parameter at `path` ("layers.3.wq", "layers.3.wq.values", ...): the
+    last path component that names a weight decides (wrappers such as `.values` / `.scales`
+    inherit the weight's axes)."""
+    names = path.split(".") if isinstance(path, str) else path
+    for n in reversed(names):
+        if n in PARAM_AXES:
+            return PARAM_AXES[n]
+    return None
+
+
+def param_shardings(params, mesh: Mesh, rules: dict[str, str | None] = RULES):
+    """A pytree of NamedSharding matching `params` (arrays or ShapeDtypeStructs, any leaf
+    wrapper types such as QuantizedArray)."""
+    def one(kp, leaf):
+        axes = param_axes(_path_names(kp))
+        spec = P() if axes is None else mesh_spec(axes, tuple(leaf.shape), mesh, rules)
+        return NamedSharding(mesh, spec)
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def cache_shardings(cache, mesh: Mesh, rules: dict[str, str | None] = RULES):
+    """A pytree of NamedSharding matching a KVCache (dense or int8 pools)."""
+    def one(leaf):
+        axes = CACHE_AXES[: len(leaf.shape)]
+        return NamedSharding(mesh, mesh_spec(axes, tuple(leaf.shape), mesh, rules))
+
+    return jax.tree.map(one, cache)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+# ------------------------------------------------------------------------------- placement
+
+
+def put(x, sharding: NamedSharding, dtype=None) -> jax.Array:
+    """Place one array onto `sharding`. A host (numpy) array is sliced on the host and each
+    addressable device receives only its slice (works multi-host: every process passes the same
+    global array and fills its own devices). A device array already laid out so is returned."""
+    if isinstance(x, jax.Array):
+        if dtype is not None and x.dtype != dtype:
+            x = x.astype(dtype)
+        if x.sharding == sharding or (x.sharding.is_equivalent_to(sharding, x.ndim)):
+            return x
+        if x.is_fully_addressable:
+            x = np.asarray(x)  # host copy (free on CPU); then slice per device below
+        else:
+            return jax.device_put(x, sharding)
+    x = np.asarray(x)
+    if dtype is not None and x.dtype != dtype:
+        x = x.astype(dtype)
+    return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+
+def shard_params(params, mesh: Mesh, rules: dict[str, str | None] = RULES):
+    """Place a Params tree (any leaf wrappers) onto `mesh` by the rules."""
+    return jax.tree.map(lambda a, s: put(a, s), params, param_shardings(params, mesh, rules))
+
+
+def shard_placer(mesh: Mesh, dtype, inner: Callable | None = None) -> Callable:
+    """A loaders' `place(path, f32_array)` hook: `inner` (e.g. the quantizing placer) makes
+    the leaf, then each of its arrays goes straight to its shards; without `inner` the tensor
+    is cast to `dtype`. Checkpoints thus stream tensor by tensor into their device slices."""
+    dtype = jnp.dtype(dtype)
+
+    def place(path: str, arr):
+        leaf = inner(path, arr) if inner is not None else arr
+        names = path.split(".")
+
+        def one(kp, a):
+            axes = param_axes(names + _path_names(kp))
+            spec = P() if axes is None else mesh_spec(axes, tuple(a.shape), mesh)
+            cast = dtype if inner is None else None
+            return put(a, NamedSharding(mesh, spec), cast)
+
+        return jax.tree_util.tree_map_with_path(one, leaf)
+
+    return place
+
+
+def init_sharded_cache(make: Callable, mesh: Mesh):
+    """Allocate a cache (`make()` returns a KVCache) directly in its shards: no device ever
+    holds the whole pool."""
+    abstract = jax.eval_shape(make)
+    return jax.jit(make, out_shardings=cache_shardings(abstract, mesh))()
+
+
+def bytes_per_device(tree) -> int:
+    """Bytes of `tree`'s arrays held by one device (its first addressable shard of each)."""
+    return int(sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(tree)))
+
+
+def global_plan(arrays: dict, mesh: Mesh) -> dict:
+    """Plan arrays as replicated global arrays (needed when the mesh spans processes; every
+    process holds the same host values)."""
+    rep = replicated(mesh)
+    return {k: put(v, rep) for k, v in arrays.items()}
+
+
+# -------------------------------------------------------------------------------- multi-host
+
+
+def init_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
+                     process_id: int | None = None) -> bool:
+    """Join a multi-process JAX job. Arguments default to the env vars
+    JAXINFER_COORDINATOR_ADDRESS / JAXINFER_NUM_PROCESSES / JAXINFER_PROCESS_ID; with none set,
+    `jax.distributed.initialize()` auto-detects the cluster (Cloud TPU pod slices, SLURM,
+    Open MPI). Idempotent. Returns True when this process is the leader (process 0)."""
+    env = os.environ
+    coordinator_address = coordinator_address or env.get("JAXINFER_COORDINATOR_ADDRESS")
+    if num_processes is None and env.get("JAXINFER_NUM_PROCESSES"):
+        num_processes = int(env["JAXINFER_NUM_PROCESSES"])
+    if process_id is None and env.get("JAXINFER_PROCESS_ID"):
+        process_id = int(env["JAXINFER_PROCESS_ID"])
+    if not jax.distributed.is_initialized():
+        jax.distributed.initialize(coordinator_address=coordinator_address,
+                                   num_processes=num_processes, process_id=process_id)
+    return is_leader()
+
+
+def is_leader() -> bool:
+    return jax.process_index() == 0
+
+
+PLAN_FIELDS = (  # (name, dtype, shape in terms of T tokens, S sequence rows, P page columns)
+    ("token_ids", np.int32, "T"), ("positions", np.int32, "T"), ("slot_mapping", np.int32, "T"),
+    ("cu_q_lens", np.int32, "S+1"), ("kv_lens", np.int32, "S"), ("page_indices", np.int32, "S,P"),
+    ("num_seqs", np.int32, "1"), ("logits_indices", np.int32, "S"),
+    ("temperature", np.float32, "S"), ("top_k", np.int32, "S"), ("top_p", np.float32, "S"),
+    ("min_p", np.float32, "S"), ("seeds", np.uint32, "S"), ("sample_positions", np.int32, "S"),
+)
+_MAGIC = 0x4A58504C  # "JXPL"
+_HEADER = 8  # magic, stop, T, S, P, max_q_len, num_logprobs, filtered
+
+
+class PlanCodec:
+    """Packs one step (plan arrays + static args) into a fixed-size int32 buffer, so every
+    process can take part in one fixed-shape broadcast per step. 4-byte fields (f32, u32) are
+    bit-cast, so the round trip is exact."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_pages: int):
+        self.max_tokens, self.max_seqs, self.max_pages = max_tokens, max_seqs, max_pages
+        self.size = _HEADER + sum(
+            int(np.prod(_shape(s, max_tokens, max_seqs, max_pages))) for _, _, s in PLAN_FIELDS)
+
+    def pack(self, arrays: dict, max_q_len: int, num_logprobs: int, filtered: bool) -> np.ndarray:
+        t, s = len(arrays["token_ids"]), len(arrays["kv_lens"])
+        p = arrays["page_indices"].shape[1]
+        if t > self.max_tokens or s > self.max_seqs or p > self.max_pages:
+            raise ValueError(f"plan (T={t}, S={s}, P={p}) exceeds the codec's capacity "
+                             f"({self.max_tokens}, {self.max_seqs}, {self.max_pages})")
+        buf = np.zeros(self.size, np.int32)
+        buf[:_HEADER] = (_MAGIC, 0, t, s, p, max_q_len, num_logprobs, int(filtered))
+        off = _HEADER
+        for name, dtype, spec in PLAN_FIELDS:
+            a = np.asarray(arrays[name])
+            shape = _shape(spec, t, s, p)
+            if a.shape != shape or a.dtype != dtype:
+                raise ValueError(f"plan field {name}: {a.dtype}{list(a.shape)}, expected "
+                                 f"{np.dtype(dtype)}{list(shape)}")
+            flat = np.ascontiguousarray(a).reshape(-1).view(np.int32)
+            buf[off:off + flat.size] = flat
+            off += flat.size
+        return buf
+
+    def stop(self) -> np.ndarray:
+        buf = np.zeros(self.size, np.int32)
+        buf[:2] = (_MAGIC, 1)
+        return buf
+
+    def unpack(self, buf: np.ndarray):
+        """-> (arrays, max_q_len, num_logprobs, filtered), or None for the stop message."""
+        buf = np.asarray(buf)
+        if buf.shape != (self.size,) or buf.dtype != np.int32 or int(buf[0]) != _MAGIC:
+            raise ValueError("not a plan buffer of this codec")
+        if buf[1]:
+            return None
+        t, s, p, max_q_len, num_logprobs, filtered = (int(x) for x in buf[2:_HEADER])
+        arrays, off = {}, _HEADER
+        for name, dtype, spec in PLAN_FIELDS:
+            shape = _shape(spec, t, s, p)
+            n = int(np.prod(shape))
+            arrays[name] = buf[off:off + n].copy().view(dtype).reshape(shape)
+            off += n
+        return arrays, max_q_len, num_logprobs, bool(filtered)
+
+
+def _shape(spec: str, t: int, s: int, p: int) -> tuple[int, ...]:
+    return {"T": (t,), "S": (s,), "S+1": (s + 1,), "S,P": (s, p), "1": (1,)}[spec]
+
+
+class PlanChannel:
+    """The leader's `send` and the followers' `recv` of step plans, over
+    `broadcast(buffer, is_source)` (default: `multihost_utils.broadcast_one_to_all`, which is a
+    local copy with one process, so a lone process sends to nobody)."""
+
+    def __init__(self, codec: PlanCodec, broadcast: Callable | None = None):
+        from jax.experimental import multihost_utils
+
+        self.codec = codec
+        self._injected = broadcast is not None
+        self._broadcast = broadcast or multihost_utils.broadcast_one_to_all
+
+    def _active(self) -> bool:
+        return self._injected or jax.process_count() > 1
+
+    def send(self, arrays: dict, max_q_len: int, num_logprobs: int, filtered: bool) -> None:
+        buf = self.codec.pack(arrays, max_q_len, num_logprobs, filtered)
+        if self._active():
+            self._broadcast(buf, is_source=True)
+
+    def send_stop(self) -> None:
+        if self._active():
+            self._broadcast(self.codec.stop(), is_source=True)
+
+    def recv(self):
+        buf = self._broadcast(np.zeros(self.codec.size, np.int32), is_source=False)
+        return self.codec.unpack(np.asarray(buf))
+
+
+def follow(engine) -> int:
+    """A follower process's loop: run every step the leader broadcasts, until it stops.
+    Returns the number of steps run."""
+    n = 0
+    while True:
+        msg = engine.plan_channel.recv()
+        if msg is None:
+            return n
+        arrays, max_q_len, num_logprobs, filtered = msg
+        engine.cache = engine._run(arrays, max_q_len, num_logprobs > 0, filtered)[1]
+        n += 1
+
+
+# ------------------------------------------------------------------ attention kernels under TP
+
+
+def shard_kv_heads(attention: Callable, mesh: Mesh) -> Callable:
+    """Wrap a ragged paged-attention call `attention(q, k_pages, v_pages, kv_lens, page_indices,
+    cu_q_lens, num_seqs, **kw)` in a `shard_map` over the "model" axis when the KV heads divide
+    it: each device runs the kernel on its own q heads [T, Hq/tp, Dh] and KV heads
+    [Hkv/tp, N, ps, Dh] (GQA groups stay whole, since q head h reads kv head h // (Hq/Hkv));
+    the metadata is replicated. Pallas (Mosaic / Triton) kernels need this: XLA SPMD cannot
+    partition their custom calls. With KV heads that do not divide (one kv head) the call runs
+    unwrapped on replicated operands."""
+    tp = mesh.shape["model"]
+
+    def wrapped(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **kw):
+        args = (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+        if tp == 1 or k_pages.shape[0] % tp:
+            return attention(*args, **kw)
+        heads, pool, rep = P(None, "model"), P("model"), P()
+        fn = jax.shard_map(lambda *a: attention(*a, **kw), mesh=mesh,
+                           in_specs=(heads, pool, pool, rep, rep, rep, rep), out_specs=heads,
+                           check_vma=False)
+        return fn(*args)
+
+    return wrapped

@@ -1,0 +1,421 @@
+"""EngineLoop: one device-owning thread around the (single-threaded) Engine, shared by transports.
+
+    loop = EngineLoop(llm.engine, max_queue=64)
+    h = loop.submit(prompt_ids, SamplingParams(...), n=1)
+    async for updates in h:          # or `for updates in h:` from a plain thread
+        for u in updates: ...        # SampleUpdate: index, text, token_ids, logprobs, finished, ...
+    h.cancel()                       # abort at the next step: slot and pages freed
+
+Every engine call happens on the loop thread. Callers only touch thread-safe queues: `submit`
+validates on the caller's thread (so bad input and a full queue fail at once, without waiting for
+a device step), then hands the request to the loop thread, which adds it to the engine before the
+next step. After each step the deltas of one handle are delivered as ONE batch (a list with one
+SampleUpdate per sample that advanced), so a handle with n samples sees them in lock-step.
+
+Failure model: an exception from the engine fails every in-flight handle with EngineFault, marks
+the loop unhealthy and stops the thread; later submits raise EngineFault at once. No consumer is
+ever left waiting: every handle ends with either its final updates or an exception.
+
+Transport-agnostic: no gRPC or HTTP here. Listeners (`on_finish`, `on_fault`) let a metrics or
+health layer observe without the loop knowing about them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from runtime.config import SamplingParams
+from runtime.scheduler import QueueFull
+
+log = logging.getLogger(__name__)
+
+__all__ = ["EngineLoop", "Handle", "SampleUpdate", "EngineFault", "ShuttingDown", "QueueFull"]
+
+# Outcome names used in stats()["requests"] (and the Prometheus requests counter).
+OUTCOMES = ("stop", "length", "cancelled", "error", "rejected", "invalid")
+
+
+class EngineFault(RuntimeError):
+    """The engine raised; the request cannot complete (and the loop is down)."""
+
+
+class ShuttingDown(RuntimeError):
+    """The loop is draining or stopped and admits no new requests."""
+
+
+@dataclass
+class SampleUpdate:
+    """What one step added to sample `index` of a handle."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict]  # new entries of RequestState.logprobs (empty unless requested)
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    result: object | None = None  # the popped RequestState when finished (metrics, full text)
+
+
+_END = object()
+
+
+class Handle:
+    """One submission (n samples). Iterate it (async or sync) for per-step lists of
+    SampleUpdate; iteration ends after every sample finished, or raises EngineFault /
+    ShuttingDown / ValueError."""
+
+    def __init__(self, owner: EngineLoop, hid: str, n: int, aloop: asyncio.AbstractEventLoop | None,
+                 request_id: str | None = None):
+        self.id, self.n, self._owner = hid, n, owner
+        self.request_id = request_id or hid
+        self._aloop = aloop
+        self._aq: asyncio.Queue | None = asyncio.Queue() if aloop is not None else None
+        self._sq: queue.SimpleQueue = queue.SimpleQueue()
+        self._done = False
+        self.finish_reasons: list[str | None] = [None] * n
+
+    # called on the loop thread
+    def _put(self, item) -> None:
+        if self._aloop is not None:
+            try:
+                self._aloop.call_soon_threadsafe(self._aq.put_nowait, item)
+            except RuntimeError:  # the consumer's event loop is closed: nobody is listening
+                pass
+        else:
+            self._sq.put(item)
+
+    def cancel(self) -> None:
+        """Abort every unfinished sample at the next step (idempotent, any thread)."""
+        self._owner.cancel(self.id)
+
+    def _unwrap(self, item):
+        if item is _END:
+            self._done = True
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        return item
+
+    def __aiter__(self):
+        if self._aq is None:
+            raise TypeError("this handle was submitted outside an event loop: iterate it with `for`")
+        return self
+
+    async def __anext__(self) -> list[SampleUpdate]:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._aq.get()
+        try:
+            return self._unwrap(item)
+        except StopIteration:
+            raise StopAsyncIteration from None
+
+    def __iter__(self):
+        if self._aq is not None:
+            raise TypeError("this handle belongs to an event loop: iterate it with `async for`")
+        return self
+
+    def __next__(self) -> list[SampleUpdate]:
+        if self._done:
+            raise StopIteration
+        return self._unwrap(self._sq.get())
+
+
+@dataclass
+class _Pending:
+    handle: Handle
+    prompt_ids: list[int]
+    params: list[SamplingParams]
+    live: dict[str, int] = field(default_factory=dict)  # engine rid -> sample index
+    lp_sent: dict[str, int] = field(default_factory=dict)  # engine rid -> logprobs delivered
+
+
+class EngineLoop:
+    def __init__(self, engine, *, max_queue: int | None = None, idle_wait_s: float = 0.05,
+                 model_name: str = ""):
+        self.engine = engine
+        self.max_queue = max_queue
+        self.model_name = model_name
+        self._idle_wait_s = idle_wait_s
+        self._cv = threading.Condition()
+        self._inbox: deque[_Pending] = deque()  # guarded by _cv
+        self._cancels: set[str] = set()  # guarded by _cv
+        self._handles: dict[str, _Pending] = {}  # loop thread only
+        self._in_flight = 0  # guarded by _cv: handles submitted and not yet ended
+        self._closing = False
+        self._drain = True
+        self._stopped = threading.Event()
+        self._fault: BaseException | None = None
+        self._ids = itertools.count()
+        self._outcomes: Counter[str] = Counter({k: 0 for k in OUTCOMES})  # guarded by _cv
+        self._tokens = 0
+        self._steps = 0
+        self._waiting_snapshot = 0
+        self.on_finish: list[Callable[[object, str], None]] = []  # (RequestState, outcome)
+        self.on_fault: list[Callable[[BaseException], None]] = []
+        sch = engine.scheduler
+        self._limits = dict(vocab=engine.cfg.vocab_size, max_model_len=sch.max_model_len,
+                            page_size=sch.page_size, pages=sch.allocator.num_total)
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # ---- caller side (any thread) ---------------------------------------------------------
+    @property
+    def healthy(self) -> bool:
+        return self._fault is None and not self._stopped.is_set()
+
+    @property
+    def limits(self) -> dict:
+        return dict(self._limits)
+
+    def count(self, outcome: str, n: int = 1) -> None:
+        """Record an outcome decided outside the loop (e.g. a transport-level invalid request)."""
+        with self._cv:
+            self._outcomes[outcome] += n
+
+    def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise ValueError naming the field if the engine could never serve this request."""
+        lim = self._limits
+        if len(prompt_ids) == 0:
+            raise ValueError("prompt: empty (no tokens)")
+        bad = [t for t in prompt_ids if not 0 <= t < lim["vocab"]]
+        if bad:
+            raise ValueError(f"prompt_token_ids: ids out of range [0, {lim['vocab']}): {bad[:5]}")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < lim["vocab"]]
+        if bad:
+            raise ValueError(f"stop_token_ids: ids out of range [0, {lim['vocab']}): {bad[:5]}")
+        n, m = len(prompt_ids), params.max_tokens
+        if n >= lim["max_model_len"]:
+            raise ValueError(f"prompt: {n} tokens leave no room in max_model_len {lim['max_model_len']}")
+        if n + m > lim["max_model_len"]:
+            raise ValueError(f"max_tokens: prompt ({n} tokens) + max_tokens ({m}) exceeds "
+                             f"max_model_len {lim['max_model_len']}")
+        if -(-(n + m - 1) // lim["page_size"]) > lim["pages"]:
+            raise ValueError(f"max_tokens: prompt + max_tokens needs more KV pages than the pool "
+                             f"holds ({lim['pages']} pages of {lim['page_size']} tokens)")
+
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams | Sequence[SamplingParams],
+               request_id: str | None = None, *, n: int = 1) -> Handle:
+        """Queue `n` samples of one prompt (each an independent engine request; `params` is one
+        SamplingParams or one per sample). Raises at once: ValueError (invalid), QueueFull,
+        ShuttingDown, EngineFault. From inside a running event loop the handle is async-iterable,
+        otherwise sync-iterable."""
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * n
+        if len(plist) != n or n < 1:
+            raise ValueError(f"num_samples: {len(plist)} sampling params for n={n}")
+        prompt_ids = [int(t) for t in prompt_ids]
+        try:
+            for p in plist:
+                self.validate(prompt_ids, p)
+        except ValueError:
+            self.count("invalid")
+            raise
+        try:
+            aloop = asyncio.get_running_loop()
+        except RuntimeError:
+            aloop = None
+        with self._cv:
+            if self._fault is not None:
+                raise EngineFault(f"engine is down: {self._fault!r}")
+            if self._closing or self._stopped.is_set():
+                raise ShuttingDown("server is shutting down")
+            depth = len(self._inbox) + self._waiting_snapshot
+            if self.max_queue is not None and depth + n > self.max_queue:
+                self._outcomes["rejected"] += 1
+                raise QueueFull(f"queue is full ({depth} waiting, max_queue {self.max_queue})")
+            h = Handle(self, f"h{next(self._ids)}", n, aloop, request_id)
+            self._inbox.append(_Pending(h, prompt_ids, plist))
+            self._in_flight += 1
+            self._cv.notify()
+        return h
+
+    def cancel(self, handle_id: str) -> None:
+        with self._cv:
+            self._cancels.add(handle_id)
+            self._cv.notify()
+
+    def stats(self) -> dict:
+        sch = self.engine.scheduler
+        with self._cv:
+            outcomes = dict(self._outcomes)
+            inbox = len(self._inbox)
+            in_flight = self._in_flight
+        total = sch.allocator.num_total
+        free = sch.free_pages
+        return {
+            "queue_depth": inbox + self._waiting_snapshot, "running": sch.num_running,
+            "max_slots": sch.max_slots, "pages_total": total, "pages_free": free,
+            "pages_used": total - free, "tokens_generated": self._tokens, "requests": outcomes,
+            "healthy": self.healthy, "in_flight": in_flight, "steps": self._steps,
+            "compile_count": self._compile_count(), "vocab_size": self._limits["vocab"],
+            "max_model_len": self._limits["max_model_len"], "model": self.model_name,
+        }
+
+    def _compile_count(self) -> int:
+        try:
+            return int(self.engine.compile_count)
+        except (AttributeError, TypeError):
+            return -1
+
+    def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop admitting. drain=True: let in-flight requests finish (up to `timeout` s, then
+        cancel the rest); drain=False: cancel them now. Returns when the loop thread exited."""
+        with self._cv:
+            self._closing, self._drain = True, drain
+            self._cv.notify()
+        if drain and timeout is not None:
+            deadline = time.monotonic() + timeout
+            while self._in_flight and time.monotonic() < deadline and self._thread.is_alive():
+                time.sleep(0.01)
+            with self._cv:
+                self._drain = False
+                self._cv.notify()
+        self._thread.join()
+
+    # ---- loop thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                cancels, stop = self._take_commands()
+                for hid in cancels:
+                    self._cancel_now(hid)
+                if stop:
+                    break
+                if self.engine.scheduler.has_work:
+                    self._step()
+        except BaseException as e:  # noqa: BLE001 - any engine failure fails all clients
+            log.exception("engine loop fault")
+            self._fail_all(e)
+        finally:
+            self._stopped.set()
+
+    def _take_commands(self):
+        with self._cv:
+            while (not self._inbox and not self._cancels and not self._closing
+                   and not self.engine.scheduler.has_work):
+                self._cv.wait(self._idle_wait_s)
+            # Admission is host-only bookkeeping; doing it under the lock keeps the queue depth
+            # seen by submit() exact (inbox + engine waiting queue, never a gap between them).
+            while self._inbox:
+                self._admit(self._inbox.popleft())
+            self._waiting_snapshot = self.engine.scheduler.num_waiting
+            cancels = set(self._cancels)
+            self._cancels.clear()
+            stop = False
+            if self._closing:
+                if not self._drain:
+                    cancels |= set(self._handles)
+                stop = not self._handles and not cancels
+            return cancels, stop
+
+    def _admit(self, p: _Pending) -> None:
+        self._handles[p.handle.id] = p
+        try:
+            for i, sp in enumerate(p.params):
+                rid = self.engine.add_request(p.prompt_ids, sp, f"{p.handle.id}/{i}")
+                p.live[rid] = i
+                p.lp_sent[rid] = 0
+        except ValueError as e:  # validated already; a last guard (e.g. duplicate ids)
+            for rid in list(p.live):
+                self.engine.abort(rid)
+                self.engine.pop(rid)
+            p.live.clear()
+            self._end(p, e, outcome="invalid", locked=True)
+
+    def _cancel_now(self, hid: str) -> None:
+        p = self._handles.get(hid)
+        if p is None:
+            return
+        updates = []
+        for rid, i in list(p.live.items()):
+            self.engine.abort(rid)
+            st = self.engine.pop(rid)
+            p.handle.finish_reasons[i] = "abort"
+            updates.append(SampleUpdate(i, "", [], [], True, "abort", st))
+            self._notify_finish(st, "cancelled")
+        p.live.clear()
+        if updates:
+            p.handle._put(updates)
+        self._end(p, _END)
+
+    def _step(self) -> None:
+        deltas = self.engine.step()
+        self._steps += 1
+        by_handle: dict[str, list[SampleUpdate]] = {}
+        finished: list[tuple[_Pending, str]] = []
+        for d in deltas:
+            hid = d.request_id.rsplit("/", 1)[0]
+            p = self._handles.get(hid)
+            if p is None or d.request_id not in p.live:
+                continue
+            self._tokens += len(d.token_ids)
+            st = self.engine.requests[d.request_id]
+            lp = st.logprobs[p.lp_sent[d.request_id]:]
+            p.lp_sent[d.request_id] = len(st.logprobs)
+            u = SampleUpdate(p.live[d.request_id], d.text, list(d.token_ids), list(lp))
+            if d.finished:
+                u.finished, u.finish_reason = True, d.finish_reason
+                u.result = self.engine.pop(d.request_id)
+                p.handle.finish_reasons[u.index] = d.finish_reason
+                del p.live[d.request_id]
+                finished.append((p, d.request_id))
+                self._notify_finish(u.result, d.finish_reason or "stop")
+            by_handle.setdefault(hid, []).append(u)
+        for hid, ups in by_handle.items():
+            p = self._handles[hid]
+            p.handle._put(sorted(ups, key=lambda u: u.index))
+            if not p.live:
+                self._end(p, _END)
+
+    def _end(self, p: _Pending, final, outcome: str | None = None, locked: bool = False) -> None:
+        if self._handles.pop(p.handle.id, None) is None:
+            return
+        p.handle._put(final)
+        if locked:
+            self._count_end(outcome)
+        else:
+            with self._cv:
+                self._count_end(outcome)
+
+    def _count_end(self, outcome: str | None) -> None:
+        self._in_flight -= 1
+        if outcome is not None:
+            self._outcomes[outcome] += 1
+
+    def _notify_finish(self, st, outcome: str) -> None:
+        if outcome == "abort":
+            outcome = "cancelled"
+        with self._cv:
+            self._outcomes[outcome] += 1
+        for fn in self.on_finish:
+            try:
+                fn(st, outcome)
+            except Exception:  # a listener bug must not take the engine down
+                log.exception("on_finish listener failed")
+
+    def _fail_all(self, exc: BaseException) -> None:
+        self._fault = exc
+        err = EngineFault(f"engine fault: {exc!r}")
+        with self._cv:
+            pending = list(self._handles.values()) + list(self._inbox)
+            self._inbox.clear()
+            self._handles.clear()
+            for p in pending:
+                self._outcomes["error"] += len(p.live) if p.live else p.handle.n
+            self._in_flight = 0
+        for p in pending:
+            p.handle._put(err)
+        for fn in self.on_fault:
+            try:
+                fn(exc)
+            except Exception:
+                log.exception("on_fault listener failed")

@@ -1,0 +1,409 @@
+"""`jaxinfer serve`: the gRPC generation service.
+
+Services on one grpc.aio server:
+  * jetstream_proto.Orchestrator (Decode, HealthCheck) — JetStream's wire format, so JetStream
+    clients and its benchmark_serving.py work unchanged (see serve/proto/jetstream.proto).
+  * jaxinfer.v1.Generation (Generate, Stats) — per-request sampling, stop strings, logprobs,
+    usage and latency metrics; Stats for introspection (pages free, queue, counters).
+  * grpc.health.v1.Health and server reflection.
+Prometheus metrics on a separate HTTP port (`--metrics-port`).
+
+The engine runs in one thread (serve.engine_loop.EngineLoop); handlers only await its queues.
+Status codes: invalid input -> INVALID_ARGUMENT naming the field; full queue ->
+RESOURCE_EXHAUSTED at once; draining -> UNAVAILABLE; engine fault -> INTERNAL for the affected
+requests, then health NOT_SERVING and UNAVAILABLE for new ones. A client cancel or deadline
+cancels the request: its slot and pages are freed at the next engine step.
+
+Auth: with `--auth-token T` every call must carry metadata `authorization: Bearer T`
+(UNAUTHENTICATED otherwise), except grpc.health.v1.Health, which stays open for load-balancer
+and orchestrator probes (it reveals only SERVING/NOT_SERVING).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from runtime.config import SamplingParams
+from serve.engine_loop import EngineFault, EngineLoop, QueueFull, ShuttingDown
+from serve.metrics import ServingMetrics
+from serve.proto import jaxinfer_pb2, jaxinfer_pb2_grpc, jetstream_pb2, jetstream_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+HEALTH_SERVICES = ("", "jetstream_proto.Orchestrator", "jaxinfer.v1.Generation")
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 9000  # 0: pick a free port
+    metrics_port: int | None = None  # None: no metrics endpoint; 0: pick a free port
+    max_queue: int | None = 256
+    max_samples: int = 8  # JetStream num_samples limit
+    tls_cert: str | None = None  # PEM paths
+    tls_key: str | None = None
+    auth_token: str | None = None
+    max_message_bytes: int = 16 * 1024 * 1024
+    drain_timeout_s: float = 30.0  # graceful stop: let in-flight requests finish this long
+    model_name: str = ""
+
+
+# ---- request parsing ---------------------------------------------------------------------------
+def generate_inputs(req, tokenizer, vocab_size: int) -> tuple[list[int], SamplingParams]:
+    """GenerateRequest -> (prompt ids, SamplingParams); ValueError naming the field."""
+    has_text, has_ids = req.HasField("prompt"), len(req.prompt_token_ids) > 0
+    if has_text and has_ids:
+        raise ValueError("prompt/prompt_token_ids: set exactly one, got both")
+    if not has_text and not has_ids:
+        raise ValueError("prompt: set prompt (text) or prompt_token_ids")
+    if has_text:
+        if not req.prompt:
+            raise ValueError("prompt: empty string")
+        ids = tokenizer.encode(req.prompt)
+    else:
+        ids = list(req.prompt_token_ids)
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids: ids out of range [0, {vocab_size}): {bad[:5]}")
+    if len(req.stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(req.stop)}")
+    if any(len(s) > MAX_STOP_CHARS for s in req.stop):
+        raise ValueError(f"stop: a stop string is longer than {MAX_STOP_CHARS} characters")
+    kw = {f: getattr(req, f) for f in ("max_tokens", "temperature", "top_k", "top_p", "min_p",
+                                        "seed", "logprobs") if req.HasField(f)}
+    return ids, SamplingParams(stop=tuple(req.stop), stop_token_ids=tuple(req.stop_token_ids),
+                               ignore_eos=req.ignore_eos, **kw)
+
+
+def decode_inputs(req, tokenizer, vocab_size: int, max_samples: int):
+    """JetStream DecodeRequest -> (prompt ids, SamplingParams, n, text_mode)."""
+    kind = req.WhichOneof("content")
+    if kind is None:
+        raise ValueError("content: set text_content or token_content")
+    if kind == "text_content":
+        if not req.text_content.text:
+            raise ValueError("text_content.text: empty")
+        ids = tokenizer.encode(req.text_content.text)
+    else:
+        ids = list(req.token_content.token_ids)
+        if not ids:
+            raise ValueError("token_content.token_ids: empty")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"token_content.token_ids: ids out of range [0, {vocab_size}): {bad[:5]}")
+    if req.num_samples < 0 or req.num_samples > max_samples:
+        raise ValueError(f"num_samples: must be in [0, {max_samples}] (0 means 1), got {req.num_samples}")
+    if req.max_tokens <= 0:
+        raise ValueError(f"max_tokens: must be a positive integer, got {req.max_tokens}")
+    # JetStream decodes greedily and stops at EOS.
+    return ids, SamplingParams(max_tokens=req.max_tokens, temperature=0.0), max(1, req.num_samples), \
+        kind == "text_content"
+
+
+# ---- servicers ---------------------------------------------------------------------------------
+class _Base:
+    def __init__(self, loop: EngineLoop, tokenizer, cfg: ServerConfig):
+        self.loop, self.tokenizer, self.cfg = loop, tokenizer, cfg
+        self.vocab = loop.limits["vocab"]
+
+    async def _invalid(self, context, e: ValueError):
+        self.loop.count("invalid")
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    async def _submit(self, context, ids, params, n=1, request_id=None):
+        try:
+            return self.loop.submit(ids, params, request_id or None, n=n)
+        except ValueError as e:  # counted as invalid by the loop
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except QueueFull as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except (ShuttingDown, EngineFault) as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+
+    async def _updates(self, context, handle):
+        """Async-iterate a handle. However the RPC ends (client cancel, deadline, server stop)
+        the done-callback cancels the request, so its slot and pages free at the next step.
+        Engine fault -> INTERNAL."""
+        context.add_done_callback(lambda _ctx: handle.cancel())
+        try:
+            async for ups in handle:
+                if any(u.finish_reason == "abort" for u in ups) and not context.cancelled():
+                    # Not the client's doing: the server cancelled it (drain timeout on stop).
+                    await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                        "request cancelled by the server (shutting down)")
+                yield ups
+        except EngineFault as e:
+            await context.abort(grpc.StatusCode.INTERNAL, str(e))
+        except ShuttingDown as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+
+
+class GenerationServicer(_Base, jaxinfer_pb2_grpc.GenerationServicer):
+    async def Generate(self, request, context):
+        try:
+            ids, params = generate_inputs(request, self.tokenizer, self.vocab)
+        except ValueError as e:
+            await self._invalid(context, e)
+        handle = await self._submit(context, ids, params, request_id=request.request_id)
+        async for ups in self._updates(context, handle):
+            for u in ups:
+                msg = jaxinfer_pb2.GenerateResponse(text=u.text, token_ids=u.token_ids)
+                for lp in u.logprobs:
+                    msg.logprobs.add(token_id=lp["token_id"], logprob=lp["logprob"],
+                                     top=[jaxinfer_pb2.TopLogprob(token_id=i, logprob=v)
+                                          for i, v in lp["top"]])
+                if u.finished:
+                    st = u.result
+                    m = st.metrics.summary()
+                    msg.final.finish_reason = u.finish_reason or ""
+                    msg.final.request_id = handle.request_id
+                    msg.final.usage.prompt_tokens = len(st.prompt_ids)
+                    msg.final.usage.completion_tokens = len(st.token_ids)
+                    fm = msg.final.metrics
+                    fm.queue_s = m["queue_s"] or 0.0
+                    fm.ttft_s = m["ttft_s"] or 0.0
+                    fm.itl_s.extend(m["itl_s"])
+                    fm.itl_mean_s = m["itl_s_mean"] or 0.0
+                    fm.e2e_s = m["e2e_s"] or 0.0
+                if u.text or u.token_ids or u.finished:
+                    yield msg
+
+    async def Stats(self, request, context):
+        s = self.loop.stats()
+        return jaxinfer_pb2.StatsResponse(
+            **{k: s[k] for k in ("queue_depth", "running", "max_slots", "pages_total", "pages_free",
+                                 "pages_used", "tokens_generated", "healthy", "in_flight",
+                                 "compile_count", "vocab_size", "max_model_len", "model", "steps")},
+            requests=s["requests"],
+        )
+
+
+class OrchestratorServicer(_Base, jetstream_pb2_grpc.OrchestratorServicer):
+    async def Decode(self, request, context):
+        try:
+            ids, params, n, text_mode = decode_inputs(request, self.tokenizer, self.vocab,
+                                                      self.cfg.max_samples)
+        except ValueError as e:
+            await self._invalid(context, e)
+        handle = await self._submit(context, ids, params, n=n)
+        Sample = jetstream_pb2.DecodeResponse.StreamContent.Sample
+        async for ups in self._updates(context, handle):
+            by_index = {u.index: u for u in ups}
+            samples = []
+            for i in range(n):
+                u = by_index.get(i)
+                if u is None:
+                    samples.append(Sample())
+                else:
+                    samples.append(Sample(text=u.text if text_mode else "", token_ids=u.token_ids))
+            if any(s.token_ids or s.text for s in samples):
+                msg = jetstream_pb2.DecodeResponse()
+                msg.stream_content.samples.extend(samples)
+                yield msg
+
+    async def HealthCheck(self, request, context):
+        return jetstream_pb2.HealthCheckResponse(is_live=self.loop.healthy)
+
+
+# ---- auth --------------------------------------------------------------------------------------
+class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Every call needs `authorization: Bearer <token>`; grpc.health.v1.Health is exempt."""
+
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith("/grpc.health.v1.Health/"):
+            return handler
+        got = ""
+        for key, value in details.invocation_metadata or ():
+            if key == "authorization":
+                got = value if isinstance(value, str) else value.decode("latin-1")
+        if hmac.compare_digest(got.encode(), self._expected):
+            return handler
+        return _deny(handler)
+
+
+def _deny(handler):
+    msg = "missing or invalid bearer token (metadata 'authorization: Bearer <token>')"
+
+    async def unary(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, msg)
+
+    async def stream(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, msg)
+        yield  # pragma: no cover - makes this an async generator
+
+    kw = dict(request_deserializer=handler.request_deserializer,
+              response_serializer=handler.response_serializer)
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(stream, **kw)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(unary, **kw)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(stream, **kw)
+    return grpc.unary_unary_rpc_method_handler(unary, **kw)
+
+
+# ---- the server --------------------------------------------------------------------------------
+class GenerationServer:
+    """Owns the EngineLoop, the grpc.aio server and the metrics endpoint. Use from one asyncio
+    event loop: `port = await s.start()`, ..., `await s.stop()`."""
+
+    def __init__(self, llm, cfg: ServerConfig):
+        self.llm, self.cfg = llm, cfg
+        self.loop = EngineLoop(llm.engine, max_queue=cfg.max_queue, model_name=cfg.model_name)
+        self.metrics = ServingMetrics(self.loop)
+        self.health = health_aio.HealthServicer()
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+        self._server: grpc.aio.Server | None = None
+        self._aloop: asyncio.AbstractEventLoop | None = None
+        self.loop.on_fault.append(self._on_fault)
+
+    def _on_fault(self, exc: BaseException) -> None:  # loop thread
+        if self._aloop is not None and not self._aloop.is_closed():
+            asyncio.run_coroutine_threadsafe(self._set_health(False), self._aloop)
+
+    async def _set_health(self, serving: bool) -> None:
+        st = (health_pb2.HealthCheckResponse.SERVING if serving
+              else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in HEALTH_SERVICES:
+            await self.health.set(name, st)
+
+    async def start(self) -> int:
+        cfg = self.cfg
+        self._aloop = asyncio.get_running_loop()
+        opts = [("grpc.max_receive_message_length", cfg.max_message_bytes),
+                ("grpc.max_send_message_length", cfg.max_message_bytes),
+                ("grpc.so_reuseport", 0)]
+        interceptors = [BearerAuthInterceptor(cfg.auth_token)] if cfg.auth_token else []
+        server = grpc.aio.server(options=opts, interceptors=interceptors)
+        jaxinfer_pb2_grpc.add_GenerationServicer_to_server(
+            GenerationServicer(self.loop, self.llm.tokenizer, cfg), server)
+        jetstream_pb2_grpc.add_OrchestratorServicer_to_server(
+            OrchestratorServicer(self.loop, self.llm.tokenizer, cfg), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        names = (jaxinfer_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
+                 jetstream_pb2.DESCRIPTOR.services_by_name["Orchestrator"].full_name,
+                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                 reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, server)
+        addr = f"{cfg.host}:{cfg.port}"
+        if cfg.tls_cert or cfg.tls_key:
+            if not (cfg.tls_cert and cfg.tls_key):
+                raise ValueError("--tls-cert and --tls-key must be given together")
+            with open(cfg.tls_key, "rb") as f:
+                key = f.read()
+            with open(cfg.tls_cert, "rb") as f:
+                cert = f.read()
+            self.port = server.add_secure_port(addr, grpc.ssl_server_credentials([(key, cert)]))
+        else:
+            self.port = server.add_insecure_port(addr)
+        if not self.port:
+            raise ValueError(f"cannot bind {addr}")
+        await self._set_health(self.loop.healthy)
+        await server.start()
+        self._server = server
+        if cfg.metrics_port is not None:
+            self.metrics_port = self.metrics.serve_http(cfg.host, cfg.metrics_port)
+        return self.port
+
+    async def stop(self, drain_timeout_s: float | None = None) -> None:
+        """Graceful: health NOT_SERVING, stop admitting (UNAVAILABLE), let in-flight requests
+        finish for up to drain_timeout_s (then cancel them), close the server."""
+        t = self.cfg.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
+        await self.health.enter_graceful_shutdown()
+        await asyncio.get_running_loop().run_in_executor(
+            None, lambda: self.loop.shutdown(drain=t > 0, timeout=t))
+        if self._server is not None:
+            await self._server.stop(grace=2.0)
+        self.metrics.stop_http()
+
+
+class ServerThread:
+    """Run a GenerationServer on its own asyncio loop in a background thread (tests, notebooks,
+    embedding): `s = ServerThread(llm, ServerConfig(port=0)); s.port; ...; s.stop()`."""
+
+    def __init__(self, llm, cfg: ServerConfig):
+        self.aloop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.aloop.run_forever, name="grpc-server",
+                                        daemon=True)
+        self._thread.start()
+        self.server = GenerationServer(llm, cfg)
+        asyncio.run_coroutine_threadsafe(self.server.start(), self.aloop).result(60)
+        self.port, self.metrics_port = self.server.port, self.server.metrics_port
+
+    @property
+    def loop(self) -> EngineLoop:
+        return self.server.loop
+
+    def stop(self, drain_timeout_s: float = 5.0) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(drain_timeout_s), self.aloop).result(120)
+        self.aloop.call_soon_threadsafe(self.aloop.stop)
+        self._thread.join(10)
+
+
+# ---- CLI ---------------------------------------------------------------------------------------
+def register(subparsers, engine_args) -> None:
+    p = subparsers.add_parser("serve", help="run the gRPC generation service")
+    engine_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    p.add_argument("--port", type=int, default=9000)
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="Prometheus /metrics HTTP port (off unless given)")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="waiting requests before RESOURCE_EXHAUSTED")
+    p.add_argument("--max-samples", type=int, default=8, help="JetStream num_samples limit")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate chain (enables TLS)")
+    p.add_argument("--tls-key", default=None, help="PEM private key")
+    p.add_argument("--auth-token", default=None,
+                   help="require 'authorization: Bearer TOKEN' on every call (health exempt)")
+    p.add_argument("--max-message-bytes", type=int, default=16 * 1024 * 1024)
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to let in-flight requests finish before cancelling")
+    p.set_defaults(fn=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    from serve.cli import llm_from_args
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = ServerConfig(host=args.host, port=args.port, metrics_port=args.metrics_port,
+                       max_queue=args.max_queue, max_samples=args.max_samples,
+                       tls_cert=args.tls_cert, tls_key=args.tls_key, auth_token=args.auth_token,
+                       max_message_bytes=args.max_message_bytes,
+                       drain_timeout_s=args.drain_timeout, model_name=args.model)
+    llm = llm_from_args(args)
+    return asyncio.run(_serve(llm, cfg))
+
+
+async def _serve(llm, cfg: ServerConfig) -> int:
+    server = GenerationServer(llm, cfg)
+    port = await server.start()
+    metrics = f", metrics on http://{cfg.host}:{server.metrics_port}/metrics" if server.metrics_port else ""
+    print(f"jaxinfer serve: listening on {cfg.host}:{port}"
+          f"{' (TLS)' if cfg.tls_cert else ''}{metrics}", flush=True)
+    stop = asyncio.Event()
+    aloop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        aloop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    print("jaxinfer serve: draining", file=sys.stderr, flush=True)
+    await server.stop()
+    print("jaxinfer serve: stopped", file=sys.stderr, flush=True)
+    return 0
