@@ -387,7 +387,7 @@ def test_pallas_kernel_under_shard_map_matches_unsharded():
     from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
     rng = np.random.default_rng(0)
-    hq, hkv, dh, ps, n = 8, 4, 32, 8, 9
+    hq, hkv, dh, ps, n = 8, 4, 64, 8, 9
     q = jnp.asarray(rng.standard_normal((24, hq, dh)), jnp.float32)
     k = jnp.asarray(rng.standard_normal((hkv, n, ps, dh)), jnp.float32)
     v = jnp.asarray(rng.standard_normal((hkv, n, ps, dh)), jnp.float32)
