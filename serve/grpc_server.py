@@ -6,7 +6,9 @@ Services on one grpc.aio server:
   * jaxinfer.v1.Generation (Generate, Stats) — per-request sampling, stop strings, logprobs,
     usage and latency metrics; Stats for introspection (pages free, queue, counters).
   * grpc.health.v1.Health and server reflection.
-Prometheus metrics on a separate HTTP port (`--metrics-port`).
+Prometheus metrics on a separate HTTP port (`--metrics-port`). With `--http-port` the
+OpenAI-compatible HTTP API (serve/openai_server.py) runs in the same asyncio loop over the same
+EngineLoop, so both transports share one engine, its slots, queue limit, auth token and drain.
 
 The engine runs in one thread (serve.engine_loop.EngineLoop); handlers only await its queues.
 Status codes: invalid input -> INVALID_ARGUMENT naming the field; full queue ->
@@ -59,6 +61,8 @@ class ServerConfig:
     max_message_bytes: int = 16 * 1024 * 1024
     drain_timeout_s: float = 30.0  # graceful stop: let in-flight requests finish this long
     model_name: str = ""
+    http_port: int | None = None  # OpenAI-compatible HTTP API (serve/openai_server.py); 0: free port
+    chat_template: str | None = None  # file (or text) overriding the checkpoint's chat template
 
 
 # ---- request parsing ---------------------------------------------------------------------------
@@ -271,6 +275,8 @@ class GenerationServer:
         self.health = health_aio.HealthServicer()
         self.port: int | None = None
         self.metrics_port: int | None = None
+        self.http_port: int | None = None
+        self.http = None  # serve.openai_server.HttpServer when cfg.http_port is set
         self._server: grpc.aio.Server | None = None
         self._aloop: asyncio.AbstractEventLoop | None = None
         self.loop.on_fault.append(self._on_fault)
@@ -321,6 +327,17 @@ class GenerationServer:
         self._server = server
         if cfg.metrics_port is not None:
             self.metrics_port = self.metrics.serve_http(cfg.host, cfg.metrics_port)
+        if cfg.http_port is not None:  # same asyncio loop, same EngineLoop
+            from serve.chat_template import resolve_chat_template
+            from serve.openai_server import HttpServer, OpenAIApp
+
+            api = OpenAIApp(self.loop, self.llm.tokenizer, model_name=cfg.model_name or "default",
+                            chat_template=resolve_chat_template(self.llm.tokenizer, self.llm.model.cfg,
+                                                                cfg.chat_template),
+                            auth_token=cfg.auth_token, max_samples=cfg.max_samples,
+                            max_body_bytes=cfg.max_message_bytes)
+            self.http = HttpServer(api)
+            self.http_port = await self.http.start(cfg.host, cfg.http_port, cfg.tls_cert, cfg.tls_key)
         return self.port
 
     async def stop(self, drain_timeout_s: float | None = None) -> None:
@@ -328,10 +345,14 @@ class GenerationServer:
         finish for up to drain_timeout_s (then cancel them), close the server."""
         t = self.cfg.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
         await self.health.enter_graceful_shutdown()
+        if self.http is not None:
+            self.http.api.closing = True  # /health 503; new requests get 503 from the loop
         await asyncio.get_running_loop().run_in_executor(
             None, lambda: self.loop.shutdown(drain=t > 0, timeout=t))
         if self._server is not None:
             await self._server.stop(grace=2.0)
+        if self.http is not None:
+            await self.http.stop()
         self.metrics.stop_http()
 
 
@@ -347,6 +368,7 @@ class ServerThread:
         self.server = GenerationServer(llm, cfg)
         asyncio.run_coroutine_threadsafe(self.server.start(), self.aloop).result(60)
         self.port, self.metrics_port = self.server.port, self.server.metrics_port
+        self.http_port = self.server.http_port
 
     @property
     def loop(self) -> EngineLoop:
@@ -372,7 +394,13 @@ def register(subparsers, engine_args) -> None:
     p.add_argument("--tls-cert", default=None, help="PEM certificate chain (enables TLS)")
     p.add_argument("--tls-key", default=None, help="PEM private key")
     p.add_argument("--auth-token", default=None,
-                   help="require 'authorization: Bearer TOKEN' on every call (health exempt)")
+                   help="require 'authorization: Bearer TOKEN' on every call, gRPC and HTTP "
+                        "(health exempt)")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="also serve the OpenAI-compatible HTTP API (/v1/completions, "
+                        "/v1/chat/completions, /v1/models, /health) on this port, same engine")
+    p.add_argument("--chat-template", default=None,
+                   help="Jinja chat template file overriding the checkpoint's (HTTP chat API)")
     p.add_argument("--max-message-bytes", type=int, default=16 * 1024 * 1024)
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let in-flight requests finish before cancelling")
@@ -387,7 +415,8 @@ def cmd_serve(args) -> int:
                        max_queue=args.max_queue, max_samples=args.max_samples,
                        tls_cert=args.tls_cert, tls_key=args.tls_key, auth_token=args.auth_token,
                        max_message_bytes=args.max_message_bytes,
-                       drain_timeout_s=args.drain_timeout, model_name=args.model)
+                       drain_timeout_s=args.drain_timeout, model_name=args.model,
+                       http_port=args.http_port, chat_template=args.chat_template)
     llm = llm_from_args(args)
     return asyncio.run(_serve(llm, cfg))
 
@@ -396,6 +425,8 @@ async def _serve(llm, cfg: ServerConfig) -> int:
     server = GenerationServer(llm, cfg)
     port = await server.start()
     metrics = f", metrics on http://{cfg.host}:{server.metrics_port}/metrics" if server.metrics_port else ""
+    if server.http_port:
+        metrics += f", OpenAI API on http://{cfg.host}:{server.http_port}/v1"
     print(f"jaxinfer serve: listening on {cfg.host}:{port}"
           f"{' (TLS)' if cfg.tls_cert else ''}{metrics}", flush=True)
     stop = asyncio.Event()

@@ -1,0 +1,769 @@
+"""OpenAI-compatible HTTP API over the same EngineLoop as the gRPC service.
+
+    POST /v1/completions        prompt: str | [str] | [int] | [[int]]
+    POST /v1/chat/completions   messages rendered with the checkpoint's chat template
+    GET  /v1/models             the one served model
+    GET  /health                200 while the engine is healthy and admitting, else 503
+
+Streaming is server-sent events (`stream: true`; `data: {...}` chunks, then `data: [DONE]`);
+`stream_options.include_usage` adds a last chunk with empty `choices` and the usage. Sampling
+fields: max_tokens / max_completion_tokens, temperature, top_p, n, stop, seed, logprobs /
+top_logprobs, plus the common extras top_k, min_p, ignore_eos, stop_token_ids (pass them with the
+openai client's `extra_body`). presence_penalty / frequency_penalty / logit_bias are not
+implemented: non-zero values are refused with a 400 naming the field, as are tools, non-text
+response formats, suffix and best_of != n; other unknown fields are refused too (as OpenAI does),
+so nothing is silently ignored. With n > 1 and a seed, sample i uses seed + i, so the samples
+differ yet every one is reproducible (and equals `LLM.generate` with that seed).
+
+Errors are OpenAI-shaped, `{"error": {"message", "type", "param", "code"}}`: 400 bad fields
+(param names the field), 401 missing/wrong bearer token when the server has `--auth-token`
+(/health stays open, as gRPC health does), 404 unknown model or route, 405 wrong method, 413 body
+too large, 429 queue full, 503 shutting down or engine down, 500 engine fault mid-request.
+
+Cancellation: when the client goes away (a stream closed early, or a non-streamed request whose
+connection drops) the handle is cancelled, so the slot and its KV pages are freed at the next
+engine step.
+
+Serving: Starlette app under uvicorn, started inside the caller's asyncio loop (the one grpc.aio
+runs in) — one event loop for both transports, so EngineLoop handles are consumed on the loop
+that submitted them and SIGTERM drains both together; uvicorn's own signal handling is off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import math
+import re
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from runtime.config import SamplingParams
+from serve.chat_template import ChatTemplate, ChatTemplateError
+from serve.engine_loop import EngineFault, EngineLoop, QueueFull, ShuttingDown
+
+log = logging.getLogger(__name__)
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_LOGPROBS = 20
+FINGERPRINT = "jaxinfer"
+
+# Fields accepted and ignored: they carry no meaning for a local engine.
+_IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
+_COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "n", "stop",
+           "seed", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
+           "top_k", "min_p", "ignore_eos", "stop_token_ids"} | _IGNORED
+_COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
+_CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
+                          "tool_choice", "functions", "function_call", "response_format",
+                          "modalities"}
+_ROLES = ("system", "developer", "user", "assistant")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type_: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
+        self.counted = False  # already counted as "invalid" by the EngineLoop
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.message, self.param, self.type, self.code)
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   type_: str = "invalid_request_error", code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
+                        status_code=status)
+
+
+def bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param)
+
+
+# ---- request parsing ---------------------------------------------------------------------------
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+class _Body:
+    """Typed getters over the JSON body; each raises a 400 naming the field."""
+
+    def __init__(self, body: dict):
+        self.d = body
+
+    def has(self, k: str) -> bool:
+        return self.d.get(k) is not None
+
+    def int(self, k: str, default, lo: int | None = None, hi: int | None = None):
+        v = self.d.get(k)
+        if v is None:
+            return default
+        if not _is_int(v):
+            raise bad(f"'{k}' must be an integer, got {json.dumps(v)}", k)
+        if (lo is not None and v < lo) or (hi is not None and v > hi):
+            rng = f">= {lo}" if hi is None else f"between {lo} and {hi}"
+            raise bad(f"'{k}' must be {rng}, got {v}", k)
+        return v
+
+    def num(self, k: str, default, lo: float, hi: float, lo_open: bool = False) -> float:
+        v = self.d.get(k)
+        if v is None:
+            return default
+        if not _is_num(v):
+            raise bad(f"'{k}' must be a number, got {json.dumps(v)}", k)
+        if v > hi or v < lo or (lo_open and v == lo):
+            raise bad(f"'{k}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}", k)
+        return float(v)
+
+    def bool(self, k: str, default: bool) -> bool:
+        v = self.d.get(k)
+        if v is None:
+            return default
+        if not isinstance(v, bool):
+            raise bad(f"'{k}' must be a boolean, got {json.dumps(v)}", k)
+        return v
+
+
+@dataclass
+class _Job:
+    """A parsed request: one or more prompts, each with n samples."""
+
+    prompts: list[list[int]]
+    prompt_texts: list[str | None]
+    params: list[list[SamplingParams]]  # per prompt, per sample
+    n: int
+    stream: bool
+    include_usage: bool
+    logprobs: int | None
+    echo: bool = False
+    model: str = ""
+
+
+def _check_fields(body: dict, allowed: set[str]) -> None:
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise bad(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0])
+
+
+def _stop(b: _Body) -> tuple[str, ...]:
+    v = b.d.get("stop")
+    if v is None:
+        return ()
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise bad("'stop' must be a string or a list of strings", "stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad(f"'stop' takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "stop")
+    if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+        raise bad(f"'stop' strings must be 1..{MAX_STOP_CHARS} characters", "stop")
+    return tuple(stops)
+
+
+def _sampling(b: _Body, *, max_tokens: int, logprobs: int | None, n: int) -> list[SamplingParams]:
+    for k in ("presence_penalty", "frequency_penalty"):
+        v = b.num(k, 0.0, -2.0, 2.0)
+        if v != 0.0:
+            raise bad(f"'{k}' is not supported by this server (only 0)", k)
+    lb = b.d.get("logit_bias")
+    if lb is not None and (not isinstance(lb, dict) or lb):
+        raise bad("'logit_bias' is not supported by this server (only empty or null)", "logit_bias")
+    stop_ids = b.d.get("stop_token_ids")
+    if stop_ids is not None and (not isinstance(stop_ids, list) or not all(_is_int(t) for t in stop_ids)):
+        raise bad("'stop_token_ids' must be a list of integers", "stop_token_ids")
+    seed = b.int("seed", None)
+    kw = dict(max_tokens=max_tokens, temperature=b.num("temperature", 1.0, 0.0, 2.0),
+              top_p=b.num("top_p", 1.0, 0.0, 1.0, lo_open=True), top_k=b.int("top_k", 0, 0),
+              min_p=b.num("min_p", 0.0, 0.0, 1.0), stop=_stop(b),
+              stop_token_ids=tuple(stop_ids or ()), logprobs=logprobs,
+              ignore_eos=b.bool("ignore_eos", False))
+    return [SamplingParams(seed=None if seed is None else (seed + i) & 0xFFFFFFFF, **kw)
+            for i in range(n)]
+
+
+def _stream_opts(b: _Body, stream: bool) -> bool:
+    so = b.d.get("stream_options")
+    if so is None:
+        return False
+    if not stream:
+        raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    if not isinstance(so, dict) or set(so) - {"include_usage"}:
+        raise bad("'stream_options' must be an object with 'include_usage'", "stream_options")
+    v = so.get("include_usage", False)
+    if not isinstance(v, bool):
+        raise bad("'stream_options.include_usage' must be a boolean", "stream_options.include_usage")
+    return v
+
+
+def _message_text(m: dict, i: int) -> str:
+    c = m.get("content")
+    if c is None:
+        return ""
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list):
+        parts = []
+        for j, p in enumerate(c):
+            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                raise bad(f"messages[{i}].content[{j}]: only text parts are supported",
+                          f"messages[{i}].content")
+            parts.append(p["text"])
+        return "\n".join(parts)
+    raise bad(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
+
+
+def _messages(body: dict) -> list[dict]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("'messages' must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}] must be an object", f"messages[{i}]")
+        role = m.get("role")
+        if role not in _ROLES:
+            raise bad(f"messages[{i}].role must be one of {list(_ROLES)}, got {json.dumps(role)}",
+                      f"messages[{i}].role")
+        if m.get("tool_calls") or m.get("function_call"):
+            raise bad(f"messages[{i}]: tool calls are not supported", f"messages[{i}]")
+        # "developer" is OpenAI's newer name for the system role.
+        out.append({"role": "system" if role == "developer" else role, "content": _message_text(m, i)})
+    return out
+
+
+# ---- token text for logprobs -------------------------------------------------------------------
+_BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+class _TokenText:
+    """The text one token contributes, with its leading space (decoding a lone sentencepiece
+    token drops it): decode([anchor, t]) minus decode([anchor]). Cached per id. `bytes_of`
+    gives the token's raw bytes: a byte-fallback piece (`<0xE6>`) is one byte of a multi-byte
+    character, whose text alone is U+FFFD."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        enc = tokenizer.encode("a", add_special_tokens=False)
+        self.anchor = enc[-1:] if enc else []
+        self.anchor_text = tokenizer.decode(self.anchor, skip_special_tokens=False)
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, t: int) -> str:
+        s = self.cache.get(t)
+        if s is None:
+            full = self.tok.decode(self.anchor + [t], skip_special_tokens=False)
+            s = full[len(self.anchor_text):] if full.startswith(self.anchor_text) else \
+                self.tok.decode([t], skip_special_tokens=False)
+            if len(self.cache) < 200_000:
+                self.cache[t] = s
+        return s
+
+    def bytes_of(self, t: int, text: str) -> list[int]:
+        m = _BYTE_PIECE.match(self.tok.id_to_piece(t)) if "\ufffd" in text else None
+        return [int(m.group(1), 16)] if m else list(text.encode("utf-8"))
+
+
+# ---- the app -----------------------------------------------------------------------------------
+@dataclass
+class _Choice:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+
+
+class OpenAIApp:
+    """The ASGI app (`.app`) over one EngineLoop."""
+
+    def __init__(self, loop: EngineLoop, tokenizer, *, model_name: str,
+                 chat_template: ChatTemplate | None = None, auth_token: str | None = None,
+                 max_samples: int = 8, max_body_bytes: int = 16 * 1024 * 1024):
+        self.loop, self.tokenizer, self.model_name = loop, tokenizer, model_name
+        self.chat_template = chat_template
+        self._expected = f"Bearer {auth_token}".encode() if auth_token else None
+        self.max_samples, self.max_body_bytes = max_samples, max_body_bytes
+        self.created = int(time.time())
+        self.token_text = _TokenText(tokenizer)
+        self.closing = False  # set by the owner when draining: /health answers 503
+        routes = [
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+        ]
+        self.app = Starlette(routes=routes, exception_handlers={HTTPException: self._http_error,
+                                                                Exception: self._internal_error})
+
+    async def _internal_error(self, request: Request, exc: Exception) -> Response:
+        log.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
+        return error_response(500, f"internal server error: {type(exc).__name__}", None,
+                              "server_error", "internal_error")
+
+    async def _http_error(self, request: Request, exc: HTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        msg = {404: f"no route {request.method} {request.url.path}",
+               405: f"method {request.method} is not allowed on {request.url.path}"}.get(
+            exc.status_code, str(exc.detail))
+        return error_response(exc.status_code, msg, None, "invalid_request_error", code)
+
+    # ---- common ---------------------------------------------------------------------------
+    def _auth(self, request: Request) -> None:
+        if self._expected is None:
+            return
+        got = request.headers.get("authorization", "").encode("latin-1", "replace")
+        if not hmac.compare_digest(got, self._expected):
+            raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <token>'",
+                           None, "invalid_request_error", "invalid_api_key")
+
+    async def _body(self, request: Request) -> dict:
+        self._auth(request)
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise ApiError(413, f"request body exceeds {self.max_body_bytes} bytes")
+        raw = await request.body()
+        if len(raw) > self.max_body_bytes:
+            raise ApiError(413, f"request body exceeds {self.max_body_bytes} bytes")
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise bad(f"request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise bad("request body must be a JSON object")
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise bad("'model' is required (a string)", "model")
+        if model != self.model_name:
+            raise ApiError(404, f"The model '{model}' does not exist; this server serves "
+                                f"'{self.model_name}'", "model", "invalid_request_error",
+                           "model_not_found")
+        return body
+
+    def _limits_max_tokens(self, prompt_len: int) -> int:
+        lim = self.loop.limits
+        by_len = lim["max_model_len"] - prompt_len
+        by_pages = lim["pages"] * lim["page_size"] - prompt_len + 1
+        return max(1, min(by_len, by_pages))
+
+    def _check_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.loop.limits["vocab"]
+        bad_ids = [t for t in ids if not 0 <= t < vocab]
+        if bad_ids:
+            raise bad(f"'{param}' has token ids out of range [0, {vocab}): {bad_ids[:5]}", param)
+
+    async def _guard(self, fn, request: Request) -> Response:
+        try:
+            return await fn(request)
+        except ApiError as e:
+            if e.status == 400 and not e.counted:
+                self.loop.count("invalid")
+            return e.response()
+
+    # ---- endpoints ------------------------------------------------------------------------
+    async def health(self, request: Request) -> Response:
+        if self.closing or not self.loop.healthy:
+            why = "shutting down" if self.loop.healthy else "engine is down"
+            return error_response(503, why, None, "service_unavailable", "unavailable")
+        s = self.loop.stats()
+        return JSONResponse({"status": "ok", "model": self.model_name, "running": s["running"],
+                             "queue_depth": s["queue_depth"]})
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created,
+                "owned_by": "jaxinfer", "max_model_len": self.loop.limits["max_model_len"]}
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self._auth(request)
+        except ApiError as e:
+            return e.response()
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        try:
+            self._auth(request)
+        except ApiError as e:
+            return e.response()
+        if request.path_params["model"] != self.model_name:
+            return error_response(404, f"The model '{request.path_params['model']}' does not exist",
+                                  "model", "invalid_request_error", "model_not_found")
+        return JSONResponse(self._model_card())
+
+    async def completions(self, request: Request) -> Response:
+        return await self._guard(self._completions, request)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._guard(self._chat, request)
+
+    async def _completions(self, request: Request) -> Response:
+        body = await self._body(request)
+        _check_fields(body, _COMPLETION_FIELDS)
+        b = _Body(body)
+        if body.get("suffix") not in (None, ""):
+            raise bad("'suffix' is not supported by this server", "suffix")
+        prompts, texts = self._prompts(body.get("prompt"))
+        n = b.int("n", 1, 1, self.max_samples)
+        best_of = b.int("best_of", None, 1)
+        if best_of is not None and best_of != n:
+            raise bad("'best_of' is not supported (only equal to n)", "best_of")
+        stream = b.bool("stream", False)
+        include_usage = _stream_opts(b, stream)
+        logprobs = b.int("logprobs", None, 0, MAX_LOGPROBS)
+        echo = b.bool("echo", False)
+        if echo and logprobs is not None:
+            raise bad("'echo' with 'logprobs' (prompt logprobs) is not supported", "echo")
+        longest = max(len(p) for p in prompts)
+        max_tokens = b.int("max_tokens", min(16, self._limits_max_tokens(longest)), 1)
+        params = _sampling(b, max_tokens=max_tokens, logprobs=logprobs, n=n)
+        job = _Job(prompts, texts, [params] * len(prompts), n, stream, include_usage, logprobs,
+                   echo, body["model"])
+        return await self._run(request, job, chat=False)
+
+    def _prompts(self, p) -> tuple[list[list[int]], list[str | None]]:
+        if isinstance(p, str):
+            items = [p]
+        elif isinstance(p, list) and p and all(_is_int(t) for t in p):
+            items = [p]
+        elif isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
+            items = p
+        else:
+            raise bad("'prompt' must be a non-empty string, list of strings, list of token ids, "
+                      "or list of token id lists", "prompt")
+        ids, texts = [], []
+        for x in items:
+            if isinstance(x, str):
+                if not x:
+                    raise bad("'prompt' must not be empty", "prompt")
+                ids.append(self.tokenizer.encode(x))
+                texts.append(x)
+            else:
+                if not x or not all(_is_int(t) for t in x):
+                    raise bad("'prompt' token id lists must be non-empty lists of integers", "prompt")
+                self._check_ids(x, "prompt")
+                ids.append(list(x))
+                texts.append(None)
+        return ids, texts
+
+    async def _chat(self, request: Request) -> Response:
+        body = await self._body(request)
+        _check_fields(body, _CHAT_FIELDS)
+        b = _Body(body)
+        for k in ("tools", "functions"):
+            if body.get(k):
+                raise bad(f"'{k}' (tool calling) is not supported by this server", k)
+        if body.get("tool_choice") not in (None, "none") or body.get("function_call") not in (None, "none"):
+            raise bad("'tool_choice' is not supported by this server", "tool_choice")
+        rf = body.get("response_format")
+        if rf is not None and rf != {"type": "text"}:
+            raise bad("'response_format' supports only {\"type\": \"text\"}", "response_format")
+        mod = body.get("modalities")
+        if mod is not None and mod != ["text"]:
+            raise bad("'modalities' supports only [\"text\"]", "modalities")
+        messages = _messages(body)
+        if self.chat_template is None:
+            raise bad("this model has no chat template (none in the checkpoint): use "
+                      "/v1/completions, or start the server with --chat-template FILE", "messages")
+        try:
+            ids = self.chat_template.encode(messages, add_generation_prompt=True)
+        except ChatTemplateError as e:
+            raise bad(f"chat template: {e}", "messages") from None
+        n = b.int("n", 1, 1, self.max_samples)
+        stream = b.bool("stream", False)
+        include_usage = _stream_opts(b, stream)
+        want_lp = b.bool("logprobs", False)
+        top = b.int("top_logprobs", None, 0, MAX_LOGPROBS)
+        if top is not None and not want_lp:
+            raise bad("'top_logprobs' requires 'logprobs': true", "top_logprobs")
+        key = "max_completion_tokens" if b.has("max_completion_tokens") else "max_tokens"
+        max_tokens = b.int(key, self._limits_max_tokens(len(ids)), 1)
+        params = _sampling(b, max_tokens=max_tokens, logprobs=(top or 0) if want_lp else None, n=n)
+        job = _Job([ids], [None], [params], n, stream, include_usage, top if want_lp else None,
+                   model=body["model"])
+        return await self._run(request, job, chat=True)
+
+    # ---- running a job --------------------------------------------------------------------
+    def _submit(self, job: _Job) -> list:
+        handles = []
+        try:
+            for ids, params in zip(job.prompts, job.params):
+                handles.append(self.loop.submit(ids, params, n=job.n))
+        except ValueError as e:
+            msg = str(e)
+            field_ = msg.split(":", 1)[0].strip()
+            param = {"prompt_token_ids": "prompt", "num_samples": "n"}.get(field_, field_)
+            err = bad(msg, param if " " not in param else None)
+            err.counted = True  # EngineLoop.submit counted it
+            raise err from None
+        except QueueFull as e:
+            raise ApiError(429, str(e), None, "rate_limit_exceeded", "queue_full") from None
+        except (ShuttingDown, EngineFault) as e:
+            raise ApiError(503, str(e), None, "service_unavailable", "unavailable") from None
+        finally:
+            if len(handles) < len(job.prompts):
+                for h in handles:
+                    h.cancel()
+        return handles
+
+    async def _run(self, request: Request, job: _Job, chat: bool) -> Response:
+        handles = self._submit(job)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        if job.stream:
+            return StreamingResponse(self._sse(handles, job, chat, rid), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        collect = asyncio.ensure_future(self._collect(handles, job))
+        gone = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not collect.done():  # the client went away (or this task was cancelled)
+                collect.cancel()
+                for h in handles:
+                    h.cancel()
+        if not collect.done() or collect.cancelled():
+            return Response(status_code=499)  # nobody reads it
+        try:
+            choices = collect.result()
+        except EngineFault as e:
+            return error_response(500, str(e), None, "server_error", "engine_fault")
+        except ShuttingDown as e:
+            return error_response(503, str(e), None, "service_unavailable", "unavailable")
+        if any(c.finish_reason == "abort" for c in choices):
+            return error_response(503, "request cancelled by the server (shutting down)", None,
+                                  "service_unavailable", "unavailable")
+        return JSONResponse(self._final(job, choices, chat, rid))
+
+    async def _collect(self, handles, job: _Job) -> list[_Choice]:
+        choices = [_Choice() for _ in range(len(handles) * job.n)]
+        try:
+            async for hi, ups in _merge(handles):
+                for u in ups:
+                    c = choices[hi * job.n + u.index]
+                    c.text += u.text
+                    c.token_ids += u.token_ids
+                    c.logprobs += u.logprobs
+                    if u.finished:
+                        c.finish_reason = u.finish_reason
+                        if u.result is not None:
+                            c.completion_tokens = len(u.result.token_ids)
+        except BaseException:
+            for h in handles:
+                h.cancel()
+            raise
+        return choices
+
+    def _usage(self, job: _Job, completion_tokens: int) -> dict:
+        prompt = sum(len(p) for p in job.prompts)  # counted once per prompt, whatever n is
+        return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
+                "total_tokens": prompt + completion_tokens}
+
+    def _final(self, job: _Job, choices: list[_Choice], chat: bool, rid: str) -> dict:
+        out = []
+        for i, c in enumerate(choices):
+            if chat:
+                out.append({"index": i, "message": {"role": "assistant", "content": c.text,
+                                                    "refusal": None},
+                            "logprobs": self._chat_logprobs(c.logprobs) if job.logprobs is not None else None,
+                            "finish_reason": c.finish_reason})
+            else:
+                prefix = ""
+                if job.echo:
+                    pi = i // job.n
+                    prefix = job.prompt_texts[pi] if job.prompt_texts[pi] is not None else \
+                        self.tokenizer.decode(job.prompts[pi])
+                out.append({"index": i, "text": prefix + c.text,
+                            "logprobs": self._completion_logprobs(c.logprobs, 0)
+                            if job.logprobs is not None else None,
+                            "finish_reason": c.finish_reason})
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()), "model": job.model, "system_fingerprint": FINGERPRINT,
+                "choices": out, "usage": self._usage(job, sum(c.completion_tokens for c in choices))}
+
+    def _chat_logprobs(self, entries: list[dict]) -> dict:
+        def one(tid, lp):
+            s = self.token_text(tid)
+            return {"token": s, "logprob": lp, "bytes": self.token_text.bytes_of(tid, s)}
+
+        content = []
+        for e in entries:
+            d = one(e["token_id"], e["logprob"])
+            d["top_logprobs"] = [one(t, v) for t, v in e["top"]]
+            content.append(d)
+        return {"content": content, "refusal": None}
+
+    def _completion_logprobs(self, entries: list[dict], offset: int) -> dict:
+        tokens, lps, tops, offsets = [], [], [], []
+        for e in entries:
+            s = self.token_text(e["token_id"])
+            tokens.append(s)
+            lps.append(e["logprob"])
+            top: dict[str, float] = {}
+            for t, v in e["top"]:
+                top.setdefault(self.token_text(t), v)
+            tops.append(top)
+            offsets.append(offset)
+            offset += len(s)
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+    async def _sse(self, handles, job: _Job, chat: bool, rid: str) -> AsyncIterator[bytes]:
+        created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        usage_null = {"usage": None} if job.include_usage else {}
+
+        def chunk(choices: list[dict]) -> bytes:
+            d = {"id": rid, "object": obj, "created": created, "model": job.model,
+                 "system_fingerprint": FINGERPRINT, "choices": choices, **usage_null}
+            return b"data: " + json.dumps(d, ensure_ascii=False).encode() + b"\n\n"
+
+        total = len(handles) * job.n
+        offsets = [0] * total
+        completion_tokens = 0
+        try:
+            if chat:
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None} for i in range(total)])
+            elif job.echo:
+                yield chunk([{"index": i, "text": job.prompt_texts[i // job.n] if
+                              job.prompt_texts[i // job.n] is not None else
+                              self.tokenizer.decode(job.prompts[i // job.n]),
+                              "logprobs": None, "finish_reason": None} for i in range(total)])
+            async for hi, ups in _merge(handles):
+                out = []
+                for u in ups:
+                    i = hi * job.n + u.index
+                    if u.finish_reason == "abort":
+                        raise ShuttingDown("request cancelled by the server (shutting down)")
+                    if u.finished and u.result is not None:
+                        completion_tokens += len(u.result.token_ids)
+                    if not (u.text or u.token_ids or u.finished):
+                        continue
+                    lp = None
+                    if job.logprobs is not None:
+                        if chat:
+                            lp = self._chat_logprobs(u.logprobs)
+                        else:
+                            lp = self._completion_logprobs(u.logprobs, offsets[i])
+                    offsets[i] += len(u.text)
+                    fr = u.finish_reason if u.finished else None
+                    if chat:
+                        delta = {"content": u.text} if u.text else {}
+                        out.append({"index": i, "delta": delta, "logprobs": lp, "finish_reason": fr})
+                    else:
+                        out.append({"index": i, "text": u.text, "logprobs": lp, "finish_reason": fr})
+                if out:
+                    yield chunk(out)
+            if job.include_usage:
+                d = {"id": rid, "object": obj, "created": created, "model": job.model,
+                     "system_fingerprint": FINGERPRINT, "choices": [],
+                     "usage": self._usage(job, completion_tokens)}
+                yield b"data: " + json.dumps(d).encode() + b"\n\n"
+            yield b"data: [DONE]\n\n"
+        except (EngineFault, ShuttingDown) as e:
+            status, type_ = (500, "server_error") if isinstance(e, EngineFault) else (503, "service_unavailable")
+            err = {"error": {"message": str(e), "type": type_, "param": None, "code": status}}
+            yield b"data: " + json.dumps(err).encode() + b"\n\n"
+        finally:  # client disconnect (the task is cancelled) or normal end: cancel is idempotent
+            for h in handles:
+                h.cancel()
+
+
+async def _merge(handles) -> AsyncIterator[tuple[int, list]]:
+    """Interleave the update batches of several handles as (handle index, updates)."""
+    if len(handles) == 1:
+        async for ups in handles[0]:
+            yield 0, ups
+        return
+    q: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i, h):
+        try:
+            async for ups in h:
+                await q.put((i, ups))
+            await q.put((i, done))
+        except Exception as e:  # EngineFault / ShuttingDown: forwarded to the consumer, re-raised
+            await q.put((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
+    try:
+        left = len(handles)
+        while left:
+            i, item = await q.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+# ---- uvicorn inside an existing event loop -----------------------------------------------------
+class _Uvicorn(uvicorn.Server):
+    def capture_signals(self):  # the owner (jaxinfer serve) handles SIGTERM/SIGINT for both servers
+        return nullcontext()
+
+
+class HttpServer:
+    """Serve an OpenAIApp with uvicorn as a task of the running asyncio loop:
+    `port = await s.start(host, port)`, ..., `await s.stop()`."""
+
+    def __init__(self, api: OpenAIApp):
+        self.api = api
+        self.port: int | None = None
+        self._server: _Uvicorn | None = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self, host: str, port: int, tls_cert: str | None = None,
+                    tls_key: str | None = None) -> int:
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.set_inheritable(True)
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(self.api.app, lifespan="off", log_level="warning",
+                                access_log=False, timeout_graceful_shutdown=5,
+                                ssl_certfile=tls_cert, ssl_keyfile=tls_key)
+        self._server = _Uvicorn(config)
+        self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises the startup error
+                raise RuntimeError("HTTP server exited during startup")
+            await asyncio.sleep(0.01)
+        return self.port
+
+    async def stop(self) -> None:
+        if self._server is None:
+            return
+        self._server.should_exit = True
+        await self._task
+        self._server = None
