@@ -79,7 +79,7 @@ def load_converted(path: str | Path, dtype=None, place=None, mesh=None
     any layout whatever the one saved (each device reads only its slice).
     Quantized params (manifest "quantization") are restored as saved, bit-exact, with no
     re-quantization; `place` (a quantizing hook) then applies only to unquantized params."""
-    from runtime.quantization import QuantizedArray, quantize_params, weight_name
+    from runtime.quantization import QuantizedArray, abstract_quantized, path_str
 
     path = Path(path).absolute()
     m = read_manifest(path)
@@ -88,10 +88,15 @@ def load_converted(path: str | Path, dtype=None, place=None, mesh=None
     qspec = m.get("quantization")
     target = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), dtype=saved))
     if qspec:  # the abstract target with the quantized leaves' types
-        embeds = any(weight_name(p) in ("embed", "lm_head") for p in qspec["weights"])
-        target = jax.eval_shape(lambda: quantize_params(
-            init_params(cfg, jax.random.key(0)), qspec["fmt"], saved, mode=qspec["mode"],
-            quantize_embeddings=embeds))
+        weights = set(qspec["weights"])
+
+        def leaf(kp, a):
+            p = path_str(kp)
+            if p not in weights:
+                return a
+            return abstract_quantized(p, a, qspec["fmt"], qspec["mode"], saved)
+
+        target = jax.tree_util.tree_map_with_path(leaf, target)
     if mesh is not None:
         from runtime.sharding import param_shardings
 
@@ -110,7 +115,5 @@ def load_converted(path: str | Path, dtype=None, place=None, mesh=None
 
         params = jax.tree.map(cast, params, is_leaf=lambda a: isinstance(a, QuantizedArray))
     if place is not None and not qspec:
-        from runtime.quantization import path_str
-
         params = jax.tree_util.tree_map_with_path(lambda kp, a: place(path_str(kp), a), params)
     return cfg, params

@@ -245,6 +245,49 @@ def _activation(name: str) -> str:
 ATTENTION_BACKENDS = (None, "xla", "pallas", "pallas_interpret")
 
 
+SPEC_METHODS = ("draft", "ngram")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    method: str
+    k: int = 4
+    n: int = 3  # n-gram: longest suffix tried
+    model: str | None = None  # draft: a path or name load_model understands
+    quantization: str | None = None  # draft weights: None | "int8" | "fp8"
+
+
+def parse_speculative(d: dict | SpecConfig | None) -> SpecConfig | None:
+    """Validate the `speculative=` option; clear errors for anything wrong."""
+    if d is None or isinstance(d, SpecConfig):
+        return d
+    if not isinstance(d, dict):
+        raise ValueError(f"speculative must be a dict like {{'method': 'ngram', 'k': 4}}, got {d!r}")
+    allowed = {"method", "k", "n", "model", "quantization"}
+    unknown = sorted(set(d) - allowed)
+    if unknown:
+        raise ValueError(f"unknown speculative option(s) {unknown}; valid: {sorted(allowed)}")
+    method = d.get("method")
+    if method not in SPEC_METHODS:
+        raise ValueError(f"speculative method must be one of {SPEC_METHODS}, got {method!r}")
+    k = d.get("k", 4)
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"speculative k must be an integer >= 1, got {k!r}")
+    n = d.get("n", 3)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"speculative n must be an integer >= 1, got {n!r}")
+    model = d.get("model")
+    if method == "draft" and not model:
+        raise ValueError("speculative method 'draft' needs 'model': a path or model name")
+    if method == "ngram" and model is not None:
+        raise ValueError("speculative method 'ngram' takes no 'model'")
+    q = d.get("quantization")
+    if q not in (None, "int8", "fp8"):
+        raise ValueError(f"speculative quantization must be None, 'int8' or 'fp8', got {q!r}")
+    return SpecConfig(method=method, k=k, n=n, model=None if model is None else str(model),
+                      quantization=q)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Runtime switches. `LLM(...)` keyword arguments mirror these field names."""
@@ -279,6 +322,7 @@ class EngineConfig:
         if self.quant_mode not in (None, "w8a8", "weight_only"):
             raise ValueError(
                 f"quant_mode must be None, 'w8a8' or 'weight_only', got {self.quant_mode!r}")
+        parse_speculative(self.speculative)  # raises on a bad speculative= option
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is the null page), got {self.num_pages}")
 

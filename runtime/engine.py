@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from runtime.attention import resolve_backend
-from runtime.config import EngineConfig, ModelConfig, SamplingParams
+from runtime.config import EngineConfig, ModelConfig, SamplingParams, parse_speculative
 from runtime.kv_cache import init_cache
 from runtime.model import Params
 from runtime.scheduler import Request, Scheduler
@@ -32,6 +32,10 @@ class RequestMetrics:
     token_times: list[float] = field(default_factory=list)
     finished: float | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    speculative: bool = False  # report the spec_* figures below
+    spec_proposed: int = 0  # proposals verified
+    spec_accepted: int = 0  # proposals accepted
+    spec_steps: int = 0  # verify steps with at least one proposal
 
     def summary(self) -> dict:
         itl = list(np.diff(self.token_times)) if len(self.token_times) > 1 else []
@@ -42,7 +46,15 @@ class RequestMetrics:
             "itl_s_mean": float(np.mean(itl)) if itl else None,
             "e2e_s": None if self.finished is None else self.finished - self.arrival,
             "cached_tokens": self.cached_tokens,
-        }
+        } | (self._spec_summary() if self.speculative else {})
+
+    def _spec_summary(self) -> dict:
+        """acceptance_rate = accepted / proposed; mean_accepted_len = tokens emitted per verify
+        step with proposals (accepted + the correction/bonus token), as vLLM reports it."""
+        p, a, n = self.spec_proposed, self.spec_accepted, self.spec_steps
+        return {"spec_proposed": p, "spec_accepted": a,
+                "acceptance_rate": a / p if p else None,
+                "mean_accepted_len": (a + n) / n if n else None}
 
 
 @dataclass
@@ -73,7 +85,7 @@ class Delta:
 
 class Engine:
     def __init__(self, cfg: ModelConfig, params: Params, tokenizer: Tokenizer, ecfg: EngineConfig,
-                 mesh=None):
+                 mesh=None, draft_model=None):
         self.cfg, self.params, self.tokenizer, self.ecfg = cfg, params, tokenizer, ecfg
         self.backend = resolve_backend(ecfg.attention_backend)
         dtype = jnp.bfloat16 if ecfg.dtype == "bfloat16" else jnp.float32
@@ -92,15 +104,23 @@ class Engine:
 
             self.params = shard_params(params, self.mesh)
             self.cache = init_sharded_cache(make_cache, self.mesh)
-        budget = max(ecfg.prefill_chunk, ecfg.max_slots)  # a full decode batch always fits
+        self.spec = parse_speculative(ecfg.speculative)
+        k = self.spec.k if self.spec else 0
+        # a full decode batch (with k proposals per row) always fits
+        budget = max(ecfg.prefill_chunk, ecfg.max_slots * (1 + k))
         tokens, pages = _buckets(16, budget), _buckets(1, ecfg.pages_per_seq)
         self.scheduler = Scheduler(
             max_slots=ecfg.max_slots, num_pages=ecfg.total_pages, page_size=ecfg.page_size,
             max_model_len=ecfg.max_model_len, token_budget=budget, token_buckets=tokens,
-            # q_len bucket: 1 for decode-only steps, else the token bucket (cap) -> few compiles
-            q_buckets=(1, tokens[-1]), page_buckets=pages,
-            enable_prefix_caching=ecfg.enable_prefix_caching,
+            # q_len bucket: 1 for decode-only steps, else the token bucket (cap) -> few compiles;
+            # k + 1 for verify-only steps under speculation
+            q_buckets=tuple(sorted({1, tokens[-1]} | ({min(k + 1, tokens[-1])} if k else set()))),
+            page_buckets=pages, enable_prefix_caching=ecfg.enable_prefix_caching,
+            num_spec_tokens=k,
         )
+        self.proposer, self._verify = None, None
+        if self.spec is not None:
+            self._init_speculative(draft_model, kv_dtype, budget)
         shardings, self.plan_channel, self.leader = None, None, jax.process_index() == 0
         if self.mesh is not None:
             from runtime import sharding as shd
@@ -123,6 +143,27 @@ class Engine:
         self._ids = itertools.count()
         self.eos_ids = tuple(tokenizer.eos_ids) or tuple(cfg.eos_token_ids)
 
+    def _init_speculative(self, draft_model, kv_dtype, budget) -> None:
+        from runtime.speculative import DraftModelProposer, NgramProposer, check_vocab
+        from runtime.steps import make_verify
+
+        if self.mesh is not None:
+            raise ValueError("speculative decoding with tensor_parallel > 1 is not supported yet")
+        sp, e = self.spec, self.ecfg
+        if sp.method == "ngram":
+            self.proposer = NgramProposer(sp.k, sp.n)
+        else:
+            if draft_model is None:
+                raise ValueError("speculative method 'draft' needs the draft model (cfg, params)")
+            dcfg, dparams = draft_model
+            check_vocab(self.cfg, dcfg, repr(sp.model))
+            extra = e.max_slots * (-(-sp.k // e.page_size) + 1)  # proposals past max_model_len
+            self.proposer = DraftModelProposer(
+                dcfg, dparams, k=sp.k, max_slots=e.max_slots, page_size=e.page_size,
+                num_pages=e.total_pages + extra, max_model_len=e.max_model_len,
+                token_budget=budget, backend=self.backend, dtype=kv_dtype)
+        self._verify = make_verify(self.cfg, self.backend)
+
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
                     request_id: str | None = None) -> str:
@@ -141,7 +182,7 @@ class Engine:
         self.requests[rid] = RequestState(
             request_id=rid, prompt_ids=prompt_ids, params=params,
             detok=IncrementalDetokenizer(self.tokenizer, prompt_ids),
-            metrics=RequestMetrics(arrival=now),
+            metrics=RequestMetrics(arrival=now, speculative=self.spec is not None),
         )
         return rid
 
@@ -194,6 +235,11 @@ class Engine:
 
     # ---- the loop -------------------------------------------------------------------------
     def step(self) -> list[Delta]:
+        props = None
+        if self.proposer is not None:  # proposals first: they set how many tokens rows want
+            cands = self.scheduler.decode_candidates()
+            props = self.proposer.propose(cands) if cands else None
+            self.scheduler.set_drafts(props.tokens if props is not None else {})
         plan = self.scheduler.schedule()
         if plan is None:
             return []
@@ -202,28 +248,64 @@ class Engine:
             (plan.temperature[live] > 0)
             & ((plan.top_k[live] > 0) | (plan.top_p[live] < 1) | (plan.min_p[live] > 0))
         ))
+        if plan.has_drafts:
+            return self._verify_step(plan, props, filtered)
         packed, self.cache = self._run(plan.device_arrays(), plan.max_q_len,
                                        plan.num_logprobs > 0, filtered)
         host = np.asarray(jax.device_get(packed))  # [S, 1 (+ 1 + 2n)]
+        now = self._mark_scheduled(plan)
+        return self._apply(plan, host, self.scheduler.update(plan, host[:, 0].astype(np.int32)),
+                           now)
+
+    def _verify_step(self, plan, props, filtered) -> list[Delta]:
+        """Target forward over every row's last token + proposals, acceptance on the device."""
+        K = plan.spec_k
+        q_rows = np.zeros(len(plan.kv_lens), np.int32)
+        q_probs = None
+        if props is not None and props.q_probs is not None:
+            q_probs = props.q_probs
+            for s, rid in enumerate(plan.request_ids):
+                q_rows[s] = props.q_rows.get(rid, 0)
+        packed, self.cache = self._verify(
+            self.params, self.cache, plan.verify_arrays(), q_probs, q_rows,
+            max_q_len=plan.max_q_len, num_logprobs=plan.num_logprobs, filtered=filtered)
+        host = np.asarray(jax.device_get(packed))  # [S, 2 + K (+ 1 + 2n)]
+        now = self._mark_scheduled(plan)
+        outs = self.scheduler.update(plan, host[:, 1:K + 2].astype(np.int32),
+                                     host[:, 0].astype(np.int32))
+        # logprob columns laid out as the plain step's: [token, chosen, top vals, top ids]
+        return self._apply(plan, host[:, K + 1:], outs, now)
+
+    def _mark_scheduled(self, plan) -> float:
+        """Stamp first-scheduled time and prefix-cache hits (before update() retires anyone)."""
         now = time.monotonic()
         for rid in plan.request_ids:
             st = self.requests.get(rid)
             if st is not None and st.metrics.scheduled is None:
                 st.metrics.scheduled = now
                 st.metrics.cached_tokens = self.scheduler.cached_tokens_of(rid)
+        return now
+
+    def _apply(self, plan, host, outputs, now) -> list[Delta]:
         row_of = {rid: s for s, rid in enumerate(plan.request_ids)}
         deltas = []
-        for out in self.scheduler.update(plan, host[:, 0].astype(np.int32)):
+        for out in outputs:
             st = self.requests.get(out.request_id)
             if st is None or st.finished:
                 continue
+            if out.num_proposed:
+                m = st.metrics
+                m.spec_proposed += out.num_proposed
+                m.spec_accepted += out.num_accepted
+                m.spec_steps += 1
             row = host[row_of[out.request_id]]
             deltas.append(self._consume(st, out.new_token_ids, out.finished, out.finish_reason,
                                         row, plan.num_logprobs, now))
         return deltas
 
     def _consume(self, st: RequestState, new_ids, finished, reason, row, n_lp, now) -> Delta:
-        for tok in new_ids:
+        stop_at = None  # several tokens in one step: none after a completed stop string
+        for idx, tok in enumerate(new_ids):
             st.token_ids.append(tok)
             st.metrics.token_times.append(now)
             if st.metrics.first_token is None:
@@ -235,6 +317,12 @@ class Engine:
                     "top": [(int(i), float(v)) for v, i in zip(row[2:2 + k], row[2 + n_lp:2 + n_lp + k])],
                 })
             st.text += st.detok.add(tok)
+            if len(new_ids) > 1 and st.params.stop and idx + 1 < len(new_ids) and _find_stop(
+                    st.text, st.params.stop, max(0, st.emitted - _max_len(st.params.stop))) is not None:
+                stop_at = idx + 1
+                break
+        if stop_at is not None:
+            new_ids = new_ids[:stop_at]
         if finished:
             st.text += st.detok.flush()
         cut = _find_stop(st.text, st.params.stop, max(0, st.emitted - _max_len(st.params.stop)))
@@ -253,6 +341,8 @@ class Engine:
         return Delta(st.request_id, delta, list(new_ids), finished, st.finish_reason)
 
     def _finish(self, st: RequestState, reason: str | None, now: float) -> None:
+        if self.proposer is not None:
+            self.proposer.release(st.request_id)
         st.finished, st.finish_reason = True, reason
         st.metrics.finished = now
 

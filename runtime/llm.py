@@ -59,8 +59,11 @@ class LLM:
 
             place = placer(q, options.get("dtype", "float32"), mode=options.get("quant_mode"),
                            quantize_embeddings=options.get("quantize_embeddings", True))
-        if options.get("speculative"):
-            raise NotImplementedError("speculative decoding is not available yet")
+        from runtime.config import parse_speculative
+
+        speculative = parse_speculative(options.get("speculative"))  # errors before any loading
+        if speculative is not None:
+            options["speculative"] = dataclasses.asdict(speculative)
         mesh = None
         if options.get("tensor_parallel", 1) != 1 or _multi_process():
             # tensor parallel: every tensor streams straight into its shards on the mesh
@@ -87,8 +90,32 @@ class LLM:
         )
         self.config = EngineConfig(**options)
         self.tokenizer = self.model.tokenizer
+        draft = None
+        if speculative is not None and speculative.method == "draft":
+            draft = self._load_draft(model, speculative, options.get("dtype", "float32"))
         self.engine = Engine(self.model.cfg, self.model.params, self.tokenizer, self.config,
-                             mesh=mesh)
+                             mesh=mesh, draft_model=draft)
+
+    def _load_draft(self, target: str, spec, dtype: str):
+        """(cfg, params) of the draft model; the target's own weights when it names the target
+        (and asks for no other quantization)."""
+        import os
+
+        from checkpoints.loader import load_model
+        from runtime.speculative import check_vocab
+
+        same = spec.model == target or (os.path.exists(spec.model) and os.path.exists(target)
+                                        and os.path.samefile(spec.model, target))
+        if same and spec.quantization == self.config.quantization:
+            return self.model.cfg, self.model.params
+        place = None
+        if spec.quantization is not None:
+            from runtime.quantization import placer
+
+            place = placer(spec.quantization, dtype)
+        draft = load_model(spec.model, dtype=dtype, place=place)
+        check_vocab(self.model.cfg, draft.cfg, repr(spec.model))
+        return draft.cfg, draft.params
 
     # ---- inputs ---------------------------------------------------------------------------
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:

@@ -36,6 +36,14 @@ class StepPlan:
     request_ids: list[str] = field(default_factory=list)  # per live sequence row
     samples: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))  # [S] row yields a token
     num_logprobs: int = 0  # top-n logprobs wanted by any row this step (static bucket: 0 or 20)
+    # speculative decoding (K = spec_k proposals at most per row; all zeros/empty when K = 0).
+    # A row with d proposals computes its last token + d proposals; sample_positions is then the
+    # position predicted by its first verify row, and verify_indices[s, j] (j = 0..K) the token row
+    # whose logits predict position sample_positions[s] + j (j > d repeats the last row).
+    spec_k: int = 0
+    num_draft: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # [S]
+    draft_ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int32))  # [S, K]
+    verify_indices: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int32))  # [S, K+1]
 
     @property
     def num_tokens(self) -> int:
@@ -49,3 +57,15 @@ class StepPlan:
             "sample_positions",
         )
         return {n: getattr(self, n) for n in names}
+
+    @property
+    def has_drafts(self) -> bool:
+        return bool(self.num_draft.size and self.num_draft.any())
+
+    def verify_arrays(self) -> dict[str, np.ndarray]:
+        """The verify step's arrays: logits at every verify row ([S*(K+1)] logits_indices)."""
+        a = self.device_arrays()
+        a["logits_indices"] = self.verify_indices.reshape(-1)
+        a["num_draft"] = self.num_draft
+        a["draft_ids"] = self.draft_ids
+        return a

@@ -169,6 +169,17 @@ def _quantize_jit(w, fmt: str, reduce_axes: tuple[int, ...]):
     return v.astype(_STORAGE[fmt]), scales
 
 
+def abstract_quantized(path: str, leaf, fmt: str, mode: str, dtype) -> QuantizedArray:
+    """The ShapeDtypeStruct form of the QuantizedArray that `placer` makes for weight `path`
+    from a leaf of shape `leaf.shape` (an orbax restore target; nothing is computed)."""
+    axes = WEIGHT_REDUCE_AXES[weight_name(path)]
+    scale_shape = tuple(1 if i in axes else n for i, n in enumerate(leaf.shape))
+    return QuantizedArray(
+        values=jax.ShapeDtypeStruct(tuple(leaf.shape), _STORAGE[fmt]),
+        scales=jax.ShapeDtypeStruct(scale_shape, jnp.float32),
+        fmt=fmt, mode=mode, reduce_axes=axes, dtype=jnp.dtype(dtype).name)
+
+
 def dequantize(w, dtype=jnp.float32) -> jax.Array:
     return w.dequantize(dtype) if isinstance(w, QuantizedArray) else jnp.asarray(w, dtype)
 

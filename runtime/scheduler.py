@@ -44,6 +44,20 @@ Prefix caching (`enable_prefix_caching=True`; see runtime/page_allocator.py for 
     free pages run out), minus the cached pages the sequence itself is about to take back.
   * Stats: `prefix_cache_stats()`; per request `cached_tokens_of(rid)` = prompt tokens served from
     the cache at its first admission.
+
+Speculative decoding (`num_spec_tokens=K > 0`):
+  * Before `schedule()`, `decode_candidates()` lists the sequences in pure decode (computed up to
+    their last token, no logprobs wanted) with how many proposals each can use: min(K,
+    max_tokens - outputs - 1), so a step never emits past max_tokens. `set_drafts()` hands the
+    proposals in; a sequence with d proposals then wants 1 + d tokens (`_num_new_tokens`).
+  * Proposals are trimmed to the token budget; when the pages for 1 + d tokens cannot be found the
+    proposals are dropped first (no preemption on their account), then the usual policy applies.
+  * `update(plan, tokens [S, K+1], num_accepted [S])`: a row with d proposals of which a were
+    accepted advances num_computed by 1 + a (its last token + the accepted proposals; the K/V of
+    rejected ones stays behind the new length and is overwritten later) and appends
+    tokens[:a + 1], cut at the first stop token or at max_tokens (later tokens are discarded).
+    Pages beyond the new length are freed at once (tail first). Pages are registered in the
+    prefix cache only up to num_computed, so a page filled by rejected tokens never is.
 """
 
 from __future__ import annotations
@@ -83,6 +97,8 @@ class StepOutput:
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None  # "stop" | "length" | given to finish()
+    num_proposed: int = 0  # speculative proposals verified this step
+    num_accepted: int = 0  # of which accepted
 
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
@@ -102,6 +118,7 @@ class _Seq:
     num_registered: int = 0  # leading pages already hashed in the allocator (shared or registered)
     cached_tokens: int | None = None  # tokens taken from the prefix cache at first admission
     prefilled: bool = False  # computed tokens have reached all tokens once since (re)admission
+    draft: list[int] = field(default_factory=list)  # speculative proposals for the next step
     status: str = WAITING
     finish_reason: str | None = None
 
@@ -160,6 +177,7 @@ class Scheduler:
         page_buckets: Sequence[int] | None = None,
         enable_prefix_caching: bool = False,
         cache_salt: bytes = b"",
+        num_spec_tokens: int = 0,
     ):
         for name, v in (("max_slots", max_slots), ("page_size", page_size),
                         ("max_model_len", max_model_len), ("token_budget", token_budget)):
@@ -174,6 +192,9 @@ class Scheduler:
         self.allocator = PageAllocator(num_pages)
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.cache_salt = bytes(cache_salt)  # namespace of the prefix hashes (adapter, KV dtype...)
+        if num_spec_tokens < 0:
+            raise ValueError(f"num_spec_tokens must be >= 0, got {num_spec_tokens}")
+        self.num_spec_tokens = num_spec_tokens
 
         self.token_buckets = tuple(sorted(token_buckets or _pow2_buckets(8, token_budget)))
         if self.token_buckets[-1] < token_budget:
@@ -336,9 +357,44 @@ class Scheduler:
     # ------------------------------------------------------------------ the step
 
     def _num_new_tokens(self, seq: _Seq) -> int:
-        """Tokens this sequence wants computed this step. Speculative decoding will add the
-        sequence's k draft tokens here (a decode then computes 1 + k tokens)."""
-        return seq.num_tokens - seq.num_computed
+        """Tokens this sequence wants computed this step: its uncomputed tokens plus its
+        speculative proposals (a decode with d proposals computes 1 + d tokens)."""
+        return seq.num_tokens - seq.num_computed + len(seq.draft)
+
+    def decode_candidates(self) -> list:
+        """Running sequences in pure decode that may take proposals this step, as
+        `runtime.speculative.DraftRequest`-shaped records (duck-typed; no import of that module).
+        Row order = plan order of decodes (admission order)."""
+        from types import SimpleNamespace
+
+        out = []
+        if not self.num_spec_tokens:
+            return out
+        for seq in self._running:
+            p = seq.req.params
+            if not seq.prefilled or seq.num_computed != seq.num_tokens - 1 or p.logprobs is not None:
+                continue
+            cap = min(self.num_spec_tokens, p.max_tokens - len(seq.output_ids) - 1)
+            if cap <= 0:
+                continue
+            out.append(SimpleNamespace(
+                request_id=seq.req.request_id, token_ids=[*seq.req.prompt_ids, *seq.output_ids],
+                max_draft=cap, seed=seq.seed, temperature=p.temperature, top_k=p.top_k,
+                top_p=p.top_p, min_p=p.min_p))
+        return out
+
+    def set_drafts(self, drafts: dict[str, Sequence[int]]) -> None:
+        """Proposals for the next schedule(), by request id (replaces any earlier ones)."""
+        for seq in self._running:
+            seq.draft = []
+        for rid, toks in drafts.items():
+            seq = self._live.get(rid)
+            if seq is None or seq.status != RUNNING or not toks:
+                continue
+            if not seq.prefilled or seq.num_computed != seq.num_tokens - 1:
+                raise ValueError(f"request {rid!r} is not decoding; it cannot take proposals")
+            cap = min(self.num_spec_tokens, seq.req.params.max_tokens - len(seq.output_ids) - 1)
+            seq.draft = [int(t) for t in toks][: max(cap, 0)]
 
     def schedule(self) -> StepPlan | None:
         """Pick this step's tokens (one catch-up loop over running sequences, then admission) and
@@ -353,8 +409,14 @@ class Scheduler:
                 continue
             n = min(self._num_new_tokens(seq), budget)
             if n <= 0:
+                seq.draft = []
                 continue
+            del seq.draft[max(0, n - (seq.num_tokens - seq.num_computed)):]  # fit the budget
             while not self._grow(seq, n):
+                if seq.draft:  # proposals are optional: drop them before preempting anyone
+                    seq.draft = []
+                    n = min(self._num_new_tokens(seq), budget)
+                    continue
                 victim = max(self._running, key=lambda s: s.age_key)
                 self._preempt(victim)
                 preempted = True
@@ -463,6 +525,7 @@ class Scheduler:
 
     def _preempt(self, seq: _Seq) -> None:
         self._release(seq)
+        seq.draft = []
         self._running.remove(seq)
         seq.num_computed = 0
         seq.prefilled = False
@@ -486,6 +549,7 @@ class Scheduler:
         num_tokens = sum(n for _, n in rows)
         T = _bucket(self.token_buckets, num_tokens)
         S = self.max_slots
+        K = self.num_spec_tokens
         P = _bucket(self.page_buckets, max(len(s.pages) for s, _ in rows))
         max_q_len = min(_bucket(self.q_buckets, max(n for _, n in rows)), T)
 
@@ -503,13 +567,17 @@ class Scheduler:
         seeds = np.zeros(S, np.uint32)
         sample_positions = np.zeros(S, np.int32)
         samples = np.zeros(S, bool)
+        num_draft = np.zeros(S if K else 0, np.int32)
+        draft_ids = np.zeros((S, K) if K else (0, 0), np.int32)
+        verify_indices = np.zeros((S, K + 1) if K else (0, 0), np.int32)
 
         t = 0
         for s, (seq, n) in enumerate(rows):
             start = seq.num_computed
+            d, known = len(seq.draft), seq.num_tokens
             for i in range(n):
                 pos = start + i
-                token_ids[t + i] = seq.token(pos)
+                token_ids[t + i] = seq.token(pos) if pos < known else seq.draft[pos - known]
                 positions[t + i] = pos
                 slot_mapping[t + i] = seq.pages[pos // ps] * ps + pos % ps
             t += n
@@ -520,8 +588,12 @@ class Scheduler:
             p = seq.req.params
             temperature[s], top_k[s], top_p[s], min_p[s] = p.temperature, p.top_k, p.top_p, p.min_p
             seeds[s] = seq.seed
-            sample_positions[s] = start + n
+            sample_positions[s] = start + n - d
             samples[s] = start + n >= seq.num_tokens
+            if K:
+                num_draft[s] = d
+                draft_ids[s, :d] = seq.draft
+                verify_indices[s] = t - 1 - d + np.minimum(np.arange(K + 1), d)
         cu_q_lens[num_seqs + 1 :] = t
 
         return StepPlan(
@@ -543,17 +615,28 @@ class Scheduler:
             request_ids=[seq.req.request_id for seq, _ in rows],
             samples=samples,
             num_logprobs=LOGPROBS_BUCKET if any(s.req.params.logprobs is not None for s, _ in rows) else 0,
+            spec_k=K, num_draft=num_draft, draft_ids=draft_ids, verify_indices=verify_indices,
         )
 
-    def update(self, plan: StepPlan, sampled: np.ndarray) -> list[StepOutput]:
+    def update(self, plan: StepPlan, sampled: np.ndarray,
+               num_accepted: np.ndarray | None = None) -> list[StepOutput]:
         """Apply the step's results. `sampled`: int [S], one token per sequence row (only rows with
         plan.samples[s] are read). Must be called with the plan of the latest schedule(). Rows whose
-        request was finished or aborted in between are ignored."""
+        request was finished or aborted in between are ignored. After a verify step: `sampled`
+        int [S, K+1] and `num_accepted` [S] (row s emits sampled[s, :num_accepted[s] + 1])."""
         if plan is not self._last_plan:
             raise ValueError("update() must get the plan returned by the latest schedule()")
+        if num_accepted is None and plan.has_drafts:
+            raise ValueError("a plan with proposals needs update(plan, tokens, num_accepted)")
         rows, self._last_plan, self._last_rows = self._last_rows, None, []
+        if num_accepted is not None:
+            outputs = self._update_verify(rows, plan, sampled, num_accepted)
+            for seq in self._running:
+                seq.draft = []
+            return outputs
         outputs: list[StepOutput] = []
         for s, (seq, n) in enumerate(rows):
+            seq.draft = []
             if seq.status != RUNNING:
                 continue
             seq.num_computed += n
@@ -571,4 +654,43 @@ class Scheduler:
             if reason is not None:
                 self._retire(seq, reason)
             outputs.append(StepOutput(seq.req.request_id, [tok], reason is not None, reason))
+        return outputs
+
+    def _update_verify(self, rows, plan, sampled, num_accepted) -> list[StepOutput]:
+        outputs: list[StepOutput] = []
+        for s, (seq, n) in enumerate(rows):
+            d, seq.draft = len(seq.draft), []
+            if seq.status != RUNNING:
+                continue
+            if not plan.samples[s]:
+                seq.num_computed += n
+                self._register_full_pages(seq)
+                continue
+            a = int(num_accepted[s])
+            if not 0 <= a <= d:
+                raise ValueError(f"row {s}: {a} accepted of {d} proposals")
+            seq.prefilled = True
+            emitted, reason = [], None
+            for tok in np.asarray(sampled[s, : a + 1]).tolist():
+                emitted.append(int(tok))
+                if tok in seq.stop_ids:
+                    reason = "stop"
+                elif len(seq.output_ids) + len(emitted) >= seq.req.params.max_tokens:
+                    reason = "length"
+                if reason is not None:
+                    break
+            seq.output_ids.extend(emitted)
+            if reason is not None:
+                self._retire(seq, reason)
+            else:
+                # K/V holds the last token and the accepted proposals; the new last token and any
+                # rejected proposals are beyond the new length (rolled back by lengths)
+                seq.num_computed += n - d + a
+                keep = _cdiv(seq.num_computed, self.page_size)
+                if len(seq.pages) > keep:
+                    self.allocator.free(reversed(seq.pages[keep:]))
+                    del seq.pages[keep:]
+                self._register_full_pages(seq)
+            outputs.append(StepOutput(seq.req.request_id, emitted, reason is not None, reason,
+                                      num_proposed=d, num_accepted=a))
         return outputs

@@ -52,6 +52,53 @@ def step(
     return jnp.concatenate(cols, axis=1), cache
 
 
+def verify(
+    params: Params,
+    cache: KVCache,
+    arrays: dict[str, jax.Array],
+    q_probs: jax.Array | None,  # [S', K, V] proposer distributions (draft model), else None
+    q_rows: jax.Array,  # [S] int32 row of each plan row in q_probs
+    *,
+    cfg: ModelConfig,
+    backend: str,
+    max_q_len: int,
+    num_logprobs: int,
+    filtered: bool,
+) -> tuple[jax.Array, KVCache]:
+    """Speculative verify: one forward with logits at every row's last token and proposals
+    (arrays["logits_indices"] is [S*(K+1)]), then acceptance for all rows on the device.
+    Packed [S, 2 + K (+ 1 + 2n)]: [:, 0] proposals accepted a, [:, 1:K+2] the emitted tokens
+    (a + 1 valid, then -1), then logprobs of the token drawn at the first verify row (rows that
+    want logprobs get no proposals, so that is their one token)."""
+    from runtime.speculative import accept
+
+    S, K = arrays["draft_ids"].shape
+    md = _metadata(arrays, max_q_len)
+    logits, cache = forward(params, arrays["token_ids"], cache, md, cfg, backend)  # [S*(K+1), V]
+    logits = logits.reshape(S, K + 1, -1)
+    q = None if q_probs is None else q_probs[q_rows]
+    n_acc, tokens = accept(
+        logits, arrays["draft_ids"], arrays["num_draft"], q, arrays["temperature"],
+        arrays["top_k"], arrays["top_p"], arrays["min_p"], arrays["seeds"],
+        arrays["sample_positions"], filtered=filtered,
+    )
+    cols = [n_acc.astype(jnp.float32)[:, None], tokens.astype(jnp.float32)]
+    if num_logprobs:
+        chosen, vals, ids = top_logprobs(logits[:, 0], tokens[:, 0], num_logprobs)
+        cols += [chosen[:, None], vals, ids.astype(jnp.float32)]
+    return jnp.concatenate(cols, axis=1), cache
+
+
+def make_verify(cfg: ModelConfig, backend: str):
+    """The jitted verify step (static: q bucket, logprob count, filter flag; q_probs None or
+    not retraces once)."""
+    return jax.jit(
+        functools.partial(verify, cfg=cfg, backend=backend),
+        static_argnames=("max_q_len", "num_logprobs", "filtered"),
+        donate_argnames=("cache",),
+    )
+
+
 def make_step(cfg: ModelConfig, backend: str, shardings=None):
     """The jitted step for one model; static: q bucket, logprob count, filter flag.
     `shardings` (tensor parallel): (params, cache, replicated) NamedSharding trees from

@@ -22,7 +22,8 @@ from pathlib import Path
 VARIANTS = {
     "f32": dict(dtype="float32"),
     "bf16": dict(dtype="bfloat16"),
-    "int8": dict(dtype="float32", quantization="int8"),
+    "int8": dict(dtype="float32", quantization="int8"),  # W8A8 on CPU (platform default)
+    "int8-wo": dict(dtype="float32", quantization="int8", quant_mode="weight_only"),
     "fp8": dict(dtype="float32", quantization="fp8"),
     "f32+kv8": dict(dtype="float32", kv_cache_dtype="int8"),
     "int8+kv8": dict(dtype="float32", quantization="int8", kv_cache_dtype="int8"),

@@ -69,6 +69,8 @@ def run_engine(llm, reqs, *, static: bool) -> dict:
         "output_tokens_per_s": ntok / wall,
         "ttft_s_p50": _pct(ttft, 50), "ttft_s_p99": _pct(ttft, 99),
         "itl_s_p50": _pct(itl, 50), "itl_s_p99": _pct(itl, 99),
+        "_spec_proposed": sum(o.metrics.get("spec_proposed", 0) for o in outs),
+        "_spec_accepted": sum(o.metrics.get("spec_accepted", 0) for o in outs),
     }
 
 
@@ -136,6 +138,8 @@ def run(args) -> dict:
                 max_model_len=args.max_model_len, prefill_chunk=args.prefill_chunk)
     if args.num_pages:
         opts["num_pages"] = args.num_pages
+    if getattr(args, "speculative", None):
+        opts["speculative"] = json.loads(args.speculative)
     llm = LLM(args.model, **opts)
     cfg = llm.model.cfg
     special = set(llm.tokenizer.eos_ids) | {llm.tokenizer.bos_id or 0}
@@ -151,6 +155,13 @@ def run(args) -> dict:
                      "output_len": args.output_len, "seed": args.seed},
     }
     report |= run_engine(llm, reqs, static=False)
+    if opts.get("speculative"):
+        report["speculative"] = opts["speculative"]
+        report |= {k: report.pop("_" + k) for k in ("spec_proposed", "spec_accepted")}
+        p, a = report["spec_proposed"], report["spec_accepted"]
+        report["acceptance_rate"] = a / p if p else None
+    else:
+        report.pop("_spec_proposed", None), report.pop("_spec_accepted", None)
     if args.static_batching:
         st = run_engine(llm, reqs, static=True)
         report["static"] = st
@@ -185,6 +196,11 @@ def format_table(r: dict) -> str:
            f"{'ITL p99':>9s}   (ms)"]
     for name, tps, a, b, c, d in rows:
         out.append(f"{name:26s} {tps:9.1f} {f(a)} {f(b)} {f(c)} {f(d)}")
+    if r.get("speculative"):
+        ar = r["acceptance_rate"]
+        out.append(f"speculative {json.dumps(r['speculative'])}: {r['spec_accepted']}/"
+                   f"{r['spec_proposed']} proposals accepted"
+                   + ("" if ar is None else f" (acceptance rate {ar:.3f})"))
     for k in ("continuous_vs_static", "speedup_vs_hf", "batch1_vs_floor"):
         if k in r:
             out.append(f"{k}: {r[k]:.2f}x")
@@ -212,6 +228,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--static-batching", action="store_true")
     p.add_argument("--decode-contexts", default="", help="e.g. 512,2048,8192 (needs max-model-len)")
     p.add_argument("--out", default=None, help="write the JSON report here")
+    p.add_argument("--speculative", default=None,
+                   help='speculative decoding as JSON, e.g. \'{"method": "ngram", "k": 4}\'')
 
 
 def cmd(args) -> int:

