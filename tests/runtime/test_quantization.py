@@ -128,6 +128,36 @@ def test_w8a8_einsum_exact_on_quantized_operands_and_bounded(spec, xs, ws, axes)
     assert np.all(np.abs(got - np.einsum(spec, xn, wd)) <= bound * (1 + 1e-4) + 1e-5)
 
 
+@pytest.mark.parametrize("spec,xs,ws,axes", [
+    ("tf,fd->td", (6, 512), (512, 32), (0,)),  # w_down: GeGLU output with outlier channels
+    ("td,df->tf", (1, 256), (256, 24), (0,)),  # single token, grouped and padded
+    ("nd,vd->nv", (3, 384), (40, 384), (1,)),
+])
+def test_w8a8_grouped_activation_scales(spec, xs, ws, axes):
+    """Contractions over > ACT_GROUP channels quantize activations per token per group of
+    ACT_GROUP channels: exact on those operands, and closer to f32 than one scale per token
+    when a few channels are outliers."""
+    from runtime.quantization import ACT_GROUP
+
+    rng = np.random.default_rng(8)
+    xn = rng.standard_normal(xs)
+    xn[..., [5, 17, 90]] *= 60.0  # a few outlier channels (all in the first group)
+    x = jnp.asarray(xn, jnp.float32)
+    q = quantize(_rand(ws, 9), "int8", axes, mode="w8a8")
+    got = np.asarray(jax.jit(lambda x, q: einsum(spec, x, q))(x, q), np.float64)
+    wd = np.asarray(dequantize(q), np.float64)
+    xn = np.asarray(x, np.float64)
+    g = xn.reshape(xs[:-1] + (xs[-1] // ACT_GROUP, ACT_GROUP))
+    sx = np.abs(g).max(axis=-1, keepdims=True) / 127
+    xq = (np.round(g / sx) * sx).reshape(xs)
+    exact = np.einsum(spec, xq, wd)
+    np.testing.assert_allclose(got, exact, rtol=1e-5, atol=1e-5 * np.abs(exact).max())
+    s_tok = np.abs(xn).max(axis=-1, keepdims=True) / 127
+    per_token = np.einsum(spec, np.round(xn / s_tok) * s_tok, wd)
+    ref = np.einsum(spec, xn, wd)
+    assert np.abs(got - ref).mean() < 0.9 * np.abs(per_token - ref).mean()
+
+
 def test_w8a8_single_row_equals_batched_row():
     x, q = _rand((2, 16), 6, spread=False), quantize(_rand((40, 16), 7), "int8", (1,), mode="w8a8")
     one = np.asarray(einsum("nd,vd->nv", x[:1], q))
