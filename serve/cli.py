@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -20,6 +21,17 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--attention-backend", default=None,
                    choices=["xla", "pallas", "pallas_interpret"])
+    p.add_argument("--quantization", default=None, choices=["int8", "fp8"],
+                   help="quantize weights at load (per-channel scales)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                   help="int8 KV pages with per-token-per-head scales (XLA attention path)")
+    p.add_argument("--prefill-chunk", type=int, default=256,
+                   help="per-step prompt token budget (chunked prefill)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="do not share KV pages of common prompt prefixes")
+    p.add_argument("--speculative", default=None, type=json.loads,
+                   help='speculative decoding, e.g. \'{"method": "ngram", "k": 4, "n": 3}\' or '
+                        '\'{"method": "draft", "model": "PATH", "k": 4}\'')
     p.add_argument("--tensor-parallel", type=int, default=1,
                    help="shard params and KV cache over N devices (multi-host: all devices)")
     p.add_argument("--distributed", action="store_true",
@@ -32,7 +44,11 @@ def llm_from_args(args):
     from runtime import LLM
 
     opts = dict(dtype=args.dtype, max_slots=args.max_slots, page_size=args.page_size,
-                num_pages=args.num_pages, attention_backend=args.attention_backend)
+                num_pages=args.num_pages, attention_backend=args.attention_backend,
+                quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                prefill_chunk=args.prefill_chunk,
+                enable_prefix_caching=not args.no_prefix_caching,
+                speculative=args.speculative)
     if args.max_model_len:
         opts["max_model_len"] = args.max_model_len
     tp = getattr(args, "tensor_parallel", 1)
