@@ -147,6 +147,13 @@ def forward(
 ) -> tuple[jax.Array, KVCache]:
     """Run T ragged tokens through the model, writing their K/V into the cache.
     Returns f32 logits [N, V] for the rows in md.logits_indices, and the new cache."""
+    h, cache = forward_hidden(params, tokens, cache, md, cfg, backend)
+    return compute_logits(params, h, cfg), cache
+
+
+def forward_hidden(params: Params, tokens: jax.Array, cache: KVCache, md: AttentionMetadata,
+                   cfg: ModelConfig, backend: str = "xla") -> tuple[jax.Array, KVCache]:
+    """The transformer body: final-normed hidden states [N, D] of the md.logits_indices rows."""
     x = take_rows(params.embed, tokens)  # [T, D]
     if cfg.embed_scale != 1.0:
         x = x * jnp.asarray(cfg.embed_scale, dtype=x.dtype)
@@ -154,13 +161,17 @@ def forward(
     for i, lp in enumerate(params.layers):
         x, ks[i], vs[i] = _layer(lp, x, ks[i], vs[i], md, cfg, i, backend)
     x = x[md.logits_indices]  # [N, D]
-    x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
+    return rms_norm(x, params.final_norm, cfg.rms_norm_eps), KVCache(k=tuple(ks), v=tuple(vs))
+
+
+def compute_logits(params: Params, h: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """h [N, D] -> f32 logits [N, V] (tied or separate head, optional final soft cap)."""
     head = params.embed if params.lm_head is None else params.lm_head
-    logits = einsum("nd,vd->nv", x, head).astype(jnp.float32)  # [N, V]
+    logits = einsum("nd,vd->nv", h, head).astype(jnp.float32)  # [N, V]
     if cfg.final_logit_softcap is not None:
         c = cfg.final_logit_softcap
         logits = c * jnp.tanh(logits / c)
-    return logits, KVCache(k=tuple(ks), v=tuple(vs))
+    return logits
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> Params:

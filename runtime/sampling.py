@@ -52,14 +52,19 @@ def sample(
     filtered: bool,  # static: any row has top_k / top_p / min_p set
 ) -> jax.Array:  # [S] int32
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    scaled = logits / t
-    if filtered:
-        scaled = filter_logits(scaled, top_k, top_p, min_p)
-    keys = row_keys(seeds, positions)
-    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(keys)
-    drawn = jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
-    return jnp.where(temperature > 0, drawn, greedy)
+
+    def drawn() -> jax.Array:
+        t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
+        scaled = logits / t
+        if filtered:
+            scaled = filter_logits(scaled, top_k, top_p, min_p)
+        keys = row_keys(seeds, positions)
+        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(keys)
+        return jnp.where(temperature > 0, jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32),
+                         greedy)
+
+    # all-greedy steps skip the noise (S x V draws) at run time; one compiled program
+    return jax.lax.cond(jnp.any(temperature > 0), drawn, lambda: greedy)
 
 
 def top_logprobs(logits: jax.Array, tokens: jax.Array, n: int):

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from runtime.attention import AttentionMetadata
 from runtime.config import ModelConfig
 from runtime.kv_cache import KVCache
-from runtime.model import Params, forward
+from runtime.model import Params, compute_logits, forward, forward_hidden
 from runtime.sampling import sample, top_logprobs
 
 
@@ -40,16 +40,30 @@ def step(
     filtered: bool,
 ) -> tuple[jax.Array, KVCache]:
     md = _metadata(arrays, max_q_len)
-    logits, cache = forward(params, arrays["token_ids"], cache, md, cfg, backend)  # [S, V]
-    tokens = sample(
-        logits, arrays["temperature"], arrays["top_k"], arrays["top_p"], arrays["min_p"],
-        arrays["seeds"], arrays["sample_positions"], filtered=filtered,
-    )
-    cols = [tokens.astype(jnp.float32)[:, None]]
-    if num_logprobs:
-        chosen, vals, ids = top_logprobs(logits, tokens, num_logprobs)
-        cols += [chosen[:, None], vals, ids.astype(jnp.float32)]
-    return jnp.concatenate(cols, axis=1), cache
+    h, cache = forward_hidden(params, arrays["token_ids"], cache, md, cfg, backend)  # [S, D]
+    s = h.shape[0]
+
+    def head_and_sample(rows: int) -> jax.Array:  # the first `rows` rows, padded back to S
+        logits = compute_logits(params, h[:rows], cfg)  # [rows, V]
+        a = {k: arrays[k][:rows] for k in SAMPLING_FIELDS}
+        tokens = sample(logits, a["temperature"], a["top_k"], a["top_p"], a["min_p"],
+                        a["seeds"], a["sample_positions"], filtered=filtered)
+        cols = [tokens.astype(jnp.float32)[:, None]]
+        if num_logprobs:
+            chosen, vals, ids = top_logprobs(logits, tokens, num_logprobs)
+            cols += [chosen[:, None], vals, ids.astype(jnp.float32)]
+        return jnp.pad(jnp.concatenate(cols, axis=1), ((0, s - rows), (0, 0)))
+
+    if s == 1:
+        return head_and_sample(1), cache
+    # One live sequence (batch-1 decode, a lone prefill): the vocabulary projection, the
+    # largest matmul of a small model, runs on that row only. Both branches are one program.
+    packed = jax.lax.cond(arrays["num_seqs"][0] <= 1, lambda: head_and_sample(1),
+                          lambda: head_and_sample(s))
+    return packed, cache
+
+
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seeds", "sample_positions")
 
 
 def verify(
