@@ -129,12 +129,12 @@ def test_w8a8_einsum_exact_on_quantized_operands_and_bounded(spec, xs, ws, axes)
 
 
 @pytest.mark.parametrize("spec,xs,ws,axes", [
-    ("tf,fd->td", (6, 512), (512, 32), (0,)),  # w_down: GeGLU output with outlier channels
-    ("td,df->tf", (1, 256), (256, 24), (0,)),  # single token, grouped and padded
-    ("nd,vd->nv", (3, 384), (40, 384), (1,)),
+    ("tf,fd->td", (6, 1024), (1024, 32), (0,)),  # w_down: GeGLU output with outlier channels
+    ("td,df->tf", (1, 1024), (1024, 24), (0,)),  # single token, grouped and padded
+    ("nd,vd->nv", (3, 2048), (40, 2048), (1,)),
 ])
 def test_w8a8_grouped_activation_scales(spec, xs, ws, axes):
-    """Contractions over > ACT_GROUP channels quantize activations per token per group of
+    """Contractions over >= MIN_GROUPS * ACT_GROUP channels quantize activations per token per group of
     ACT_GROUP channels: exact on those operands, and closer to f32 than one scale per token
     when a few channels are outliers."""
     from runtime.quantization import ACT_GROUP
