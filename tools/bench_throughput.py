@@ -138,6 +138,8 @@ def run(args) -> dict:
                 max_model_len=args.max_model_len, prefill_chunk=args.prefill_chunk)
     if args.num_pages:
         opts["num_pages"] = args.num_pages
+    if args.quantization:
+        opts["quantization"] = args.quantization
     if getattr(args, "speculative", None):
         opts["speculative"] = json.loads(args.speculative)
     llm = LLM(args.model, **opts)
@@ -215,6 +217,7 @@ def format_table(r: dict) -> str:
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="gemma3-270m")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--quantization", default=None, choices=["int8", "fp8"])
     p.add_argument("--max-slots", type=int, default=8)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--num-pages", type=int, default=None)
