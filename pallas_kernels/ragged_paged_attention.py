@@ -10,15 +10,17 @@ Layouts (T query rows, S sequence rows, P pages per sequence, N pages in the poo
   page_indices  i32[S, P]             pages of s; entries past its length point at page 0
   cu_q_lens     i32[S + 1]
   num_seqs      i32[1]                rows >= num_seqs of the three above are ignored
-  k/v_scale     f32[Hkv, N, ps]       optional (reference only): int8 k/v_pages hold
-                                      round(x / scale), one scale per token per head
+  k/v_scale     f32[Hkv, N, ps]       optional, with int8 k/v_pages holding round(x / scale):
+                                      x = value * scale, one scale per token per kv head
 
 Query i of sequence s sits at position p = kv_len_s - q_len_s + i and attends KV positions j with
 j <= p and, with a sliding window w, p - j < w (the window counts the token itself). Rows owned by
 no live sequence come back 0. GQA: q head h reads kv head h // (Hq // Hkv).
 
 The kernels live beside this file: `ragged_paged_attention_tpu` (Mosaic) and
-`ragged_paged_attention_gpu` (Triton). Both run on CPU with `interpret=True`.
+`ragged_paged_attention_gpu` (Triton). Both run on CPU with `interpret=True`, and both read int8
+pages: widened to q's dtype in the kernel, the scales applied to the score columns (K) and to the
+probabilities before p @ V (V); no dequantized copy of the pages is made.
 """
 
 from __future__ import annotations
@@ -306,7 +308,7 @@ def ragged_paged_attention(
     **block_options: Any,
 ) -> jax.Array:  # [T, Hq, D]
     """Run the Pallas kernel of `platform` ("tpu" Mosaic | "gpu" Triton).
-    int8 K/V (k_scale / v_scale) is not supported by the kernels yet: a clear error.
+    int8 K/V: pass int8 k/v_pages with both k_scale and v_scale (f32[Hkv, N, ps]).
 
     platform None: the current default backend's kernel ("tpu" under interpret on CPU).
     block_options: TPU `block_q`, `pages_per_block`, `vmem_limit_bytes`;
@@ -327,14 +329,9 @@ def ragged_paged_attention(
             )
     if platform not in PLATFORMS:
         raise ValueError(f"platform must be one of {PLATFORMS} or None, got {platform!r}")
-    if k_scale is not None or v_scale is not None or jnp.dtype(k_pages.dtype) == jnp.int8:
-        raise NotImplementedError(
-            "int8 KV pages are not supported by the Pallas ragged paged attention kernels yet; "
-            "use ragged_paged_attention_reference or the XLA path (attention_backend='xla')"
-        )
     validate_static(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
                     sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                    platform=platform)
+                    platform=platform, k_scale=k_scale, v_scale=v_scale)
     if platform == "tpu":
         from pallas_kernels.ragged_paged_attention_tpu import ragged_paged_attention_tpu as kernel
     else:
@@ -343,4 +340,4 @@ def ragged_paged_attention(
                   sm_scale=float(sm_scale),
                   sliding_window=None if sliding_window is None else int(sliding_window),
                   soft_cap=None if soft_cap is None else float(soft_cap),
-                  interpret=interpret, **block_options)
+                  interpret=interpret, k_scale=k_scale, v_scale=v_scale, **block_options)

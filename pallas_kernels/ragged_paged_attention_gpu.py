@@ -9,6 +9,11 @@ output tile as each sequence finishes; the tile is stored once.
 
 Only page-table entries covering positions the rows may attend are followed (others read the null
 page); V of slots at or past kv_len is zeroed so unused pages (NaN included) never leak.
+
+int8 KV: the int8 pages are gather-loaded (a quarter of f32's bytes, half of bf16's) and widened to
+q's dtype in registers; the per-token scales f32[Hkv, N, ps] are gather-loaded with the same page
+ids as a [BK] row and applied as scores[:, l] *= k_scale[l] and p[:, l] *= v_scale[l] before
+p @ V. Scales of slots at or past kv_end (NaN allowed) are replaced by 0 with a select.
 """
 
 from __future__ import annotations
@@ -26,14 +31,14 @@ from pallas_kernels.ragged_paged_attention import MASK_FLOOR
 
 def _kernel(
     q_ref,  # [R, D], R = BQ * Gp
-    k_ref,  # [N, ps, D] (this kv head's pool)
+    k_ref,  # [N, ps, D] (this kv head's pool; int8 when quantized)
     v_ref,  # [N, ps, D]
     kv_lens_ref,  # i32[S]
     page_table_ref,  # i32[S, P_pad]
     cu_q_lens_ref,  # i32[C], C = pow2 >= S + 1
     num_seqs_ref,  # i32[1]
-    o_ref,  # [R, D]
-    *,
+    *refs,  # quantized: ks_ref, vs_ref f32[N, ps] (this kv head's scales); then o_ref [R, D]
+    quantized: bool,
     block_q: int,
     group_pad: int,
     pages_per_block: int,
@@ -41,6 +46,7 @@ def _kernel(
     sliding_window: int | None,
     soft_cap: float | None,
 ):
+    ks_ref, vs_ref, o_ref = refs if quantized else (None, None, *refs)
     q_blk = pl.program_id(0)
     rows, head_dim = q_ref.shape
     page_size = k_ref.shape[1]
@@ -80,13 +86,18 @@ def _kernel(
             pages = page0 + lax.broadcasted_iota(jnp.int32, (pages_per_block,), 0)  # [PB]
             page_ids = page_table_ref[seq, pl.ds(page0, pages_per_block)]  # [PB]
             page_ids = jnp.where(pages < num_pages_needed, page_ids, 0)
-            k = k_ref[page_ids].reshape(block_kv, head_dim)  # [BK, D]
-            v = v_ref[page_ids].reshape(block_kv, head_dim)  # [BK, D]
+            k = k_ref[page_ids].reshape(block_kv, head_dim).astype(q.dtype)  # [BK, D]
+            v = v_ref[page_ids].reshape(block_kv, head_dim).astype(q.dtype)  # [BK, D]
             kv_base = kv_blk * block_kv
-            s = plgpu.dot(q, k, trans_b=True, allow_tf32=False).astype(jnp.float32) * sm_scale  # [R, BK]
+            col = kv_base + lax.broadcasted_iota(jnp.int32, (block_kv,), 0)  # [BK]
+            s = plgpu.dot(q, k, trans_b=True, allow_tf32=False).astype(jnp.float32)  # [R, BK]
+            if quantized:  # x = value * scale; unused slots' scales may be NaN: select, not multiply
+                k_sc = jnp.where(col < kv_end, ks_ref[page_ids].reshape(block_kv), 0.0)  # [BK]
+                s = s * (k_sc * sm_scale)[None, :]
+            else:
+                s = s * sm_scale
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
-            col = kv_base + lax.broadcasted_iota(jnp.int32, (block_kv,), 0)  # [BK]
             mask = row_owned[:, None] & (col[None, :] <= row_pos[:, None]) & (col[None, :] < kv_len)
             if sliding_window is not None:
                 mask &= row_pos[:, None] - col[None, :] < sliding_window
@@ -95,9 +106,15 @@ def _kernel(
             p = jnp.where(mask, jnp.exp(s - m_next[:, None]), 0.0)  # [R, BK]
             alpha = jnp.exp(m_prev - m_next)  # [R]
             l_next = alpha * l_prev + jnp.sum(p, axis=1)
-            # slots past kv_end were not fetched (null page) or are unused: keep them out of p @ v
-            v = jnp.where((col < kv_end)[:, None], v, jnp.zeros_like(v))
-            pv = plgpu.dot(p.astype(v.dtype), v, allow_tf32=False).astype(jnp.float32)  # [R, D]
+            if quantized:
+                # int8 V is always finite and p is 0 past kv_end: only the scales need the guard
+                v_sc = jnp.where(col < kv_end, vs_ref[page_ids].reshape(block_kv), 0.0)  # [BK]
+                p_v = p * v_sc[None, :]
+            else:
+                # slots past kv_end were not fetched (null page) or are unused: keep them out of p @ v
+                v = jnp.where((col < kv_end)[:, None], v, jnp.zeros_like(v))
+                p_v = p
+            pv = plgpu.dot(p_v.astype(v.dtype), v, allow_tf32=False).astype(jnp.float32)  # [R, D]
             return alpha[:, None] * acc + pv, m_next, l_next
 
         acc0 = jnp.zeros((rows, head_dim), jnp.float32)
@@ -139,6 +156,8 @@ def ragged_paged_attention_gpu(
     pages_per_block: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    k_scale: jax.Array | None = None,  # f32[Hkv, N, ps] with int8 k/v_pages (x = value * scale)
+    v_scale: jax.Array | None = None,  # f32[Hkv, N, ps]
 ) -> jax.Array:  # [T, Hq, D]
     """Triton ragged paged attention. Call through `ragged_paged_attention` (validates)."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -169,22 +188,29 @@ def ragged_paged_attention_gpu(
     cu = jnp.pad(cu_q_lens, (0, pl.next_power_of_2(max_seqs + 1) - (max_seqs + 1)), mode="edge")
 
     rows = block_q * group_pad
+    quantized = k_scale is not None
     kernel = functools.partial(
-        _kernel, block_q=block_q, group_pad=group_pad, pages_per_block=pages_per_block,
-        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+        _kernel, quantized=quantized, block_q=block_q, group_pad=group_pad,
+        pages_per_block=pages_per_block, sm_scale=sm_scale, sliding_window=sliding_window,
+        soft_cap=soft_cap)
     tile = pl.BlockSpec((None, rows, head_dim), lambda i, h: (h, i, 0))
     pool = pl.BlockSpec((None, *k_pages.shape[1:]), lambda i, h: (h, 0, 0, 0))
     whole = lambda a: pl.BlockSpec(a.shape, lambda i, h: (0,) * a.ndim)  # noqa: E731
+    operands = [qk, k_pages, v_pages, kv_lens, pt, cu, num_seqs]
+    in_specs = [tile, pool, pool, whole(kv_lens), whole(pt), whole(cu), whole(num_seqs)]
+    if quantized:  # this kv head's scales, gathered with the same page ids as its pages
+        operands += [k_scale, v_scale]
+        in_specs += [pl.BlockSpec((None, *k_scale.shape[1:]), lambda i, h: (h, 0, 0))] * 2
     out = pl.pallas_call(
         kernel,
         grid=(num_q_blocks, num_kv_heads),
-        in_specs=[tile, pool, pool, whole(kv_lens), whole(pt), whole(cu), whole(num_seqs)],
+        in_specs=in_specs,
         out_specs=tile,
         out_shape=jax.ShapeDtypeStruct(qk.shape, q.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention_gpu",
-    )(qk, k_pages, v_pages, kv_lens, pt, cu, num_seqs)
+    )(*operands)
     # [Hkv, T_pad * Gp, D] -> [T, Hq, D]
     out = out.reshape(num_kv_heads, padded, group_pad, head_dim)[:, :num_tokens, :group]
     return out.transpose(1, 0, 2, 3).reshape(num_tokens, num_q_heads, head_dim)

@@ -10,6 +10,14 @@ Rows of the block that belong to the sequence are written at the end of that seq
 
 Only pages holding positions the block's rows may attend are fetched; V of slots at or past
 kv_len is zeroed so unused pages (any contents, NaN included) never reach the output.
+
+int8 KV: the int8 pages and their per-token scales f32[Hkv, N, ps] are DMA'd per page into
+double-buffered VMEM (the scales as one [1, ps] row per page, on the page's semaphore). K and V are
+widened to q's dtype in VMEM; the scales are applied as rows over the block's KV columns:
+scores[:, l] *= k_scale[l] and p[:, l] *= v_scale[l] before p @ V. The [PB, ps] scale tile is
+turned into that [1, BK] row on the MXU (a 0/1 expand matmul at fp32 precision, then a masked
+sublane sum), which avoids a sublane->lane reshape. Scales of slots past kv_end (unused or not
+fetched: NaN allowed) are replaced by 0 with a select before the expand matmul.
 """
 
 from __future__ import annotations
@@ -35,23 +43,27 @@ def _kernel(
     num_seqs_ref,  # i32[1]
     # inputs
     q_ref,  # [G, BQ, D]
-    k_hbm_ref,  # [Hkv, N, ps, D] (HBM)
+    k_hbm_ref,  # [Hkv, N, ps, D] (HBM; int8 when quantized)
     v_hbm_ref,  # [Hkv, N, ps, D] (HBM)
-    # outputs
-    o_ref,  # [G, BQ, D]
-    # scratch
-    k_buf,  # [2, PB, ps, D]
-    v_buf,  # [2, PB, ps, D]
-    sems,  # DMA [2, 2]  (buffer slot, k|v)
-    m_ref,  # f32[G * BQ, LANES]  running max, lane-replicated
-    l_ref,  # f32[G * BQ, LANES]  running denominator, lane-replicated
-    acc_ref,  # f32[G * BQ, D]
-    *,
+    *refs,  # quantized: k/v_scale (HBM) f32[Hkv, N, ps]; then o_ref and the scratch below
     pages_per_seq: int,
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
+    quantized: bool,
 ):
+    if quantized:
+        ks_hbm_ref, vs_hbm_ref, o_ref, k_buf, v_buf, sems, m_ref, l_ref, acc_ref, ks_buf, vs_buf = refs
+    else:
+        o_ref, k_buf, v_buf, sems, m_ref, l_ref, acc_ref = refs
+        ks_hbm_ref = vs_hbm_ref = ks_buf = vs_buf = None
+    # o_ref   [G, BQ, D]        output tile
+    # k/v_buf [2, PB, ps, D]    page blocks (slot, page, row, lane), k_pages dtype
+    # sems    DMA [2, 2]        (buffer slot, k|v); a page's scale copy shares its page's semaphore
+    # m_ref   f32[G * BQ, LANES]  running max, lane-replicated
+    # l_ref   f32[G * BQ, LANES]  running denominator, lane-replicated
+    # acc_ref f32[G * BQ, D]
+    # ks/vs_buf f32[2, PB, ps]  per-token scales of the buffered pages (quantized only)
     head = pl.program_id(0)
     q_blk = pl.program_id(1)
     group, block_q, head_dim = q_ref.shape
@@ -68,33 +80,63 @@ def _kernel(
     row_tok = blk_start + (lax.broadcasted_iota(jnp.int32, (rows, 1), 0) & (block_q - 1))  # [R, 1]
 
     def page_copies(seq, kv_blk, slot, num_pages_needed):
-        """(condition, k copy, v copy) for each page of KV block `kv_blk` of `seq`."""
+        """(condition, [copies]) for each page of KV block `kv_blk` of `seq`."""
         out = []
         for j in range(pages_per_block):
             page = kv_blk * pages_per_block + j
             needed = page < num_pages_needed
             page_id = page_table_ref[seq * pages_per_seq + jnp.minimum(page, pages_per_seq - 1)]
             page_id = jnp.where(needed, page_id, 0)
-            k_copy = pltpu.make_async_copy(
-                k_hbm_ref.at[head, page_id], k_buf.at[slot, j], sems.at[slot, 0])
-            v_copy = pltpu.make_async_copy(
-                v_hbm_ref.at[head, page_id], v_buf.at[slot, j], sems.at[slot, 1])
-            out.append((needed, k_copy, v_copy))
+            copies = [
+                pltpu.make_async_copy(k_hbm_ref.at[head, page_id], k_buf.at[slot, j], sems.at[slot, 0]),
+                pltpu.make_async_copy(v_hbm_ref.at[head, page_id], v_buf.at[slot, j], sems.at[slot, 1]),
+            ]
+            if quantized:  # this page's [1, ps] scale rows, on the same semaphores
+                copies += [
+                    pltpu.make_async_copy(ks_hbm_ref.at[head, pl.ds(page_id, 1)],
+                                          ks_buf.at[slot, pl.ds(j, 1)], sems.at[slot, 0]),
+                    pltpu.make_async_copy(vs_hbm_ref.at[head, pl.ds(page_id, 1)],
+                                          vs_buf.at[slot, pl.ds(j, 1)], sems.at[slot, 1]),
+                ]
+            out.append((needed, copies))
         return out
 
-    def start(copies):
-        for needed, k_copy, v_copy in copies:
+    def start(page_list):
+        for needed, copies in page_list:
             @pl.when(needed)
             def _():
-                k_copy.start()
-                v_copy.start()
+                for c in copies:
+                    c.start()
 
-    def wait(copies):
-        for needed, k_copy, v_copy in copies:
+    def wait(page_list):
+        for needed, copies in page_list:
             @pl.when(needed)
             def _():
-                k_copy.wait()
-                v_copy.wait()
+                for c in copies:
+                    c.wait()
+
+    def scale_rows(slot, kv_base, kv_end):
+        """f32[1, BK] K and V scale rows over the block's KV columns (column c = page c // ps,
+        slot c % ps); 0 for slots at or past kv_end (unused or not fetched: NaN included)."""
+        pos = (kv_base + lax.broadcasted_iota(jnp.int32, (pages_per_block, page_size), 0) * page_size
+               + lax.broadcasted_iota(jnp.int32, (pages_per_block, page_size), 1))  # [PB, ps]
+        col = lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)  # [1, BK]
+        col_page = jnp.zeros_like(col)  # col // ps, without a vector division
+        for j in range(1, pages_per_block):
+            col_page += (col >= j * page_size).astype(jnp.int32)
+        col_slot = col - col_page * page_size  # [1, BK]
+        expand = (lax.broadcasted_iota(jnp.int32, (page_size, block_kv), 0) == col_slot)  # [ps, BK]
+        expand = expand.astype(jnp.float32)
+        own = lax.broadcasted_iota(jnp.int32, (pages_per_block, block_kv), 0) == col_page  # [PB, BK]
+
+        def row(buf):
+            tile = jnp.where(pos < kv_end, buf[slot], 0.0)  # [PB, ps]; a select: NaN * 0 is NaN
+            # wide[j, c] = tile[j, c % ps]: exact at fp32 contract precision (a 0/1 matrix)
+            wide = jnp.dot(tile, expand, precision=lax.Precision.HIGHEST,
+                           preferred_element_type=jnp.float32)  # [PB, BK]
+            return jnp.sum(jnp.where(own, wide, 0.0), axis=0, keepdims=True)  # [1, BK]
+
+        return row(ks_buf), row(vs_buf)
 
     def attend_seq(seq):
         q_start = cu_q_lens_ref[seq]
@@ -129,11 +171,17 @@ def _kernel(
                 start(page_copies(seq, kv_blk + 1, 1 - slot, num_pages_needed))
 
             wait(page_copies(seq, kv_blk, slot, num_pages_needed))
-            k = k_buf[slot].reshape(block_kv, head_dim)  # [BK, D]
-            v = v_buf[slot].reshape(block_kv, head_dim)  # [BK, D]
+            # widen before the reshape: int8 sublane tiles are 32 rows, pages may be 16
+            k = k_buf[slot].astype(q.dtype).reshape(block_kv, head_dim)  # [BK, D]
+            v = v_buf[slot].astype(q.dtype).reshape(block_kv, head_dim)  # [BK, D]
             kv_base = kv_blk * block_kv
             s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                                preferred_element_type=jnp.float32) * sm_scale  # [R, BK]
+                                preferred_element_type=jnp.float32)  # [R, BK]
+            if quantized:
+                k_row, v_row = scale_rows(slot, kv_base, kv_end)  # [1, BK] each
+                s = s * (k_row * sm_scale)  # x = value * scale
+            else:
+                s = s * sm_scale
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
             col = kv_base + lax.broadcasted_iota(jnp.int32, (rows, block_kv), 1)  # [R, BK]
@@ -148,10 +196,15 @@ def _kernel(
             l_ref[...] = jnp.broadcast_to(
                 alpha * l_ref[:, :1] + jnp.sum(p, axis=1, keepdims=True), l_ref.shape)
             m_ref[...] = jnp.broadcast_to(m_next, m_ref.shape)
-            # slots past kv_end were not fetched (stale VMEM) or are unused: keep them out of p @ v
-            stored = kv_base + lax.broadcasted_iota(jnp.int32, (block_kv, 1), 0) < kv_end  # [BK, 1]
-            v = jnp.where(stored, v, jnp.zeros_like(v))
-            pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)  # [R, D]
+            if quantized:
+                # int8 V is always finite and p is 0 past kv_end: only the scales need the guard
+                p_v = p * v_row  # [R, BK]
+            else:
+                # slots past kv_end were not fetched (stale VMEM) or are unused: keep them out of p @ v
+                stored = kv_base + lax.broadcasted_iota(jnp.int32, (block_kv, 1), 0) < kv_end  # [BK, 1]
+                v = jnp.where(stored, v, jnp.zeros_like(v))
+                p_v = p
+            pv = jnp.dot(p_v.astype(v.dtype), v, preferred_element_type=jnp.float32)  # [R, D]
             acc_ref[...] = alpha * acc_ref[...] + pv
             return carry
 
@@ -202,6 +255,8 @@ def ragged_paged_attention_tpu(
     block_q: int | None = None,
     pages_per_block: int | None = None,
     vmem_limit_bytes: int | None = None,
+    k_scale: jax.Array | None = None,  # f32[Hkv, N, ps] with int8 k/v_pages (x = value * scale)
+    v_scale: jax.Array | None = None,  # f32[Hkv, N, ps]
 ) -> jax.Array:  # [T, Hq, D]
     """Mosaic-TPU ragged paged attention. Call through `ragged_paged_attention` (validates)."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -224,32 +279,39 @@ def ragged_paged_attention_tpu(
     qk = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3)
     qk = jnp.pad(qk, ((0, 0), (0, 0), (0, padded - num_tokens), (0, 0)))
 
+    quantized = k_scale is not None
     kernel = functools.partial(
         _kernel, pages_per_seq=pages_per_seq, sm_scale=sm_scale,
-        sliding_window=sliding_window, soft_cap=soft_cap)
+        sliding_window=sliding_window, soft_cap=soft_cap, quantized=quantized)
     tile = pl.BlockSpec((None, group, block_q, head_dim), lambda h, i, *_: (h, 0, i, 0))
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
     rows = group * block_q
+    scratch = [
+        pltpu.VMEM((2, pages_per_block, page_size, head_dim), k_pages.dtype),
+        pltpu.VMEM((2, pages_per_block, page_size, head_dim), v_pages.dtype),
+        pltpu.SemaphoreType.DMA((2, 2)),
+        pltpu.VMEM((rows, LANES), jnp.float32),
+        pltpu.VMEM((rows, LANES), jnp.float32),
+        pltpu.VMEM((rows, head_dim), jnp.float32),
+    ]
+    operands = [qk, k_pages, v_pages]
+    if quantized:  # scales stay in HBM in the pool's page indexing; DMA'd per page with the pages
+        scratch += [pltpu.VMEM((2, pages_per_block, page_size), jnp.float32)] * 2
+        operands += [k_scale, v_scale]
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
             grid=(num_kv_heads, num_q_blocks),
-            in_specs=[tile, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+            in_specs=[tile] + [hbm] * (len(operands) - 1),
             out_specs=tile,
-            scratch_shapes=[
-                pltpu.VMEM((2, pages_per_block, page_size, head_dim), k_pages.dtype),
-                pltpu.VMEM((2, pages_per_block, page_size, head_dim), v_pages.dtype),
-                pltpu.SemaphoreType.DMA((2, 2)),
-                pltpu.VMEM((rows, LANES), jnp.float32),
-                pltpu.VMEM((rows, LANES), jnp.float32),
-                pltpu.VMEM((rows, head_dim), jnp.float32),
-            ],
+            scratch_shapes=scratch,
         ),
         out_shape=jax.ShapeDtypeStruct(qk.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel"), vmem_limit_bytes=vmem_limit_bytes),
         interpret=interpret,
         name="ragged_paged_attention_tpu",
-    )(kv_lens, page_indices.reshape(-1), cu_q_lens, num_seqs, qk, k_pages, v_pages)
+    )(kv_lens, page_indices.reshape(-1), cu_q_lens, num_seqs, *operands)
     # [Hkv, G, T_pad, D] -> [T, Hq, D]
     return out[:, :, :num_tokens].transpose(2, 0, 1, 3).reshape(num_tokens, num_q_heads, head_dim)

@@ -6,7 +6,6 @@ shapes the engine uses. Catches block-shape, layout and dtype errors interpret m
 
 from __future__ import annotations
 
-import functools
 import itertools
 
 import jax
@@ -25,18 +24,27 @@ STEPS = {"decode8": 8, "prefill128": 128}  # T query rows: a decode batch of 8; 
 
 
 def export_kernel(platform, num_tokens, num_q_heads, num_kv_heads, head_dim, page_size, dtype,
-                  max_seqs=MAX_SEQS, **kw):
+                  max_seqs=MAX_SEQS, kv_int8=False, **kw):
     sds = jax.ShapeDtypeStruct
+    kv_dtype = jnp.int8 if kv_int8 else dtype
+    pool = (num_kv_heads, NUM_PAGES, page_size, head_dim)
     args = (
         sds((num_tokens, num_q_heads, head_dim), dtype),
-        sds((num_kv_heads, NUM_PAGES, page_size, head_dim), dtype),
-        sds((num_kv_heads, NUM_PAGES, page_size, head_dim), dtype),
+        sds(pool, kv_dtype),
+        sds(pool, kv_dtype),
         sds((max_seqs,), jnp.int32),
         sds((max_seqs, PAGES_PER_SEQ), jnp.int32),
         sds((max_seqs + 1,), jnp.int32),
         sds((1,), jnp.int32),
     )
-    f = functools.partial(ragged_paged_attention, sm_scale=head_dim ** -0.5, platform=platform, **kw)
+    if kv_int8:  # k_scale, v_scale f32[Hkv, N, ps]
+        args += (sds(pool[:3], jnp.float32), sds(pool[:3], jnp.float32))
+
+    def f(*a):
+        scales = dict(k_scale=a[7], v_scale=a[8]) if kv_int8 else {}
+        return ragged_paged_attention(*a[:7], sm_scale=head_dim ** -0.5, platform=platform,
+                                      **scales, **kw)
+
     exported = jax.export.export(
         jax.jit(f), platforms=["tpu" if platform == "tpu" else "cuda"],
         disabled_checks=TRITON_OK if platform == "gpu" else ())(*args)
@@ -44,6 +52,11 @@ def export_kernel(platform, num_tokens, num_q_heads, num_kv_heads, head_dim, pag
     assert exported.out_avals[0].dtype == dtype
     text = exported.mlir_module()
     assert CUSTOM_CALL[platform] in text, f"no {CUSTOM_CALL[platform]} custom call in the module"
+    if kv_int8:  # the int8 pools reach the kernel as they are: no dequantized pool-sized copy
+        pool_type = "tensor<" + "x".join(map(str, pool))
+        assert f"{pool_type}xi8>" in text
+        for float_type in ("f32", "bf16", "f16"):
+            assert f"{pool_type}x{float_type}>" not in text, f"a dequantized {float_type} copy of the pool"
     return text
 
 
@@ -78,3 +91,24 @@ def test_export_tpu_block_options():
                   vmem_limit_bytes=32 << 20)
     export_kernel("gpu", 128, 8, 2, 128, 16, jnp.bfloat16, block_q=8, pages_per_block=4,
                   num_warps=8, num_stages=3)
+
+
+INT8_SHAPES = list(itertools.product([64, 128, 256], [16, 32], list(STEPS)))  # head_dim, ps, step
+
+
+@pytest.mark.parametrize("platform", ["tpu", "gpu"])
+@pytest.mark.parametrize("head_dim,page_size,step", INT8_SHAPES,
+                         ids=[f"d{d}-ps{ps}-{st}" for d, ps, st in INT8_SHAPES])
+def test_export_int8_kv(platform, head_dim, page_size, step):
+    """int8 KV pages with f32 per-token scales, bf16 queries, GQA 4 (the engine's int8 KV cache)."""
+    export_kernel(platform, STEPS[step], 8, 2, head_dim, page_size, jnp.bfloat16, kv_int8=True)
+
+
+@pytest.mark.parametrize("platform", ["tpu", "gpu"])
+def test_export_int8_kv_options(platform):
+    """int8 KV with f32 queries, a window, a soft cap, GQA 3, and explicit block options."""
+    export_kernel(platform, 16, 4, 1, 256, 16, jnp.bfloat16, kv_int8=True, sliding_window=512)
+    export_kernel(platform, 40, 6, 2, 128, 16, jnp.float32, max_seqs=5, kv_int8=True, soft_cap=50.0)
+    blocks = (dict(block_q=64, pages_per_block=8) if platform == "tpu"
+              else dict(block_q=8, pages_per_block=4, num_warps=8))
+    export_kernel(platform, 128, 8, 2, 128, 16, jnp.bfloat16, kv_int8=True, **blocks)

@@ -112,9 +112,13 @@ def test_validators_and_kernels_on_int8_pages():
         validate_static(q, kq, vq, kv_lens, pt, cu, n, k_scale=ks[:, :1], v_scale=vs)
     with pytest.raises(ValueError, match="must be int8"):
         validate_static(q, k, v, kv_lens, pt, cu, n, k_scale=ks, v_scale=vs)
-    with pytest.raises(NotImplementedError, match="not supported by the Pallas"):
-        ragged_paged_attention(q, kq, vq, kv_lens, pt, cu, n, sm_scale=0.125, platform="tpu",
-                               interpret=True, k_scale=ks, v_scale=vs)
+    # the kernels read int8 pages (swept in tests/pallas_kernels/test_ragged_paged_attention_int8.py)
+    ref = ragged_paged_attention_reference(q, kq, vq, kv_lens, pt, cu, n, sm_scale=0.125,
+                                           k_scale=ks, v_scale=vs)
+    for platform in ("tpu", "gpu"):
+        out = ragged_paged_attention(q, kq, vq, kv_lens, pt, cu, n, sm_scale=0.125, platform=platform,
+                                     interpret=True, k_scale=ks, v_scale=vs)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-4, rtol=1e-4)
 
 
 # ------------------------------------------------------------------------------------ model
