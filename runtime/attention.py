@@ -65,11 +65,6 @@ def attend(
 ) -> jax.Array:  # [T, Hq, Dh]
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if hasattr(k_pages, "scales"):  # int8 KV (runtime.kv_cache.QuantizedPages)
-        if backend != "xla":
-            raise ValueError(
-                f"int8 KV cache (kv_cache_dtype='int8') is supported by the 'xla' attention "
-                f"backend only, not {backend!r}: the Pallas kernels do not read int8 pages yet"
-            )
         kw.update(k_scale=k_pages.scales, v_scale=v_pages.scales)
         k_pages, v_pages = k_pages.values, v_pages.values
     args = (q, k_pages, v_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs)
@@ -81,6 +76,10 @@ def attend(
         return ragged_paged_attention(*args, **kw, platform="tpu", interpret=True)
     platform = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}[backend]
     return ragged_paged_attention(*args, **kw, platform=platform)
+
+
+_TILE_ROWS = 32  # query rows per tile when a step carries prompt chunks
+_GATHER_BYTES = 64 << 20  # K+V gathered at once; more tiles than this run in sequence
 
 
 @functools.partial(jax.named_call, name="xla_ragged_paged_attention")
@@ -100,52 +99,77 @@ def xla_ragged_paged_attention(
     k_scale=None,  # [Hkv, N, ps] f32 with int8 k/v_pages (x = value * scale)
     v_scale=None,
 ):
-    """Gather each sequence's pages and run masked attention over a [S, Q] padded view of the
-    ragged queries (Q = max_q_len, static). Rows of no sequence come back 0.
+    """Query tiles: each sequence's queries are cut into tiles of B rows (B = 1 on decode-only
+    steps, else min(max_q_len, 32)); a tile gathers only the pages its queries can see (with a
+    sliding window, the window's pages, not the whole context) and runs masked attention. Work is
+    (T / B + S) tiles x B rows, not S x max_q_len. Rows of no sequence come back 0.
     int8 pages: the gathered int8 K/V are widened to q's dtype; the per-token scales multiply the
     scores (K) and the probabilities (V), so no dequantized page copy is made."""
     t, hq, dh = q.shape
     hkv, _, ps, _ = k_pages.shape
     s, p = page_indices.shape
-    g, L, Q = hq // hkv, p * ps, max_q_len
+    g, b = hq // hkv, min(max_q_len, _TILE_ROWS)
+    nt = s if b == 1 else min(-(-t // b) + s, s * -(-max_q_len // b))  # static bound on tiles
+    # pages a tile sees: all P, or under a sliding window the pages of its last
+    # (window + B - 1) positions (+1 page for misalignment)
+    npg = p if sliding_window is None else min(p, -(-(sliding_window + b - 1) // ps) + 1)
 
-    k = k_pages[:, page_indices].reshape(hkv, s, L, dh)  # [Hkv, S, L, Dh]
-    v = v_pages[:, page_indices].reshape(hkv, s, L, dh)
-    quantized = k_scale is not None
-    if quantized:
-        k, v = k.astype(q.dtype), v.astype(q.dtype)
-        ks = k_scale[:, page_indices].reshape(hkv, s, L).transpose(1, 0, 2)  # [S, Hkv, L]
-        vs = v_scale[:, page_indices].reshape(hkv, s, L).transpose(1, 0, 2)
-    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # [S]
-    seq_live = jnp.arange(s) < num_seqs[0]  # [S]
-    j = jnp.arange(Q)
-    rows = cu_q_lens[:-1, None] + j[None, :]  # [S, Q]
-    q_valid = (j[None, :] < q_lens[:, None]) & seq_live[:, None]  # [S, Q]
-    qs = q[jnp.clip(rows, 0, t - 1)].reshape(s, Q, hkv, g, dh)  # [S, Q, Hkv, G, Dh]
+    # tile -> (sequence, first query row within it)
+    q_lens = jnp.where(jnp.arange(s) < num_seqs[0], cu_q_lens[1:] - cu_q_lens[:-1], 0)  # [S]
+    n_tiles = -(-q_lens // b)  # [S]
+    ends = jnp.cumsum(n_tiles)  # [S]
+    tile = jnp.arange(nt)
+    seq = jnp.minimum(jnp.searchsorted(ends, tile, side="right"), s - 1)  # [NT]
+    j0 = (tile - (ends[seq] - n_tiles[seq])) * b  # [NT] first query index of the tile
+    tile_live = tile < ends[-1]
+    q_len, kv_len = q_lens[seq], kv_lens[seq]  # [NT]
+    pos0 = kv_len - q_len + j0  # [NT] position of the tile's first query
+    first_page = jnp.zeros_like(pos0)
+    if npg < p:
+        first_page = jnp.clip((pos0 - sliding_window + 1) // ps, 0, p - npg)
+    pages = page_indices[seq[:, None], first_page[:, None] + jnp.arange(npg)]  # [NT, npg]
 
-    q_pos = (kv_lens - q_lens)[:, None] + j[None, :]  # [S, Q]
-    kv_pos = jnp.arange(L)
-    kv_valid = kv_pos[None, :] < kv_lens[:, None]  # [S, L]
-    mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & kv_valid[:, None, :] & q_valid[..., None]
-    if sliding_window is not None:
-        mask &= q_pos[:, :, None] - kv_pos[None, None, :] < sliding_window  # [S, Q, L]
-    v = jnp.where(kv_valid[None, :, :, None], v, 0)  # unused pages may hold anything (NaN)
+    i = jnp.arange(b)
+    rows = cu_q_lens[seq][:, None] + j0[:, None] + i  # [NT, B]
+    row_ok = tile_live[:, None] & (j0[:, None] + i < q_len[:, None])  # [NT, B]
+    q_tiles = q[jnp.clip(rows, 0, t - 1)]  # [NT, B, Hq, Dh]
 
-    scores = jnp.einsum("sqhgd,hsld->shgql", qs, k, preferred_element_type=jnp.float32)
-    if quantized:
-        scores = scores * ks[:, :, None, None, :]
-    scores = scores * sm_scale
-    if soft_cap is not None:
-        scores = soft_cap * jnp.tanh(scores / soft_cap)
-    m = mask[:, None, None]  # [S, 1, 1, Q, L]
-    scores = jnp.where(m, scores, -jnp.inf)
-    mx = jnp.max(scores, axis=-1, keepdims=True)
-    e = jnp.where(m, jnp.exp(scores - jnp.where(jnp.isfinite(mx), mx, 0)), 0)
-    denom = jnp.sum(e, axis=-1, keepdims=True)
-    probs = e / jnp.where(denom > 0, denom, 1)
-    if quantized:  # unused slots may hold any scale (NaN): their probability is 0, keep it 0
-        probs = probs * jnp.where(kv_valid[:, None, :], vs, 0)[:, :, None, None, :]
-    o = jnp.einsum("shgql,hsld->sqhgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    o = o.reshape(s * Q, hq, dh).astype(q.dtype)
-    dest = jnp.where(q_valid, rows, t).reshape(-1)  # invalid rows dropped
-    return jnp.zeros_like(q).at[dest].set(o, mode="drop")
+    def tile_attention(x):
+        qt, pg, fp, p0, kvl, ok = x  # one tile each: [B, Hq, Dh], [npg], (), (), (), [B]
+        n = pg.shape[0] * ps
+        k = k_pages[:, pg].reshape(hkv, n, dh)  # [Hkv, L, Dh]
+        v = v_pages[:, pg].reshape(hkv, n, dh)
+        kv_pos = fp * ps + jnp.arange(n)  # [L]
+        q_pos = p0 + i  # [B]
+        kv_ok = kv_pos < kvl
+        mask = (kv_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :] & ok[:, None]  # [B, L]
+        if sliding_window is not None:
+            mask &= q_pos[:, None] - kv_pos[None, :] < sliding_window
+        v = jnp.where(kv_ok[None, :, None], v, 0)  # unused slots may hold anything (NaN)
+        if k_scale is not None:
+            k, v = k.astype(qt.dtype), v.astype(qt.dtype)
+        qh = qt.reshape(b, hkv, g, dh).transpose(1, 0, 2, 3).reshape(hkv, b * g, dh)
+        sc = jnp.einsum("hmd,hld->hml", qh, k, preferred_element_type=jnp.float32)
+        if k_scale is not None:
+            sc = sc * k_scale[:, pg].reshape(hkv, 1, n)
+        sc = sc * sm_scale
+        if soft_cap is not None:
+            sc = soft_cap * jnp.tanh(sc / soft_cap)
+        m = jnp.repeat(mask, g, axis=0)[None]  # [1, B*G, L] (rows b-major, then g)
+        sc = jnp.where(m, sc, -jnp.inf)
+        mx = jnp.max(sc, axis=-1, keepdims=True)
+        e = jnp.where(m, jnp.exp(sc - jnp.where(jnp.isfinite(mx), mx, 0)), 0)
+        denom = jnp.sum(e, axis=-1, keepdims=True)
+        pr = e / jnp.where(denom > 0, denom, 1)
+        if v_scale is not None:  # unused slots may hold any scale (NaN): keep their weight 0
+            pr = pr * jnp.where(kv_ok, v_scale[:, pg].reshape(hkv, n), 0)[:, None, :]
+        o = jnp.einsum("hml,hld->hmd", pr.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return o.reshape(hkv, b, g, dh).transpose(1, 0, 2, 3).reshape(b, hq, dh).astype(q.dtype)
+
+    itemsize = jnp.dtype(k_pages.dtype).itemsize
+    per_tile = 2 * npg * ps * hkv * dh * max(itemsize, jnp.dtype(q.dtype).itemsize)
+    batch = max(1, min(nt, _GATHER_BYTES // per_tile))
+    xs = (q_tiles, pages, first_page, pos0, kv_len, row_ok)
+    o = jax.lax.map(tile_attention, xs, batch_size=batch) if batch < nt else jax.vmap(tile_attention)(xs)
+    dest = jnp.where(row_ok, rows, t).reshape(-1)  # rows of no tile query dropped
+    return jnp.zeros_like(q).at[dest].set(o.reshape(nt * b, hq, dh), mode="drop")

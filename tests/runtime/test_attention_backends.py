@@ -47,6 +47,29 @@ def test_xla_path_matches_reference(heads, head_dim, page_size, window, dtype):
     assert (out[~case.owned] == 0).all()
 
 
+
+@pytest.mark.parametrize("seqs,max_q,window,gather_bytes", [
+    ([(1, 40), (1, 3), (1, 97)], 1, None, None),  # decode-only: one-row tiles
+    ([(1, 40), (1, 3), (1, 97)], 1, 9, None),  # decode under a window: only its pages gathered
+    ([(70, 70), (1, 33), (33, 80)], 128, None, None),  # 32-row tiles, a prompt of 3 tiles
+    ([(70, 70), (1, 33), (33, 80)], 128, 20, None),
+    ([(70, 70), (1, 33), (33, 80)], 128, 20, 1),  # tiles run one at a time (lax.map)
+], ids=["decode", "decode-w9", "tiles", "tiles-w20", "tiles-seq"])
+def test_xla_path_query_tiles(monkeypatch, seqs, max_q, window, gather_bytes):
+    """The tiled XLA path over prompts longer than one tile, windows narrower than the context
+    (tiles gather a page window), and the sequential-tiles branch, vs the reference."""
+    import runtime.attention as ra
+
+    if gather_bytes is not None:
+        monkeypatch.setattr(ra, "_GATHER_BYTES", gather_bytes)
+    case = make_case(seqs, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=8, seed=3)
+    kw = dict(sm_scale=0.125, sliding_window=window, soft_cap=30.0)
+    out = np.asarray(ra.xla_ragged_paged_attention(*case.args, **kw, max_q_len=max_q))
+    ref = np.asarray(ragged_paged_attention_reference(*case.args, **kw))
+    assert not np.isnan(out).any()
+    np.testing.assert_allclose(out[case.owned], ref[case.owned], atol=1e-5, rtol=1e-5)
+    assert (out[~case.owned] == 0).all()
+
 def _cfg(**kw) -> ModelConfig:
     base = dict(family="llama", vocab_size=256, hidden_size=128, intermediate_size=256,
                 num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, bos_token_id=1,
