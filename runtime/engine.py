@@ -108,7 +108,7 @@ class Engine:
         k = self.spec.k if self.spec else 0
         # a full decode batch (with k proposals per row) always fits
         budget = max(ecfg.prefill_chunk, ecfg.max_slots * (1 + k))
-        tokens, pages = _buckets(4, budget, factor=2), _buckets(1, ecfg.pages_per_seq)
+        tokens, pages = _buckets(1, budget, factor=2), _buckets(1, ecfg.pages_per_seq)
         self.scheduler = Scheduler(
             max_slots=ecfg.max_slots, num_pages=ecfg.total_pages, page_size=ecfg.page_size,
             max_model_len=ecfg.max_model_len, token_budget=budget, token_buckets=tokens,

@@ -94,6 +94,11 @@ def write_pages(
     new: jax.Array,  # [T, Hkv, Dh]
     slot_mapping: jax.Array,  # [T] int32 flat index page*ps + offset
 ):
+    if slot_mapping.shape[0] == 1:
+        # XLA:CPU turns a one-row scatter into a dynamic-update-slice that copies the whole
+        # page pool; a second row aimed at the null page (slot 0) keeps the in-place scatter
+        new = jnp.concatenate([new, new])
+        slot_mapping = jnp.concatenate([slot_mapping, jnp.zeros_like(slot_mapping)])
     if isinstance(pages, QuantizedPages):
         q, scale = quantize_kv(new)  # [T, Hkv, Dh] int8, [T, Hkv]
         hkv, n, ps, _ = pages.shape

@@ -83,13 +83,15 @@ GEMMA_LIKE = dict(family="gemma3", num_heads=4, num_kv_heads=1, qk_norm=True, sa
                   rope_theta=1e6, tie_word_embeddings=True)
 
 
-@pytest.mark.parametrize("kind", ["llama", "gemma_like"])
-def test_model_pallas_interpret_equals_xla(kind):
+@pytest.mark.parametrize("kind,kv", [("llama", "f32"), ("gemma_like", "f32"),
+                                     ("gemma_like", "int8")])
+def test_model_pallas_interpret_equals_xla(kind, kv):
     cfg = _cfg(**(GEMMA_LIKE if kind == "gemma_like" else {}))
     params = init_params(cfg, jax.random.key(1), scale=0.1)
     prompt = list(np.random.RandomState(0).randint(3, 256, size=21))  # crosses the window
-    runs = {b: run_sequence(params, cfg, prompt, page_size=16, backend=b, decode_steps=6)
-            for b in ("xla", "pallas_interpret")}
+    cache_dtype = "int8" if kv == "int8" else jnp.float32
+    runs = {b: run_sequence(params, cfg, prompt, page_size=16, backend=b, decode_steps=6,
+                            cache_dtype=cache_dtype) for b in ("xla", "pallas_interpret")}
     (pa, ta, da), (pb, tb, db) = runs["xla"], runs["pallas_interpret"]
     assert np.abs(pa - pb).max() <= 1e-5
     assert ta == tb
