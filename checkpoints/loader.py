@@ -45,7 +45,9 @@ def resolve(model: str | Path) -> Path:
 
 def load_model(model: str | Path, dtype: str = "float32", place=None, mesh=None) -> LoadedModel:
     """`place(path, f32_array)`: optional per-leaf hook (quantization while streaming); a
-    converted dir that is already quantized is restored as saved."""
+    converted dir that is already quantized is restored as saved. A hook with a
+    `finish(cfg, params, tokenizer)` method (runtime.quantization.Placer) gets the assembled
+    params once everything is read (int8 smoothing calibrates there) and returns the final ones."""
     from checkpoints.orbax_io import is_converted, load_converted
 
     jdtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype]
@@ -72,4 +74,7 @@ def load_model(model: str | Path, dtype: str = "float32", place=None, mesh=None)
             "(a `jaxinfer convert` output) or a .gguf file"
         )
     check_compatible(tok, cfg.vocab_size, str(path))
+    finish = getattr(place, "finish", None)
+    if finish is not None:
+        params = finish(cfg, params, tok)
     return LoadedModel(cfg, params, tok, path)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -96,7 +95,11 @@ class QuantizedArray:
             w = self.dequantize(x.dtype)
             return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32).astype(x.dtype)
         if self.mode == "w8a8":
-            return _einsum_w8a8(spec, xs, ws, out, x, self)
+            # the int8 dot runs with x's free axes first ("nd,vd->nv", not "->vn"): XLA:CPU's
+            # int8 dot with the weight's axis leading the output is ~2x slower for a few rows
+            canon = "".join([c for c in out if c in xs] + [c for c in out if c not in xs])
+            y = _einsum_w8a8(f"{xs},{ws}->{canon}", xs, ws, canon, x, self)
+            return y if canon == out else jnp.transpose(y, [canon.index(c) for c in out])
         y = jnp.einsum(spec, x, self.values.astype(x.dtype), preferred_element_type=jnp.float32)
         ones = jnp.ones((1,) * x.ndim, jnp.float32)
         scale = jnp.einsum(spec, ones, self.scales, precision=jax.lax.Precision.HIGHEST)
@@ -257,36 +260,97 @@ def should_quantize(path: str, quantize_embeddings: bool = True) -> bool:
     return quantize_embeddings or name not in EMBEDDING_WEIGHTS
 
 
-def placer(fmt: str, dtype, *, mode: str | None = None, quantize_embeddings: bool = True
-           ) -> Callable[[str, jax.Array], object]:
-    """A `place(path, f32_array)` hook for the checkpoint loaders: each weight is quantized the
-    moment it is read (its f32 copy is dropped at once), everything else cast to `dtype`."""
-    fmt = check_format(fmt)
-    mode = mode or default_mode(fmt)
-    check_mode(fmt, mode)
-    check_compute_dtype(fmt, dtype)
+# SmoothQuant-style smoothing (runtime/smoothing.py) of int8 W8A8 weights at quantize time:
+# the migration strength alpha, None to switch it off. Only the W8A8 path quantizes activations,
+# so only it is smoothed.
+SMOOTH_ALPHA: float | None = 0.5
 
-    def place(path: str, arr):
-        if should_quantize(path, quantize_embeddings):
-            q = quantize(arr, fmt, WEIGHT_REDUCE_AXES[weight_name(path)], mode=mode, dtype=dtype)
-            return jax.block_until_ready(q)
-        return jnp.asarray(arr, dtype)
 
-    return place
+class Placer:
+    """The loaders' `place(path, f32_array)` hook: each weight is quantized the moment it is read,
+    everything else cast to `dtype`. With smoothing (int8 W8A8), the float copies of the weights
+    that read an RMSNorm (q/k/v, gate/up) are also kept until `finish(cfg, params, tokenizer)`,
+    which calibrates on a fixed text, folds the smoothing scales into the norms and re-quantizes
+    those weights from their float copies (then drops them). Without `finish` the params are a
+    plain (unsmoothed) int8 model, so a wrapper that does not forward `finish` stays correct."""
+
+    def __init__(self, fmt: str, dtype, *, mode: str | None = None,
+                 quantize_embeddings: bool = True, smooth_alpha: float | None | str = "default"):
+        self.fmt = check_format(fmt)
+        self.mode = mode or default_mode(fmt)
+        check_mode(self.fmt, self.mode)
+        check_compute_dtype(self.fmt, dtype)
+        self.dtype = dtype
+        self.quantize_embeddings = quantize_embeddings
+        if smooth_alpha == "default":
+            smooth_alpha = SMOOTH_ALPHA if (self.fmt, self.mode) == ("int8", "w8a8") else None
+        self.smooth_alpha = smooth_alpha
+        self.pending: dict[str, jax.Array] = {}  # float copies of the weights to smooth
+
+    def quantize(self, path: str, arr) -> QuantizedArray:
+        q = quantize(arr, self.fmt, WEIGHT_REDUCE_AXES[weight_name(path)], mode=self.mode,
+                     dtype=self.dtype)
+        return jax.block_until_ready(q)
+
+    def __call__(self, path: str, arr):
+        if should_quantize(path, self.quantize_embeddings):
+            if self.smooth_alpha is not None:
+                from runtime.smoothing import SMOOTHED_WEIGHTS
+
+                if weight_name(path) in SMOOTHED_WEIGHTS:
+                    self.pending[path] = jnp.asarray(arr, jnp.float32)
+            return self.quantize(path, arr)
+        return jnp.asarray(arr, self.dtype)
+
+    def finish(self, cfg, params, tokenizer):
+        """Smooth and re-quantize the weights kept by __call__ (no-op when none were)."""
+        if not self.pending:
+            return params
+        from runtime.smoothing import calibration_tokens, norm_input_maxima, smooth_layers
+
+        pending, self.pending = self.pending, {}
+        float_params = _with_leaves(with_mode(params, "weight_only"), pending)
+        maxima = norm_input_maxima(float_params, cfg, calibration_tokens(tokenizer))
+        del float_params
+        return smooth_layers(params, maxima, self.smooth_alpha, weights=pending,
+                             make=self.quantize)
+
+
+def _with_leaves(params, leaves: dict):
+    """`params` with the leaves at the given paths replaced."""
+    def one(kp, a):
+        return leaves.get(path_str(kp), a)
+
+    return jax.tree_util.tree_map_with_path(
+        one, params, is_leaf=lambda a: isinstance(a, QuantizedArray))
+
+
+def placer(fmt: str, dtype, *, mode: str | None = None, quantize_embeddings: bool = True,
+           smooth_alpha: float | None | str = "default") -> Placer:
+    """A `place(path, f32_array)` hook for the checkpoint loaders (see Placer); the loaders call
+    its `finish` once all tensors are in. `smooth_alpha`: "default" = SMOOTH_ALPHA for int8
+    W8A8 and no smoothing otherwise; None = off."""
+    return Placer(fmt, dtype, mode=mode, quantize_embeddings=quantize_embeddings,
+                  smooth_alpha=smooth_alpha)
 
 
 def quantize_params(params, fmt: str, dtype=jnp.float32, *, mode: str | None = None,
-                    quantize_embeddings: bool = True):
-    """Quantize a loaded Params tree (weights per WEIGHT_REDUCE_AXES); other leaves -> dtype."""
-    place = placer(fmt, dtype, mode=mode, quantize_embeddings=quantize_embeddings)
+                    quantize_embeddings: bool = True, cfg=None, tokenizer=None,
+                    smooth_alpha: float | None | str = "default"):
+    """Quantize a loaded Params tree (weights per WEIGHT_REDUCE_AXES); other leaves -> dtype.
+    Smoothing (int8 W8A8) needs the model's `cfg` and `tokenizer` for its calibration pass;
+    without them the weights are quantized as they are."""
+    place = placer(fmt, dtype, mode=mode, quantize_embeddings=quantize_embeddings,
+                   smooth_alpha=smooth_alpha if cfg is not None and tokenizer is not None else None)
 
     def one(kp, a):
         if isinstance(a, QuantizedArray):
             return a
         return place(path_str(kp), a)
 
-    return jax.tree_util.tree_map_with_path(
+    out = jax.tree_util.tree_map_with_path(
         one, params, is_leaf=lambda a: isinstance(a, QuantizedArray))
+    return place.finish(cfg, out, tokenizer) if place.pending else out
 
 
 def path_str(kp) -> str:

@@ -23,6 +23,8 @@ VARIANTS = {
     "f32": dict(dtype="float32"),
     "bf16": dict(dtype="bfloat16"),
     "int8": dict(dtype="float32", quantization="int8"),  # W8A8 on CPU (platform default)
+    # W8A8 without the SmoothQuant-style smoothing (runtime/smoothing.py) of q/k/v and gate/up
+    "int8-plain": dict(dtype="float32", quantization="int8", smooth_alpha=None),
     "int8-wo": dict(dtype="float32", quantization="int8", quant_mode="weight_only"),
     "fp8": dict(dtype="float32", quantization="fp8"),
     "f32+kv8": dict(dtype="float32", kv_cache_dtype="int8"),
@@ -116,14 +118,29 @@ def _bench_decode(llm, batch: int, max_tokens: int) -> float:
     return sum(len(o.token_ids) for o in outs) / dt
 
 
+def _load(model: str, opts: dict):
+    """LLM(model, **opts); `smooth_alpha` (not an engine option) overrides the int8 smoothing
+    strength for this load only."""
+    import runtime.quantization as rq
+    from runtime import LLM
+
+    opts = dict(opts)
+    alpha = opts.pop("smooth_alpha", rq.SMOOTH_ALPHA)
+    saved, rq.SMOOTH_ALPHA = rq.SMOOTH_ALPHA, alpha
+    try:
+        return LLM(model, **opts)
+    finally:
+        rq.SMOOTH_ALPHA = saved
+
+
 def _load_rss_mb(model: str, opts: dict) -> float:
     """Peak RSS (MB) of a fresh process that only builds LLM(model, **opts)."""
     import subprocess
     import sys
 
     code = (
-        "import json, resource, sys; from runtime import LLM; "
-        f"LLM({model!r}, **json.loads(sys.argv[1])); "
+        "import json, resource, sys; from tools.bench_quality import _load; "
+        f"_load({model!r}, json.loads(sys.argv[1])); "
         "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)"
     )
     out = subprocess.run([sys.executable, "-c", code, json.dumps(opts)], capture_output=True,
@@ -137,7 +154,7 @@ def run(model: str = "gemma3-270m", *, variants=tuple(VARIANTS), ppl_tokens: int
         load_rss: bool = False, max_model_len: int = 1024, log=print) -> dict:
     import numpy as np
 
-    from runtime import LLM, SamplingParams
+    from runtime import SamplingParams
     from runtime.quantization import param_bytes
 
     if "f32" not in variants:
@@ -153,7 +170,7 @@ def run(model: str = "gemma3-270m", *, variants=tuple(VARIANTS), ppl_tokens: int
     for name in variants:
         opts = {**base, **VARIANTS[name]}
         t0 = time.perf_counter()
-        llm = LLM(model, **opts)
+        llm = _load(model, opts)
         load_s = time.perf_counter() - t0
         tok = llm.tokenizer
         if not ref:  # f32: the corpus chunks and its own greedy continuations

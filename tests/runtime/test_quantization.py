@@ -359,3 +359,125 @@ def test_bench_quality_tiny(tiny_dir):
     for row in v.values():
         assert np.isfinite(row["perplexity"]) and row["decode_tok_s_b2"] > 0
     assert "| int8 |" in table(res)
+
+
+# ------------------------------------------------------------------- SmoothQuant smoothing
+
+
+class _StubTokenizer:
+    """Characters -> ids in [3, vocab): enough for a calibration pass on a tiny model."""
+
+    def __init__(self, vocab: int):
+        self.vocab, self.bos_id = vocab, 2
+
+    def encode(self, text: str) -> list[int]:
+        return [3 + ord(c) % (self.vocab - 3) for c in text]
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_smoothing_keeps_the_float_function(tiny_models, family):
+    from runtime.smoothing import calibration_tokens, norm_input_maxima, smooth_layers
+    from tests.model_utils import run_sequence
+
+    cfg, params = tiny_models[family]
+    maxima = norm_input_maxima(params, cfg, calibration_tokens(_StubTokenizer(cfg.vocab_size)))
+    sp = smooth_layers(params, maxima, 0.5)
+    for lp, sl in zip(params.layers, sp.layers):  # it did move ranges around
+        s = np.asarray(lp.attn_norm) / np.asarray(sl.attn_norm)
+        assert s.max() / s.min() > 1.5
+        np.testing.assert_allclose(np.asarray(sl.wq), np.asarray(lp.wq) * s[:, None, None],
+                                   rtol=1e-6)
+    toks = list(np.random.default_rng(3).integers(3, cfg.vocab_size, 24))
+    f_pre, f_ids, f_dec = run_sequence(params, cfg, toks, page_size=8, decode_steps=3)
+    s_pre, s_ids, s_dec = run_sequence(sp, cfg, toks, page_size=8, decode_steps=3)
+    np.testing.assert_allclose(s_pre, f_pre, atol=1e-4, rtol=1e-4)
+    assert s_ids == f_ids
+    np.testing.assert_allclose(s_dec, f_dec, atol=1e-4, rtol=1e-4)
+
+
+def test_norm_input_maxima_is_the_first_norm_output(tiny_models):
+    from runtime.model import rms_norm
+    from runtime.smoothing import norm_input_maxima
+
+    cfg, params = tiny_models["gemma3"]
+    toks = list(np.random.default_rng(4).integers(3, cfg.vocab_size, 40))
+    maxima = norm_input_maxima(params, cfg, toks)
+    assert set(maxima) == {f"layers.{i}.{n}" for i in range(cfg.num_layers)
+                           for n in ("attn_norm", "mlp_norm")}
+    x = np.asarray(params.embed)[toks] * cfg.embed_scale  # layer 0 reads the scaled embeddings
+    want = np.abs(np.asarray(rms_norm(jnp.asarray(x), params.layers[0].attn_norm,
+                                      cfg.rms_norm_eps))).max(0)
+    np.testing.assert_allclose(maxima["layers.0.attn_norm"], want, rtol=1e-5)
+
+
+def test_smoothing_scales_balance_activation_and_weight_ranges():
+    from runtime.smoothing import smoothing_scales
+
+    rng = np.random.default_rng(5)
+    x_max, w_max = np.exp(rng.uniform(-3, 4, 64)), np.exp(rng.uniform(-5, 0, 64))
+    s = smoothing_scales(x_max, w_max, 0.5)
+    np.testing.assert_allclose(x_max / s, w_max * s, rtol=1e-5)  # alpha 0.5: equal ranges
+    np.testing.assert_allclose(x_max / smoothing_scales(x_max, w_max, 1.0), 1.0, rtol=1e-5)
+    x_max[:3], w_max[3:5] = 0.0, 0.0  # dead channels keep s = 1
+    s = smoothing_scales(x_max, w_max, 0.5)
+    assert np.all(s[:5] == 1.0) and np.all(np.isfinite(s)) and np.all(s > 0)
+
+
+def test_smoothing_lowers_w8a8_error_on_outlier_channels():
+    """Activations with a few large channels (as after a norm in a real model): per-token int8
+    activations lose the small channels; smoothed operands give the same product, quantized
+    closer to the exact one."""
+    from runtime.smoothing import _row_max, smoothing_scales
+
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((32, 256))
+    x[:, [3, 70, 150]] *= 60.0
+    w = rng.standard_normal((256, 96)) * 0.05
+    exact = x @ w
+    s = smoothing_scales(np.abs(x).max(0), _row_max(w), 0.5)
+
+    def err(xx, ww):
+        q = quantize(jnp.asarray(ww, jnp.float32), "int8", (0,), mode="w8a8")
+        y = np.asarray(einsum("td,df->tf", jnp.asarray(xx, jnp.float32), q), np.float64)
+        return np.sqrt(np.mean((y - exact) ** 2))
+
+    assert err(x / s, w * s[:, None]) < 0.5 * err(x, w)
+
+
+def test_quantize_params_smooths_int8_w8a8_only(tiny_models):
+    from runtime.smoothing import SMOOTHED_WEIGHTS
+
+    cfg, params = tiny_models["gemma3"]
+    tok = _StubTokenizer(cfg.vocab_size)
+    plain = quantize_params(params, "int8", mode="w8a8")
+    smooth = quantize_params(params, "int8", mode="w8a8", cfg=cfg, tokenizer=tok)
+    again = quantize_params(params, "int8", mode="w8a8", cfg=cfg, tokenizer=tok)
+    wo = quantize_params(params, "int8", mode="weight_only", cfg=cfg, tokenizer=tok)
+    for lp, pl, sm, ag, w in zip(params.layers, plain.layers, smooth.layers, again.layers,
+                                 wo.layers):
+        np.testing.assert_array_equal(np.asarray(pl.attn_norm), np.asarray(lp.attn_norm))
+        np.testing.assert_array_equal(np.asarray(w.mlp_norm), np.asarray(lp.mlp_norm))
+        s = np.asarray(lp.mlp_norm) / np.asarray(sm.mlp_norm)
+        assert not np.allclose(s, 1.0)
+        # the quantized consumer is the smoothed float weight, to int8 rounding
+        want = np.asarray(lp.w_up) * s[:, None]
+        step = np.abs(want).max(0, keepdims=True) / 127
+        assert np.all(np.abs(np.asarray(sm.w_up.dequantize()) - want) <= step / 2 + 1e-7)
+        for name in SMOOTHED_WEIGHTS:  # deterministic
+            np.testing.assert_array_equal(np.asarray(getattr(sm, name).values),
+                                          np.asarray(getattr(ag, name).values))
+        np.testing.assert_array_equal(np.asarray(sm.wo.values), np.asarray(pl.wo.values))
+
+
+def test_llm_int8_is_smoothed_at_load_weight_only_is_not(tiny_dir):
+    from runtime import LLM
+
+    kw = dict(max_slots=1, page_size=8, max_model_len=64)
+    f32 = LLM(str(tiny_dir), **kw).engine.params
+    w8a8 = LLM(str(tiny_dir), quantization="int8", **kw).engine.params
+    wo = LLM(str(tiny_dir), quantization="int8", quant_mode="weight_only", **kw).engine.params
+    for lf, lq, lw in zip(f32.layers, w8a8.layers, wo.layers):
+        for norm in ("attn_norm", "mlp_norm"):
+            assert not np.allclose(np.asarray(getattr(lq, norm)), np.asarray(getattr(lf, norm)))
+            np.testing.assert_array_equal(np.asarray(getattr(lw, norm)),
+                                          np.asarray(getattr(lf, norm)))
