@@ -219,6 +219,9 @@ def shard_placer(mesh: Mesh, dtype, inner: Callable | None = None) -> Callable:
 
         return jax.tree_util.tree_map_with_path(one, leaf)
 
+    finish = getattr(inner, "finish", None)
+    if finish is not None:  # int8 smoothing re-quantizes some weights: lay them out again
+        place.finish = lambda cfg, params, tok: shard_params(finish(cfg, params, tok), mesh)
     return place
 
 

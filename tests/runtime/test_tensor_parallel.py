@@ -264,6 +264,24 @@ def test_quantized_params_shard_and_match():
 
 
 @on_8_devices
+def test_int8_smoothing_under_tp_equals_single_device(tmp_path):
+    """LLM(quantization="int8") smooths (norm weights change) the same way with params
+    streamed into shards as on one device, and the result is sharded by the rules."""
+    from runtime import LLM
+
+    d = _write_model(tmp_path / "llama", "llama")
+    one = LLM(str(d), quantization="int8", max_slots=2, page_size=8, max_model_len=64)
+    tp = LLM(str(d), quantization="int8", tensor_parallel=4, max_slots=2, page_size=8,
+             max_model_len=64)
+    plain = LLM(str(d), max_slots=2, page_size=8, max_model_len=64)
+    a, b = one.engine.params.layers[0], tp.engine.params.layers[0]
+    assert not np.allclose(np.asarray(a.attn_norm), np.asarray(plain.engine.params.layers[0].attn_norm))
+    np.testing.assert_allclose(np.asarray(b.attn_norm), np.asarray(a.attn_norm), rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(b.wq.values), np.asarray(a.wq.values))
+    assert b.wq.values.sharding.spec == P(None, "model")
+
+
+@on_8_devices
 def test_per_device_param_bytes_shrink_with_tp():
     params = init_params(LLAMA, jax.random.key(0))
     norms = sum(a.nbytes for a in jax.tree.leaves(params) if a.ndim == 1)
