@@ -33,6 +33,31 @@ class AttentionMetadata:
     max_q_len: int = struct.field(pytree_node=False, default=1)  # static bound on q_len_s
 
 
+def whole_sequence_metadata(
+    num_tokens: int, page_size: int, *, all_logits: bool
+) -> tuple[AttentionMetadata, int]:
+    """Metadata for one sequence computing all of its tokens [0, T) in one step, its pages laid
+    out in order after the null page 0; and the number of pages a cache for it needs (P + 1).
+    all_logits: logits of every token row (teacher forcing) or of the last one only.
+
+    positions, slot_mapping [T]; cu_q_lens [2]; kv_lens, num_seqs [1]; page_indices [1, P];
+    logits_indices [T] or [1]. P = ceil(T / page_size).
+    """
+    num_pages = -(-num_tokens // page_size)
+    pos = jnp.arange(num_tokens, dtype=jnp.int32)
+    md = AttentionMetadata(
+        positions=pos,
+        slot_mapping=pos + page_size,  # page 1 + pos // page_size, offset pos % page_size
+        cu_q_lens=jnp.asarray([0, num_tokens], jnp.int32),
+        kv_lens=jnp.asarray([num_tokens], jnp.int32),
+        page_indices=jnp.arange(1, num_pages + 1, dtype=jnp.int32)[None],
+        num_seqs=jnp.asarray([1], jnp.int32),
+        logits_indices=pos if all_logits else jnp.asarray([num_tokens - 1], jnp.int32),
+        max_q_len=num_tokens,
+    )
+    return md, num_pages + 1
+
+
 def resolve_backend(name: str | None, platform: str | None = None) -> str:
     """EngineConfig.attention_backend -> the backend the model runs: "xla", "pallas_tpu",
     "pallas_gpu" or "pallas_interpret". None picks by platform (Pallas on TPU/GPU, XLA on CPU)."""

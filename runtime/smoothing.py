@@ -60,20 +60,6 @@ class Observed:
         return einsum(spec, x, self.w)
 
 
-def _metadata(n: int, page_size: int = 16):
-    from runtime.attention import AttentionMetadata
-
-    pages = np.arange(1, -(-n // page_size) + 1)
-    pos = np.arange(n)
-    return AttentionMetadata(
-        positions=jnp.asarray(pos, jnp.int32),
-        slot_mapping=jnp.asarray(pages[pos // page_size] * page_size + pos % page_size, jnp.int32),
-        cu_q_lens=jnp.asarray([0, n], jnp.int32), kv_lens=jnp.asarray([n], jnp.int32),
-        page_indices=jnp.asarray([pages], jnp.int32), num_seqs=jnp.asarray([1], jnp.int32),
-        logits_indices=jnp.asarray([n - 1], jnp.int32), max_q_len=n,
-    ), len(pages) + 1
-
-
 def calibration_tokens(tokenizer, text: str | None = None,
                        max_tokens: int = MAX_CALIBRATION_TOKENS) -> list[int]:
     """BOS (when the tokenizer has one) + the calibration text's ids, at most max_tokens."""
@@ -86,6 +72,7 @@ def calibration_tokens(tokenizer, text: str | None = None,
 def norm_input_maxima(params, cfg, tokens: list[int]) -> dict[str, np.ndarray]:
     """{"layers.i.attn_norm" | "layers.i.mlp_norm": max |norm output| per channel [D]} over one
     forward pass of `tokens` (one sequence) through `params` (dense or weight-only weights)."""
+    from runtime.attention import whole_sequence_metadata
     from runtime.kv_cache import init_cache
     from runtime.model import forward_hidden
 
@@ -95,9 +82,10 @@ def norm_input_maxima(params, cfg, tokens: list[int]) -> dict[str, np.ndarray]:
             wq=Observed(lp.wq, f"layers.{i}.attn_norm"),
             w_gate=Observed(lp.w_gate, f"layers.{i}.mlp_norm")))
     observed = params.replace(layers=tuple(layers))
-    md, n_pages = _metadata(len(tokens))
+    page_size = 16
+    md, n_pages = whole_sequence_metadata(len(tokens), page_size, all_logits=False)
     dtype = jnp.dtype(params.final_norm.dtype)
-    cache = init_cache(cfg, n_pages, 16, dtype if dtype != jnp.int8 else jnp.float32)
+    cache = init_cache(cfg, n_pages, page_size, dtype if dtype != jnp.int8 else jnp.float32)
 
     def run(p, toks, cache, md):
         _RECORDS.append({})

@@ -51,23 +51,6 @@ def held_out_text(max_chars: int = 60_000) -> str:
     return text[:max_chars]
 
 
-def _metadata(n: int, page_size: int):
-    import jax.numpy as jnp
-    import numpy as np
-
-    from runtime.attention import AttentionMetadata
-
-    pages = np.arange(1, -(-n // page_size) + 1)
-    pos = np.arange(n)
-    return AttentionMetadata(
-        positions=jnp.asarray(pos, jnp.int32),
-        slot_mapping=jnp.asarray(pages[pos // page_size] * page_size + pos % page_size, jnp.int32),
-        cu_q_lens=jnp.asarray([0, n], jnp.int32), kv_lens=jnp.asarray([n], jnp.int32),
-        page_indices=jnp.asarray([pages], jnp.int32), num_seqs=jnp.asarray([1], jnp.int32),
-        logits_indices=jnp.arange(n, dtype=jnp.int32), max_q_len=n,
-    ), len(pages) + 1
-
-
 @functools.lru_cache(maxsize=None)
 def _scorer(cfg, backend: str):
     import jax
@@ -92,12 +75,13 @@ def teacher_forced(llm, tokens: list[int], page_size: int = 16, bucket: int = 12
     import jax.numpy as jnp
     import numpy as np
 
+    from runtime.attention import whole_sequence_metadata
     from runtime.kv_cache import init_cache
 
     e = llm.engine
     n = len(tokens)
     tokens = list(tokens) + [0] * (-n % bucket)
-    md, n_pages = _metadata(len(tokens), page_size)
+    md, n_pages = whole_sequence_metadata(len(tokens), page_size, all_logits=True)
     kv = "int8" if llm.config.kv_cache_dtype == "int8" else (
         jnp.bfloat16 if llm.config.dtype == "bfloat16" else jnp.float32)
     cache = init_cache(e.cfg, n_pages, page_size, kv)
