@@ -306,6 +306,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # share KV pages of common full-page prompt prefixes
     speculative: dict | None = field(default=None, hash=False, compare=False)
     tensor_parallel: int = 1
+    # plan and launch step n+1 while step n runs (decode inputs fed on the device); off, or
+    # with speculative decoding or several hosts, every step waits for the previous one's tokens
+    async_scheduling: bool = True
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16"):

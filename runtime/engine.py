@@ -3,6 +3,13 @@
 Each `step()`: the scheduler plans (host, numpy), the jitted step runs the model and samples on
 the device, one packed array comes back, the scheduler updates, and per-request text is
 detokenized incrementally with stop strings held back so they never stream.
+
+Asynchronous scheduling (default; not with speculative decoding or several hosts): `step()`
+plans and launches step n+1 first, its decode rows fed on the device from step n's sampled
+tokens, then waits for step n's results (copied to the host as soon as it ends) and applies them,
+so planning, launch and detokenization overlap the device's work. The price: a sequence that
+samples a stop token (or matches a stop string) has one step planned past its end, whose result
+is dropped.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from runtime.config import EngineConfig, ModelConfig, SamplingParams, parse_spec
 from runtime.kv_cache import init_cache
 from runtime.model import Params
 from runtime.scheduler import Request, Scheduler
-from runtime.steps import make_step
+from runtime.steps import make_step, sampled_tokens
 from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -139,6 +146,10 @@ class Engine:
                 self.plan_channel = shd.PlanChannel(
                     shd.PlanCodec(tokens[-1], ecfg.max_slots, pages[-1]))
         self._step = make_step(cfg, self.backend, shardings)
+        self.async_scheduling = (ecfg.async_scheduling and self.proposer is None
+                                 and self.plan_channel is None)
+        self._inflight = None  # (plan, packed, sampled tokens) of the launched, unapplied step
+        self._no_prev = None  # zeros [S]: `prev` of a step launched with nothing in flight
         self.requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
         self.eos_ids = tuple(tokenizer.eos_ids) or tuple(cfg.eos_token_ids)
@@ -213,10 +224,26 @@ class Engine:
         for t in sch.token_buckets:
             for p in sch.page_buckets:
                 for q in sorted({1 if t <= decode_t else t, t}):
-                    self.cache = self._run(_padding_plan(t, s, p), q, logprobs, filtered)[1]
+                    plan = _padding_plan(t, s, p, feed=self.async_scheduling)
+                    self.cache = self._run(plan, q, logprobs, filtered, prev=self._prev())[1]
         return self.compile_count - before
 
-    def _run(self, arrays, max_q_len, logprobs, filtered):
+    def _prev(self):
+        """`prev` for the next launch: the in-flight step's sampled tokens (None when not
+        scheduling asynchronously)."""
+        if not self.async_scheduling:
+            return None
+        if self._inflight is not None:
+            return self._inflight[2]
+        if self._no_prev is None:
+            self._no_prev = jnp.zeros(self.ecfg.max_slots, jnp.int32)
+            if self.mesh is not None:
+                from runtime.sharding import replicated
+
+                self._no_prev = jax.device_put(self._no_prev, replicated(self.mesh))
+        return self._no_prev
+
+    def _run(self, arrays, max_q_len, logprobs, filtered, prev=None):
         from runtime.scheduler import LOGPROBS_BUCKET
 
         if self.plan_channel is not None and self.leader:  # followers run the same step
@@ -226,7 +253,8 @@ class Engine:
 
             arrays = global_plan(arrays, self.mesh)
         return self._step(self.params, self.cache, arrays, max_q_len=max_q_len,
-                          num_logprobs=LOGPROBS_BUCKET if logprobs else 0, filtered=filtered)
+                          num_logprobs=LOGPROBS_BUCKET if logprobs else 0, filtered=filtered,
+                          prev=prev)
 
     def release_followers(self) -> None:
         """Multi-host leader: tell the follower processes (in `runtime.sharding.follow`) to stop."""
@@ -235,6 +263,8 @@ class Engine:
 
     # ---- the loop -------------------------------------------------------------------------
     def step(self) -> list[Delta]:
+        if self.async_scheduling:
+            return self._step_async()
         props = None
         if self.proposer is not None:  # proposals first: they set how many tokens rows want
             cands = self.scheduler.decode_candidates()
@@ -243,17 +273,33 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan is None:
             return []
-        live = slice(0, int(plan.num_seqs[0]))
-        filtered = bool(np.any(
-            (plan.temperature[live] > 0)
-            & ((plan.top_k[live] > 0) | (plan.top_p[live] < 1) | (plan.min_p[live] > 0))
-        ))
+        filtered = _filtered(plan)
         if plan.has_drafts:
             return self._verify_step(plan, props, filtered)
         packed, self.cache = self._run(plan.device_arrays(), plan.max_q_len,
                                        plan.num_logprobs > 0, filtered)
         host = np.asarray(jax.device_get(packed))  # [S, 1 (+ 1 + 2n)]
         now = self._mark_scheduled(plan)
+        return self._apply(plan, host, self.scheduler.update(plan, host[:, 0].astype(np.int32)),
+                           now)
+
+    def _step_async(self) -> list[Delta]:
+        """Launch the next step (fed from the one in flight), then apply the one in flight."""
+        plan = self.scheduler.schedule()
+        launched = None
+        if plan is not None:
+            arrays = plan.device_arrays() | {"feed_rows": plan.feed_rows}
+            packed, self.cache = self._run(arrays, plan.max_q_len, plan.num_logprobs > 0,
+                                           _filtered(plan), prev=self._prev())
+            packed.copy_to_host_async()
+            launched = (plan, packed, sampled_tokens(packed))
+            self._mark_scheduled(plan)
+        done, self._inflight = self._inflight, launched
+        if done is None:
+            return []
+        plan, packed, _ = done
+        host = np.asarray(packed)  # [S, 1 (+ 1 + 2n)]
+        now = time.monotonic()
         return self._apply(plan, host, self.scheduler.update(plan, host[:, 0].astype(np.int32)),
                            now)
 
@@ -347,8 +393,18 @@ class Engine:
         st.metrics.finished = now
 
 
-def _padding_plan(t: int, s: int, p: int) -> dict[str, np.ndarray]:
-    """Arrays of a step with no live sequence (every row padding) at the given bucket shape."""
+def _filtered(plan) -> bool:
+    """Whether any live row samples with top-k / top-p / min-p (a static flag of the step)."""
+    live = slice(0, int(plan.num_seqs[0]))
+    return bool(np.any(
+        (plan.temperature[live] > 0)
+        & ((plan.top_k[live] > 0) | (plan.top_p[live] < 1) | (plan.min_p[live] > 0))
+    ))
+
+
+def _padding_plan(t: int, s: int, p: int, feed: bool = False) -> dict[str, np.ndarray]:
+    """Arrays of a step with no live sequence (every row padding) at the given bucket shape
+    (`feed`: with the feed_rows of asynchronous scheduling)."""
     i32 = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
     f32 = lambda *shape: np.zeros(shape, np.float32)  # noqa: E731
     return dict(
@@ -356,7 +412,7 @@ def _padding_plan(t: int, s: int, p: int) -> dict[str, np.ndarray]:
         kv_lens=i32(s), page_indices=i32(s, p), num_seqs=i32(1), logits_indices=i32(s),
         temperature=f32(s), top_k=i32(s), top_p=np.ones(s, np.float32), min_p=f32(s),
         seeds=np.zeros(s, np.uint32), sample_positions=i32(s),
-    )
+    ) | ({"feed_rows": np.full(t, -1, np.int32)} if feed else {})
 
 
 def _buckets(lo: int, hi: int, factor: int = 4) -> tuple[int, ...]:

@@ -44,6 +44,9 @@ class StepPlan:
     num_draft: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # [S]
     draft_ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int32))  # [S, K]
     verify_indices: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int32))  # [S, K+1]
+    # asynchronous scheduling: token row t takes the token sampled at row feed_rows[t] of the
+    # previous step (on the device; its id is not known to the host yet); -1: token_ids[t]
+    feed_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # [T]
 
     @property
     def num_tokens(self) -> int:

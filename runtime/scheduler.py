@@ -58,6 +58,26 @@ Speculative decoding (`num_spec_tokens=K > 0`):
     tokens[:a + 1], cut at the first stop token or at max_tokens (later tokens are discarded).
     Pages beyond the new length are freed at once (tail first). Pages are registered in the
     prefix cache only up to num_computed, so a page filled by rejected tokens never is.
+
+Asynchronous scheduling (one plan ahead; the engine's default without speculation):
+  * `schedule()` may be called once more while the latest plan's step still runs (its results
+    not yet given to `update()`); at most two plans are outstanding, and `update()` takes them
+    oldest first. A plan's tokens count as computed from the moment it is planned (num_computed
+    advances in `schedule()`); a row that samples leaves one *pending* token per sequence, whose
+    id only the device knows until `update()`.
+  * A decode row whose input is a pending token reads it on the device from the previous
+    step's sampled tokens: `plan.feed_rows[t]` = that sequence's row in the previous plan
+    (-1: the id is in token_ids).
+  * A sequence whose pending token will be its max_tokens-th is not planned again (it finishes
+    with "length" in `update()`). One that samples a stop token is planned once more before the
+    host sees it; `update()` drops that row's result (the sequence is finished by then), as it
+    drops rows of sequences finished, aborted or preempted after their plan was made.
+  * A preempted sequence loses its pending token; after readmission it recomputes and samples
+    it again (same seed and position, so the same token).
+  * Pages are registered in the prefix cache in `update()`, only up to tokens computed by steps
+    whose results have come back and whose ids are known.
+  * Speculative proposals need every token known: `set_drafts()` refuses them for a sequence
+    with a pending token.
 """
 
 from __future__ import annotations
@@ -111,7 +131,9 @@ class _Seq:
     seed: int
     stop_ids: frozenset[int]
     output_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0  # tokens whose K/V are in the cache
+    num_computed: int = 0  # tokens whose K/V are in the cache or being computed by a planned step
+    pending: int = 0  # tokens sampled by planned steps whose ids the host has not seen yet
+    sample_row: int = 0  # the row of the latest plan that samples this sequence's next token
     pages: list[int] = field(default_factory=list)
     slot: int | None = None
     hashes: list[bytes] = field(default_factory=list)  # prefix hashes of full pages, lazily grown
@@ -123,8 +145,13 @@ class _Seq:
     finish_reason: str | None = None
 
     @property
-    def num_tokens(self) -> int:
+    def num_known(self) -> int:
+        """Tokens whose ids the host knows: prompt + outputs seen so far."""
         return len(self.req.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_known + self.pending
 
     def token(self, i: int) -> int:
         n = len(self.req.prompt_ids)
@@ -216,8 +243,11 @@ class Scheduler:
         self._live: dict[str, _Seq] = {}  # waiting + running, by request id
         self._free_slots = list(range(max_slots))  # heap: lowest slot first
         self._counter = 0
-        self._last_plan: StepPlan | None = None
-        self._last_rows: list[tuple[_Seq, int]] = []  # (sequence, q_len) per row of _last_plan
+        # plans scheduled but not yet updated, oldest first: (plan, rows), each row
+        # (sequence, tokens this step, first position). A sequence preempted after its row was
+        # planned is WAITING when that plan is updated (nothing is admitted in a step that
+        # preempts), so its stale row is recognised by status alone.
+        self._inflight: deque[tuple[StepPlan, list[tuple[_Seq, int, int]]]] = deque()
         self.num_preemptions = 0
         self._stats = dict(prompt_tokens=0, cached_tokens=0, recompute_tokens=0,
                            recompute_cached_tokens=0)
@@ -349,7 +379,8 @@ class Scheduler:
         for s in self._running:
             assert s.status == RUNNING
             assert len(s.pages) >= _cdiv(s.num_computed, self.page_size)
-            assert s.num_computed <= s.num_tokens
+            # planned proposals count as computed until update() rolls back the rejected ones
+            assert s.num_computed <= s.num_tokens + (self.num_spec_tokens if self._inflight else 0)
         for s in self._waiting:
             assert s.status == WAITING and not s.pages and s.slot is None and s.num_computed == 0
         assert set(self._live) == {s.req.request_id for s in [*self._waiting, *self._running]}
@@ -358,7 +389,10 @@ class Scheduler:
 
     def _num_new_tokens(self, seq: _Seq) -> int:
         """Tokens this sequence wants computed this step: its uncomputed tokens plus its
-        speculative proposals (a decode with d proposals computes 1 + d tokens)."""
+        speculative proposals (a decode with d proposals computes 1 + d tokens); none once its
+        last token (the max_tokens-th) is pending."""
+        if len(seq.output_ids) + seq.pending >= seq.req.params.max_tokens:
+            return 0
         return seq.num_tokens - seq.num_computed + len(seq.draft)
 
     def decode_candidates(self) -> list:
@@ -372,7 +406,7 @@ class Scheduler:
             return out
         for seq in self._running:
             p = seq.req.params
-            if not seq.prefilled or seq.num_computed != seq.num_tokens - 1 or p.logprobs is not None:
+            if not seq.prefilled or seq.pending or seq.num_computed != seq.num_tokens - 1 or p.logprobs is not None:
                 continue
             cap = min(self.num_spec_tokens, p.max_tokens - len(seq.output_ids) - 1)
             if cap <= 0:
@@ -391,14 +425,17 @@ class Scheduler:
             seq = self._live.get(rid)
             if seq is None or seq.status != RUNNING or not toks:
                 continue
-            if not seq.prefilled or seq.num_computed != seq.num_tokens - 1:
-                raise ValueError(f"request {rid!r} is not decoding; it cannot take proposals")
+            if not seq.prefilled or seq.pending or seq.num_computed != seq.num_tokens - 1:
+                raise ValueError(f"request {rid!r} is not decoding (or its last token is not "
+                                 "back yet); it cannot take proposals")
             cap = min(self.num_spec_tokens, seq.req.params.max_tokens - len(seq.output_ids) - 1)
             seq.draft = [int(t) for t in toks][: max(cap, 0)]
 
     def schedule(self) -> StepPlan | None:
         """Pick this step's tokens (one catch-up loop over running sequences, then admission) and
         return the padded plan, or None when nothing can run. Call update() with it next."""
+        if len(self._inflight) >= 2:
+            raise ValueError("two plans are outstanding: update() the oldest before scheduling")
         budget = self.token_budget
         rows: list[tuple[_Seq, int]] = []  # (sequence, tokens this step), in plan row order
         preempted = False
@@ -445,10 +482,17 @@ class Scheduler:
             budget -= n
 
         if not rows:
-            self._last_plan, self._last_rows = None, []
             return None
         plan = self._build_plan(rows)
-        self._last_plan, self._last_rows = plan, rows
+        planned = []
+        for s, (seq, n) in enumerate(rows):
+            planned.append((seq, n, seq.num_computed))
+            seq.num_computed += n
+            if plan.samples[s]:
+                seq.pending += 1
+                seq.sample_row = s
+                seq.prefilled = True
+        self._inflight.append((plan, planned))
         return plan
 
     def _grow(self, seq: _Seq, n: int) -> bool:
@@ -505,9 +549,10 @@ class Scheduler:
         k = (seq.num_tokens - 1) // self.page_size
         return self.allocator.lookup(self._hashes(seq, k)) if k else []
 
-    def _register_full_pages(self, seq: _Seq) -> None:
-        """Publish the pages of `seq` whose tokens are now all computed."""
-        full = seq.num_computed // self.page_size
+    def _register_full_pages(self, seq: _Seq, computed: int) -> None:
+        """Publish the pages of `seq` whose tokens are all computed (the first `computed`, by
+        steps whose results are back) and known."""
+        full = min(computed, seq.num_known) // self.page_size
         if not self.enable_prefix_caching or full <= seq.num_registered:
             return
         hashes = self._hashes(seq, full)
@@ -528,6 +573,7 @@ class Scheduler:
         seq.draft = []
         self._running.remove(seq)
         seq.num_computed = 0
+        seq.pending = 0
         seq.prefilled = False
         seq.status = WAITING
         self._waiting.appendleft(seq)
@@ -567,6 +613,7 @@ class Scheduler:
         seeds = np.zeros(S, np.uint32)
         sample_positions = np.zeros(S, np.int32)
         samples = np.zeros(S, bool)
+        feed_rows = np.full(T, -1, np.int32)
         num_draft = np.zeros(S if K else 0, np.int32)
         draft_ids = np.zeros((S, K) if K else (0, 0), np.int32)
         verify_indices = np.zeros((S, K + 1) if K else (0, 0), np.int32)
@@ -574,10 +621,15 @@ class Scheduler:
         t = 0
         for s, (seq, n) in enumerate(rows):
             start = seq.num_computed
-            d, known = len(seq.draft), seq.num_tokens
+            d, known, total = len(seq.draft), seq.num_known, seq.num_tokens
             for i in range(n):
                 pos = start + i
-                token_ids[t + i] = seq.token(pos) if pos < known else seq.draft[pos - known]
+                if pos < known:
+                    token_ids[t + i] = seq.token(pos)
+                elif pos < total:  # pending: sampled by the previous plan, read on the device
+                    feed_rows[t + i] = seq.sample_row
+                else:
+                    token_ids[t + i] = seq.draft[pos - total]
                 positions[t + i] = pos
                 slot_mapping[t + i] = seq.pages[pos // ps] * ps + pos % ps
             t += n
@@ -616,36 +668,35 @@ class Scheduler:
             samples=samples,
             num_logprobs=LOGPROBS_BUCKET if any(s.req.params.logprobs is not None for s, _ in rows) else 0,
             spec_k=K, num_draft=num_draft, draft_ids=draft_ids, verify_indices=verify_indices,
+            feed_rows=feed_rows,
         )
 
     def update(self, plan: StepPlan, sampled: np.ndarray,
                num_accepted: np.ndarray | None = None) -> list[StepOutput]:
         """Apply the step's results. `sampled`: int [S], one token per sequence row (only rows with
-        plan.samples[s] are read). Must be called with the plan of the latest schedule(). Rows whose
-        request was finished or aborted in between are ignored. After a verify step: `sampled`
-        int [S, K+1] and `num_accepted` [S] (row s emits sampled[s, :num_accepted[s] + 1])."""
-        if plan is not self._last_plan:
-            raise ValueError("update() must get the plan returned by the latest schedule()")
+        plan.samples[s] are read). Plans are updated in the order they were scheduled. Rows whose
+        request was finished, aborted or preempted in between are ignored. After a verify step:
+        `sampled` int [S, K+1] and `num_accepted` [S] (row s emits sampled[s, :num_accepted[s] + 1])."""
+        if not self._inflight or plan is not self._inflight[0][0]:
+            raise ValueError("update() must get the oldest plan not yet updated")
         if num_accepted is None and plan.has_drafts:
             raise ValueError("a plan with proposals needs update(plan, tokens, num_accepted)")
-        rows, self._last_plan, self._last_rows = self._last_rows, None, []
-        if num_accepted is not None:
-            outputs = self._update_verify(rows, plan, sampled, num_accepted)
-            for seq in self._running:
-                seq.draft = []
-            return outputs
-        outputs: list[StepOutput] = []
-        for s, (seq, n) in enumerate(rows):
+        _, rows = self._inflight.popleft()
+        for seq in self._running:
             seq.draft = []
+        if num_accepted is not None:
+            return self._update_verify(rows, plan, sampled, num_accepted)
+        outputs: list[StepOutput] = []
+        for s, (seq, n, start) in enumerate(rows):
             if seq.status != RUNNING:
                 continue
-            seq.num_computed += n
-            self._register_full_pages(seq)
             if not plan.samples[s]:
+                self._register_full_pages(seq, start + n)
                 continue
-            seq.prefilled = True
+            seq.pending -= 1
             tok = int(sampled[s])
             seq.output_ids.append(tok)
+            self._register_full_pages(seq, start + n)
             reason = None
             if tok in seq.stop_ids:
                 reason = "stop"
@@ -658,18 +709,17 @@ class Scheduler:
 
     def _update_verify(self, rows, plan, sampled, num_accepted) -> list[StepOutput]:
         outputs: list[StepOutput] = []
-        for s, (seq, n) in enumerate(rows):
-            d, seq.draft = len(seq.draft), []
+        for s, (seq, n, start) in enumerate(rows):
             if seq.status != RUNNING:
                 continue
             if not plan.samples[s]:
-                seq.num_computed += n
-                self._register_full_pages(seq)
+                self._register_full_pages(seq, start + n)
                 continue
+            d = int(plan.num_draft[s])
             a = int(num_accepted[s])
             if not 0 <= a <= d:
                 raise ValueError(f"row {s}: {a} accepted of {d} proposals")
-            seq.prefilled = True
+            seq.pending -= 1
             emitted, reason = [], None
             for tok in np.asarray(sampled[s, : a + 1]).tolist():
                 emitted.append(int(tok))
@@ -685,12 +735,12 @@ class Scheduler:
             else:
                 # K/V holds the last token and the accepted proposals; the new last token and any
                 # rejected proposals are beyond the new length (rolled back by lengths)
-                seq.num_computed += n - d + a
+                seq.num_computed = start + n - d + a
                 keep = _cdiv(seq.num_computed, self.page_size)
                 if len(seq.pages) > keep:
                     self.allocator.free(reversed(seq.pages[keep:]))
                     del seq.pages[keep:]
-                self._register_full_pages(seq)
+                self._register_full_pages(seq, seq.num_computed)
             outputs.append(StepOutput(seq.req.request_id, emitted, reason is not None, reason,
                                       num_proposed=d, num_accepted=a))
         return outputs

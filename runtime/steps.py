@@ -3,7 +3,9 @@
 One step serves prefill chunks and decode tokens alike (the ragged layout covers both). The cache
 is donated. Only one packed f32 array travels back to the host per step:
   [:, 0] sampled token id, [:, 1] its logprob, then n top logprobs and n top ids (n static).
-Token ids are exact in f32 (vocabularies < 2**24).
+Token ids are exact in f32 (vocabularies < 2**24). Under asynchronous scheduling a step reads
+its decode rows' input tokens from the previous step's output on the device (`prev`), so the host
+can plan and launch step n+1 before step n's tokens have come back.
 """
 
 from __future__ import annotations
@@ -38,9 +40,16 @@ def step(
     max_q_len: int,
     num_logprobs: int,
     filtered: bool,
+    prev: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
+    """`prev` int32 [S]: the previous step's sampled tokens, read by the rows that
+    arrays["feed_rows"] [T] points at (asynchronous scheduling; None: every id is in token_ids)."""
     md = _metadata(arrays, max_q_len)
-    h, cache = forward_hidden(params, arrays["token_ids"], cache, md, cfg, backend)  # [S, D]
+    token_ids = arrays["token_ids"]
+    if prev is not None:
+        feed = arrays["feed_rows"]
+        token_ids = jnp.where(feed >= 0, prev[jnp.maximum(feed, 0)], token_ids)
+    h, cache = forward_hidden(params, token_ids, cache, md, cfg, backend)  # [S, D]
     s = h.shape[0]
 
     def head_and_sample(rows: int) -> jax.Array:  # the first `rows` rows, padded back to S
@@ -64,6 +73,12 @@ def step(
 
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seeds", "sample_positions")
+
+
+@jax.jit
+def sampled_tokens(packed: jax.Array) -> jax.Array:
+    """int32 [S]: the token column of a step's packed output (the next step's `prev`)."""
+    return packed[:, 0].astype(jnp.int32)
 
 
 def verify(

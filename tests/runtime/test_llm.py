@@ -58,6 +58,43 @@ def test_batched_greedy_with_chunking_and_preemption_equals_alone_and_hf(tiny_di
     assert small.engine.scheduler.free_pages == 19  # nothing leaked
 
 
+def test_async_scheduling_gives_the_sync_outputs(tiny_dir):
+    """One plan ahead (decode inputs fed on the device) vs every step waiting for the last:
+    same tokens, texts and finish reasons under chunking, preemption, seeded sampling, stop
+    tokens (each finishing run has a dropped row after its stop) and stop strings."""
+    kw = dict(max_slots=4, page_size=8, num_pages=20, max_model_len=128, prefill_chunk=16)
+    sync = LLM(str(tiny_dir), async_scheduling=False, **kw)
+    free = sync.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    params = []
+    for i, out in enumerate(free):
+        if i % 3 == 0:  # stops at its 5th token
+            params.append(SamplingParams(max_tokens=24, temperature=0.0,
+                                         stop_token_ids=[out.token_ids[4]]))
+        elif i % 3 == 1:
+            params.append(SamplingParams(max_tokens=24, temperature=0.8, seed=i, ignore_eos=True,
+                                         stop=[out.text[3:5]] if len(out.text) > 6 else None))
+        else:
+            params.append(SamplingParams(max_tokens=10 + i, temperature=0.0, ignore_eos=True))
+    want = sync.generate(PROMPTS, params)
+    assert not sync.engine.async_scheduling
+    fast = LLM(str(tiny_dir), **kw)
+    assert fast.engine.async_scheduling
+    fed, schedule = [], fast.engine.scheduler.schedule
+
+    def counting():
+        plan = schedule()
+        fed.append(0 if plan is None else int((plan.feed_rows >= 0).sum()))
+        return plan
+
+    fast.engine.scheduler.schedule = counting
+    got = fast.generate(PROMPTS, params)
+    assert [(o.token_ids, o.text, o.finish_reason) for o in got] == \
+        [(o.token_ids, o.text, o.finish_reason) for o in want]
+    assert sum(o.finish_reason == "stop" for o in got) >= 5
+    assert sum(fed) > 0 and fast.engine.scheduler.num_preemptions > 0
+    assert fast.engine.scheduler.free_pages == 19
+
+
 def test_seeded_sampling_identical_alone_and_in_batch(llm):
     sp = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, top_k=50, seed=1234,
                         ignore_eos=True)
