@@ -146,13 +146,21 @@ class Engine:
                 self.plan_channel = shd.PlanChannel(
                     shd.PlanCodec(tokens[-1], ecfg.max_slots, pages[-1]))
         self._step = make_step(cfg, self.backend, shardings)
-        self.async_scheduling = (ecfg.async_scheduling and self.proposer is None
-                                 and self.plan_channel is None)
         self._inflight = None  # (plan, packed, sampled tokens) of the launched, unapplied step
         self._no_prev = None  # zeros [S]: `prev` of a step launched with nothing in flight
+        # step(): calls, seconds inside, seconds of those blocked on the device's results
+        # (step_s - wait_s = host time the device did not hide)
+        self.step_stats = dict(steps=0, step_s=0.0, wait_s=0.0)
         self.requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
         self.eos_ids = tuple(tokenizer.eos_ids) or tuple(cfg.eos_token_ids)
+
+    @property
+    def async_scheduling(self) -> bool:
+        """Plan one step ahead: on unless configured off, speculating (proposals need every
+        token known) or broadcasting plans to other hosts (they replay plans as sent)."""
+        return (self.ecfg.async_scheduling and self.proposer is None
+                and self.plan_channel is None)
 
     def _init_speculative(self, draft_model, kv_dtype, budget) -> None:
         from runtime.speculative import DraftModelProposer, NgramProposer, check_vocab
@@ -263,8 +271,21 @@ class Engine:
 
     # ---- the loop -------------------------------------------------------------------------
     def step(self) -> list[Delta]:
-        if self.async_scheduling:
-            return self._step_async()
+        t0 = time.perf_counter()
+        deltas = self._step_async() if self.async_scheduling else self._step_sync()
+        st = self.step_stats
+        st["steps"] += 1
+        st["step_s"] += time.perf_counter() - t0
+        return deltas
+
+    def _fetch(self, packed) -> np.ndarray:
+        """The step's packed results on the host (blocks until the step has run)."""
+        t0 = time.perf_counter()
+        host = np.asarray(jax.device_get(packed))
+        self.step_stats["wait_s"] += time.perf_counter() - t0
+        return host
+
+    def _step_sync(self) -> list[Delta]:
         props = None
         if self.proposer is not None:  # proposals first: they set how many tokens rows want
             cands = self.scheduler.decode_candidates()
@@ -278,7 +299,7 @@ class Engine:
             return self._verify_step(plan, props, filtered)
         packed, self.cache = self._run(plan.device_arrays(), plan.max_q_len,
                                        plan.num_logprobs > 0, filtered)
-        host = np.asarray(jax.device_get(packed))  # [S, 1 (+ 1 + 2n)]
+        host = self._fetch(packed)  # [S, 1 (+ 1 + 2n)]
         now = self._mark_scheduled(plan)
         return self._apply(plan, host, self.scheduler.update(plan, host[:, 0].astype(np.int32)),
                            now)
@@ -298,7 +319,7 @@ class Engine:
         if done is None:
             return []
         plan, packed, _ = done
-        host = np.asarray(packed)  # [S, 1 (+ 1 + 2n)]
+        host = self._fetch(packed)  # [S, 1 (+ 1 + 2n)]
         now = time.monotonic()
         return self._apply(plan, host, self.scheduler.update(plan, host[:, 0].astype(np.int32)),
                            now)
@@ -315,7 +336,7 @@ class Engine:
         packed, self.cache = self._verify(
             self.params, self.cache, plan.verify_arrays(), q_probs, q_rows,
             max_q_len=plan.max_q_len, num_logprobs=plan.num_logprobs, filtered=filtered)
-        host = np.asarray(jax.device_get(packed))  # [S, 2 + K (+ 1 + 2n)]
+        host = self._fetch(packed)  # [S, 2 + K (+ 1 + 2n)]
         now = self._mark_scheduled(plan)
         outs = self.scheduler.update(plan, host[:, 1:K + 2].astype(np.int32),
                                      host[:, 0].astype(np.int32))

@@ -44,6 +44,7 @@ def run_engine(llm, reqs, *, static: bool) -> dict:
 
     sps = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for _, o in reqs]
     prompts = [p for p, _ in reqs]
+    stats0 = dict(llm.engine.step_stats)
     t0 = time.perf_counter()
     if static:  # wait for a full batch, run it to completion, then the next
         b = llm.config.max_slots
@@ -64,7 +65,10 @@ def run_engine(llm, reqs, *, static: bool) -> dict:
             t += max(o.metrics["e2e_s"] for o in grp)
         ttft = [a + b for a, b in zip(ttft, offsets)]
     itl = [x for o in outs for x in o.metrics["itl_s"]]
+    st = {k: v - stats0[k] for k, v in llm.engine.step_stats.items()}
     return {
+        "steps": st["steps"], "host_ms_per_step": 1e3 * (st["step_s"] - st["wait_s"]) / st["steps"],
+        "wait_ms_per_step": 1e3 * st["wait_s"] / st["steps"],
         "requests": len(outs), "output_tokens": ntok, "wall_s": wall,
         "output_tokens_per_s": ntok / wall,
         "ttft_s_p50": _pct(ttft, 50), "ttft_s_p99": _pct(ttft, 99),
@@ -164,6 +168,13 @@ def run(args) -> dict:
         report["acceptance_rate"] = a / p if p else None
     else:
         report.pop("_spec_proposed", None), report.pop("_spec_accepted", None)
+    if args.compare_sync:  # the same engine, each step waiting for the last one's tokens
+        sync = LLM(args.model, **opts, async_scheduling=False)
+        sync.engine.warmup()
+        report["sync"] = run_engine(sync, reqs, static=False)
+        report["async_vs_sync"] = (report["output_tokens_per_s"]
+                                   / report["sync"]["output_tokens_per_s"])
+        del sync
     if args.static_batching:
         st = run_engine(llm, reqs, static=True)
         report["static"] = st
@@ -191,6 +202,10 @@ def format_table(r: dict) -> str:
         s = r["static"]
         rows.append(("engine (static batches)", s["output_tokens_per_s"], s["ttft_s_p50"],
                      s["ttft_s_p99"], s["itl_s_p50"], s["itl_s_p99"]))
+    if "sync" in r:
+        s = r["sync"]
+        rows.append(("engine (sync scheduling)", s["output_tokens_per_s"], s["ttft_s_p50"],
+                     s["ttft_s_p99"], s["itl_s_p50"], s["itl_s_p99"]))
     if "hf_output_tokens_per_s" in r:
         rows.append(("HF transformers generate", r["hf_output_tokens_per_s"], None, None, None, None))
     f = lambda x, s=1e3: "-" if x is None else f"{x * s:9.1f}"  # noqa: E731
@@ -203,7 +218,11 @@ def format_table(r: dict) -> str:
         out.append(f"speculative {json.dumps(r['speculative'])}: {r['spec_accepted']}/"
                    f"{r['spec_proposed']} proposals accepted"
                    + ("" if ar is None else f" (acceptance rate {ar:.3f})"))
-    for k in ("continuous_vs_static", "speedup_vs_hf", "batch1_vs_floor"):
+    for name, x in (("continuous", r), ("sync scheduling", r.get("sync"))):
+        if x is not None:
+            out.append(f"{name}: {x['steps']} steps, host {x['host_ms_per_step']:.2f} ms/step "
+                       f"not hidden, {x['wait_ms_per_step']:.2f} ms/step waiting on the device")
+    for k in ("continuous_vs_static", "async_vs_sync", "speedup_vs_hf", "batch1_vs_floor"):
         if k in r:
             out.append(f"{k}: {r[k]:.2f}x")
     out.append(f"batch-1 decode step {r['batch1_decode_step_s'] * 1e3:.2f} ms; floor "
@@ -229,6 +248,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compare-hf", action="store_true")
     p.add_argument("--static-batching", action="store_true")
+    p.add_argument("--compare-sync", action="store_true",
+                   help="also run a second engine with asynchronous scheduling off")
     p.add_argument("--decode-contexts", default="", help="e.g. 512,2048,8192 (needs max-model-len)")
     p.add_argument("--out", default=None, help="write the JSON report here")
     p.add_argument("--speculative", default=None,
