@@ -221,19 +221,40 @@ class Engine:
 
     @property
     def compile_count(self) -> int:
-        return self._step._cache_size()
+        """Programs compiled so far: the step, and under speculation the verify step and the
+        draft model's step."""
+        n = self._step._cache_size()
+        if self._verify is not None:
+            n += self._verify._cache_size()
+        return n + (self.proposer.compile_count if self.proposer is not None else 0)
 
     def warmup(self, logprobs: bool = False, filtered: bool = False) -> int:
-        """Compile every step shape the scheduler can emit (token x page buckets; q_len 1 for
-        decode-only steps) with an all-padding plan. Returns the number of new compilations."""
+        """Compile every step shape the scheduler can emit (token x page x q_len buckets; q_len
+        1 only for steps small enough to be decode-only) with all-padding plans; under
+        speculation also the verify step (no proposer distributions: greedy, n-gram) and the
+        draft model's steps. Returns the number of new compilations."""
+        from runtime.scheduler import LOGPROBS_BUCKET
+
         before = self.compile_count
         sch, s = self.scheduler, self.ecfg.max_slots
         decode_t = min(b for b in sch.token_buckets if b >= s)
+        n_lp = LOGPROBS_BUCKET if logprobs else 0
         for t in sch.token_buckets:
+            qs = {min(b, t) for b in sch.q_buckets if b > 1} | ({1} if t <= decode_t else set())
             for p in sch.page_buckets:
-                for q in sorted({1 if t <= decode_t else t, t}):
-                    plan = _padding_plan(t, s, p, feed=self.async_scheduling)
+                plan = _padding_plan(t, s, p, feed=self.async_scheduling)
+                for q in sorted(qs):
                     self.cache = self._run(plan, q, logprobs, filtered, prev=self._prev())[1]
+                    if self._verify is not None and q > 1:  # a verify row has 1 + d > 1 tokens
+                        k = self.spec.k
+                        arrays = plan | dict(logits_indices=np.zeros(s * (k + 1), np.int32),
+                                             num_draft=np.zeros(s, np.int32),
+                                             draft_ids=np.zeros((s, k), np.int32))
+                        self.cache = self._verify(
+                            self.params, self.cache, arrays, None, np.zeros(s, np.int32),
+                            max_q_len=q, num_logprobs=n_lp, filtered=filtered)[1]
+        if self.proposer is not None:
+            self.proposer.warmup()
         return self.compile_count - before
 
     def _prev(self):

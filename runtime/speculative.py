@@ -82,6 +82,11 @@ class Proposer:
     def release(self, request_id: str) -> None:
         """The request finished or was aborted: drop any state kept for it."""
 
+    compile_count = 0  # programs compiled by the proposer (none without a model)
+
+    def warmup(self) -> None:
+        """Compile every program shape `propose` can run."""
+
 
 class NgramProposer(Proposer):
     """Prompt lookup: find the latest earlier occurrence of the last n tokens (n = n_max down to
@@ -239,6 +244,35 @@ class DraftModelProposer(Proposer):
             functools.partial(draft_step, cfg=cfg, backend=backend),
             static_argnames=("max_q_len", "filtered", "want_q"), donate_argnames=("cache",),
         )
+
+    @property
+    def compile_count(self) -> int:
+        return self._step._cache_size()
+
+    def warmup(self) -> None:
+        """Every (T, P, max_q_len) shape `_run` can make, greedy (want_q False): T powers of two
+        from 16 to the budget's, P powers of two capped at max_pages, max_q_len T, or 1 when T
+        is small enough for one token per row."""
+        S, t_hi = self.S, _pow2(16, self.budget)
+        i32 = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+        T = 16
+        while T <= t_hi:
+            P = 1
+            while True:
+                p = min(P, self.max_pages)
+                a = dict(token_ids=i32(T), positions=i32(T), slot_mapping=i32(T),
+                         cu_q_lens=i32(S + 1), kv_lens=i32(S), page_indices=i32(S, p),
+                         num_seqs=np.array([S], np.int32), logits_indices=i32(S),
+                         temperature=np.zeros(S, np.float32), top_k=i32(S),
+                         top_p=np.ones(S, np.float32), min_p=np.zeros(S, np.float32),
+                         seeds=np.zeros(S, np.uint32), sample_positions=i32(S))
+                for q in sorted({T} | ({1} if T <= _pow2(16, S) else set())):
+                    self.cache = self._step(self.params, self.cache, a, max_q_len=q,
+                                            filtered=False, want_q=False)[2]
+                if p == self.max_pages:
+                    break
+                P *= 2
+            T *= 2
 
     def release(self, request_id: str) -> None:
         sh = self.shadows.pop(request_id, None)

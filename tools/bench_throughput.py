@@ -44,6 +44,8 @@ def run_engine(llm, reqs, *, static: bool) -> dict:
 
     sps = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for _, o in reqs]
     prompts = [p for p, _ in reqs]
+    # every run starts cold: prompts cached by an earlier run would spare this one their prefill
+    llm.engine.scheduler.reset_prefix_cache()
     stats0 = dict(llm.engine.step_stats)
     t0 = time.perf_counter()
     if static:  # wait for a full batch, run it to completion, then the next

@@ -161,3 +161,21 @@ def test_config_errors(dirs, tmp_path):
     other = make(tmp_path / "v1000", "tiny", seed=2, vocab_size=1000)
     with pytest.raises(ValueError, match="vocab"):
         LLM(target, speculative={"method": "draft", "model": str(other), "k": 2}, **OPTS)
+
+
+def test_no_new_compilations_after_warmup(dirs):
+    """warmup() covers the verify step and the draft model's steps too: serving mixed greedy
+    requests (prefills, chunks, verify steps, plain decode steps) compiles nothing more."""
+    llm = LLM(str(dirs[0]), max_slots=2, speculative={"method": "draft", "model": str(dirs[0]),
+                                                      "k": 3},
+              page_size=16, max_model_len=64, prefill_chunk=16)
+    compiled = llm.engine.warmup()
+    assert compiled == llm.engine.compile_count > 0
+    assert llm.engine._verify._cache_size() > 0 and llm.engine.proposer.compile_count > 0
+    rng = np.random.RandomState(1)
+    prompts = [rng.randint(3, 2000, size=rng.randint(1, 40)).tolist() for _ in range(12)]
+    sps = [SamplingParams(max_tokens=int(rng.randint(1, 24)), temperature=0.0, ignore_eos=True)
+           for _ in prompts]
+    outs = llm.generate(prompts, sps)
+    assert sum(o.metrics["spec_accepted"] for o in outs) > 0  # draft = target: verify steps ran
+    assert llm.engine.compile_count == compiled
