@@ -29,6 +29,9 @@ def engine_args(p: argparse.ArgumentParser) -> None:
                    help="per-step prompt token budget (chunked prefill)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="do not share KV pages of common prompt prefixes")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="each step waits for the previous step's tokens (default: step n+1 is "
+                        "planned and launched while step n runs)")
     p.add_argument("--speculative", default=None, type=json.loads,
                    help='speculative decoding, e.g. \'{"method": "ngram", "k": 4, "n": 3}\' or '
                         '\'{"method": "draft", "model": "PATH", "k": 4}\'')
@@ -48,6 +51,7 @@ def llm_from_args(args):
                 quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                 prefill_chunk=args.prefill_chunk,
                 enable_prefix_caching=not args.no_prefix_caching,
+                async_scheduling=not getattr(args, "no_async_scheduling", False),
                 speculative=args.speculative)
     if args.max_model_len:
         opts["max_model_len"] = args.max_model_len

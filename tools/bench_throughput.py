@@ -222,8 +222,9 @@ def format_table(r: dict) -> str:
                    + ("" if ar is None else f" (acceptance rate {ar:.3f})"))
     for name, x in (("continuous", r), ("sync scheduling", r.get("sync"))):
         if x is not None:
-            out.append(f"{name}: {x['steps']} steps, host {x['host_ms_per_step']:.2f} ms/step "
-                       f"not hidden, {x['wait_ms_per_step']:.2f} ms/step waiting on the device")
+            out.append(f"{name}: {x['steps']} steps, host work {x['host_ms_per_step']:.2f} ms/step "
+                       f"(overlaps the next step under async scheduling), blocked on results "
+                       f"{x['wait_ms_per_step']:.2f} ms/step")
     for k in ("continuous_vs_static", "async_vs_sync", "speedup_vs_hf", "batch1_vs_floor"):
         if k in r:
             out.append(f"{k}: {r[k]:.2f}x")
