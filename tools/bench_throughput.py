@@ -3,7 +3,8 @@ HF transformers `generate` and with static batching, plus batch-1 decode step ti
 memory-bandwidth floor and decode step time vs context length.
 
     jaxinfer bench throughput --model M --num-requests 32 --input-len 16:128 --output-len 16:64 \
-        [--compare-hf] [--static-batching] [--decode-contexts 512,2048,8192] [--out r.json]
+        [--compare-hf] [--static-batching] [--compare-sync] [--decode-contexts 512,2048,8192] \
+        [--out r.json]
 
 Every figure is a median or a percentile over the run; ratios are measured in the same process.
 """
@@ -47,6 +48,7 @@ def run_engine(llm, reqs, *, static: bool) -> dict:
     # every run starts cold: prompts cached by an earlier run would spare this one their prefill
     llm.engine.scheduler.reset_prefix_cache()
     stats0 = dict(llm.engine.step_stats)
+    cached0 = llm.engine.scheduler.prefix_cache_stats()["cached_tokens"]
     t0 = time.perf_counter()
     if static:  # wait for a full batch, run it to completion, then the next
         b = llm.config.max_slots
@@ -69,6 +71,7 @@ def run_engine(llm, reqs, *, static: bool) -> dict:
     itl = [x for o in outs for x in o.metrics["itl_s"]]
     st = {k: v - stats0[k] for k, v in llm.engine.step_stats.items()}
     return {
+        "cached_prompt_tokens": llm.engine.scheduler.prefix_cache_stats()["cached_tokens"] - cached0,
         "steps": st["steps"], "host_ms_per_step": 1e3 * (st["step_s"] - st["wait_s"]) / st["steps"],
         "wait_ms_per_step": 1e3 * st["wait_s"] / st["steps"],
         "requests": len(outs), "output_tokens": ntok, "wall_s": wall,
@@ -160,7 +163,8 @@ def run(args) -> dict:
         "platform": jax.default_backend(), "warmup_compiles": compiles,
         "warmup_s": time.perf_counter() - t0,
         "workload": {"num_requests": args.num_requests, "input_len": args.input_len,
-                     "output_len": args.output_len, "seed": args.seed},
+                     "output_len": args.output_len, "seed": args.seed,
+                     "output_tokens": sum(o for _, o in reqs)},
     }
     report |= run_engine(llm, reqs, static=False)
     if opts.get("speculative"):
