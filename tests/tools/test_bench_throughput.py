@@ -1,27 +1,40 @@
-"""`jaxinfer bench throughput` on the random-init tiny Llama: every run (continuous, static
-batches, synchronous scheduling) serves every requested token, serving compiles nothing after
-warm-up, and every run starts with an empty prefix cache."""
+"""`jaxinfer bench throughput` on the random-init tiny Llama, in its own process as users run it:
+every run (continuous, static batches, synchronous scheduling) serves every requested token,
+serving compiles nothing after warm-up, and every run starts with an empty prefix cache."""
 
-import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
-from tools import bench_throughput as bt
+import jax
+
 from tools.make_test_model import make
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_report_counts_and_no_compiles_after_warmup(tmp_path):
     model = make(tmp_path / "tiny", "tiny", seed=0)
-    p = argparse.ArgumentParser()
-    bt.add_args(p)
-    args = p.parse_args(["--model", str(model), "--num-requests", "6", "--input-len", "4:30",
-                         "--output-len", "2:12", "--max-slots", "4", "--max-model-len", "64",
-                         "--prefill-chunk", "16", "--static-batching", "--compare-sync"])
-    r = bt.run(args)
-    want = r["workload"]["output_tokens"]
-    assert r["requests"] == 6 and 6 * 2 <= want <= 6 * 12
-    for run in (r, r["static"], r["sync"]):
+    out = tmp_path / "report.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               JAXINFER_COMPILATION_CACHE=jax.config.jax_compilation_cache_dir or "0")
+    r = subprocess.run(
+        [sys.executable, "-m", "serve.cli", "bench", "throughput", "--model", str(model),
+         "--num-requests", "6", "--input-len", "4:30", "--output-len", "2:12", "--max-slots", "4",
+         "--max-model-len", "64", "--prefill-chunk", "16", "--static-batching", "--compare-sync",
+         "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "async_vs_sync" in r.stdout and "continuous_vs_static" in r.stdout
+    rep = json.loads(out.read_text())
+    want = rep["workload"]["output_tokens"]
+    assert rep["requests"] == 6 and 6 * 2 <= want <= 6 * 12
+    for run in (rep, rep["static"], rep["sync"]):
         assert run["output_tokens"] == want and run["steps"] > 0
         assert run["cached_prompt_tokens"] == 0  # random prompts share nothing but with a rerun
-    assert r["new_compiles_after_warmup"] == 0
-    assert r["continuous_vs_static"] == r["output_tokens_per_s"] / r["static"]["output_tokens_per_s"]
-    assert r["batch1_decode_step_s"] > 0 and r["param_bytes"] > 0
-    assert "async_vs_sync" in bt.format_table(r)
+    assert rep["new_compiles_after_warmup"] == 0
+    assert rep["continuous_vs_static"] == (rep["output_tokens_per_s"]
+                                           / rep["static"]["output_tokens_per_s"])
+    assert rep["batch1_decode_step_s"] > 0 and rep["param_bytes"] > 0
