@@ -26,6 +26,7 @@ from runtime.attention import resolve_backend
 from runtime.config import EngineConfig, ModelConfig, SamplingParams, parse_speculative
 from runtime.kv_cache import init_cache
 from runtime.model import Params
+from runtime.plan import empty_step_arrays
 from runtime.scheduler import Request, Scheduler
 from runtime.steps import make_step, sampled_tokens
 from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -447,14 +448,7 @@ def _filtered(plan) -> bool:
 def _padding_plan(t: int, s: int, p: int, feed: bool = False) -> dict[str, np.ndarray]:
     """Arrays of a step with no live sequence (every row padding) at the given bucket shape
     (`feed`: with the feed_rows of asynchronous scheduling)."""
-    i32 = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
-    f32 = lambda *shape: np.zeros(shape, np.float32)  # noqa: E731
-    return dict(
-        token_ids=i32(t), positions=i32(t), slot_mapping=i32(t), cu_q_lens=i32(s + 1),
-        kv_lens=i32(s), page_indices=i32(s, p), num_seqs=i32(1), logits_indices=i32(s),
-        temperature=f32(s), top_k=i32(s), top_p=np.ones(s, np.float32), min_p=f32(s),
-        seeds=np.zeros(s, np.uint32), sample_positions=i32(s),
-    ) | ({"feed_rows": np.full(t, -1, np.int32)} if feed else {})
+    return empty_step_arrays(t, s, p) | ({"feed_rows": np.full(t, -1, np.int32)} if feed else {})
 
 
 def _buckets(lo: int, hi: int, factor: int = 4) -> tuple[int, ...]:

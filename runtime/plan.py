@@ -12,6 +12,19 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
+def empty_step_arrays(t: int, s: int, p: int, num_seqs: int = 0) -> dict[str, np.ndarray]:
+    """The step's device arrays at bucket shape (T=t, S=s, P=p) with every row padding: zero
+    tokens, q/kv lengths and page tables (the null page), greedy sampling. Builders fill them."""
+    i32 = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+    return dict(
+        token_ids=i32(t), positions=i32(t), slot_mapping=i32(t), cu_q_lens=i32(s + 1),
+        kv_lens=i32(s), page_indices=i32(s, p), num_seqs=np.array([num_seqs], np.int32),
+        logits_indices=i32(s), temperature=np.zeros(s, np.float32), top_k=i32(s),
+        top_p=np.ones(s, np.float32), min_p=np.zeros(s, np.float32),
+        seeds=np.zeros(s, np.uint32), sample_positions=i32(s),
+    )
+
+
 @dataclass
 class StepPlan:
     # token rows [T]

@@ -42,6 +42,7 @@ from runtime.config import SpecConfig, parse_speculative  # noqa: F401 (re-expor
 from runtime.kv_cache import init_cache
 from runtime.model import forward
 from runtime.page_allocator import PageAllocator
+from runtime.plan import empty_step_arrays
 from runtime.sampling import filter_logits, row_keys
 
 # config: runtime.config.SpecConfig / parse_speculative (pure Python, validated there)
@@ -254,18 +255,12 @@ class DraftModelProposer(Proposer):
         from 16 to the budget's, P powers of two capped at max_pages, max_q_len T, or 1 when T
         is small enough for one token per row."""
         S, t_hi = self.S, _pow2(16, self.budget)
-        i32 = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
         T = 16
         while T <= t_hi:
             P = 1
             while True:
                 p = min(P, self.max_pages)
-                a = dict(token_ids=i32(T), positions=i32(T), slot_mapping=i32(T),
-                         cu_q_lens=i32(S + 1), kv_lens=i32(S), page_indices=i32(S, p),
-                         num_seqs=np.array([S], np.int32), logits_indices=i32(S),
-                         temperature=np.zeros(S, np.float32), top_k=i32(S),
-                         top_p=np.ones(S, np.float32), min_p=np.zeros(S, np.float32),
-                         seeds=np.zeros(S, np.uint32), sample_positions=i32(S))
+                a = empty_step_arrays(T, S, p, num_seqs=S)
                 for q in sorted({T} | ({1} if T <= _pow2(16, S) else set())):
                     self.cache = self._step(self.params, self.cache, a, max_q_len=q,
                                             filtered=False, want_q=False)[2]
@@ -300,15 +295,7 @@ class DraftModelProposer(Proposer):
         T = _pow2(16, sum(len(t) for _, _, t in rows))
         P = min(_pow2(1, max(len(sh.pages) for _, sh, _ in rows)), self.max_pages)
         S = self.S
-        a = dict(
-            token_ids=np.zeros(T, np.int32), positions=np.zeros(T, np.int32),
-            slot_mapping=np.zeros(T, np.int32), cu_q_lens=np.zeros(S + 1, np.int32),
-            kv_lens=np.zeros(S, np.int32), page_indices=np.zeros((S, P), np.int32),
-            num_seqs=np.array([S], np.int32), logits_indices=np.zeros(S, np.int32),
-            temperature=np.zeros(S, np.float32), top_k=np.zeros(S, np.int32),
-            top_p=np.ones(S, np.float32), min_p=np.zeros(S, np.float32),
-            seeds=np.zeros(S, np.uint32), sample_positions=np.zeros(S, np.int32),
-        )
+        a = empty_step_arrays(T, S, P, num_seqs=S)
         by_row = {i: (sh, t) for i, sh, t in rows}
         t0 = 0
         for i in range(S):  # rows in fixed order; absent rows get q_len 0
