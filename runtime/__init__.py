@@ -3,15 +3,19 @@
 Imports are lazy so host-only modules (scheduler, page allocator) load without JAX.
 """
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "EngineConfig", "ModelConfig"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "RequestError", "EngineConfig", "ModelConfig"]
 
 
 def __getattr__(name):
-    if name in ("LLM", "RequestOutput"):
+    if name == "LLM":
         from runtime import llm
 
-        return getattr(llm, name)
-    if name in ("SamplingParams", "EngineConfig", "ModelConfig"):
+        return llm.LLM
+    if name in ("SamplingParams", "RequestOutput", "RequestError"):
+        from runtime import requests
+
+        return getattr(requests, name)
+    if name in ("EngineConfig", "ModelConfig"):
         from runtime import config
 
         return getattr(config, name)

@@ -15,6 +15,7 @@ is dropped.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -23,13 +24,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from runtime.attention import resolve_backend
-from runtime.config import EngineConfig, ModelConfig, SamplingParams, parse_speculative
+from runtime.config import EngineConfig, ModelConfig, parse_speculative
+from runtime.requests import Limits, SamplingParams, check_request
 from runtime.kv_cache import init_cache
 from runtime.model import Params
 from runtime.plan import empty_step_arrays
 from runtime.scheduler import Request, Scheduler
 from runtime.steps import make_step, sampled_tokens
 from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -77,7 +81,8 @@ class RequestState:
     text: str = ""  # full text so far (stop strings cut)
     emitted: int = 0  # chars of `text` already streamed
     finished: bool = False
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None  # why a failed step ended it (finish_reason "error")
 
 
 @dataclass
@@ -106,12 +111,16 @@ class Engine:
             self.mesh = make_mesh(ecfg.tensor_parallel)
         make_cache = lambda: init_cache(cfg, ecfg.total_pages, ecfg.page_size, kv_dtype)  # noqa: E731
         if self.mesh is None:
-            self.cache = make_cache()
+            self._new_cache = make_cache
         else:
             from runtime.sharding import init_sharded_cache, shard_params
 
             self.params = shard_params(params, self.mesh)
-            self.cache = init_sharded_cache(make_cache, self.mesh)
+            self._new_cache = lambda: init_sharded_cache(make_cache, self.mesh)  # noqa: E731
+        self.cache = self._new_cache()
+        # ids the tokenizer can decode: a vocabulary padded past the tokenizer's (Qwen2.5: 151936
+        # rows, 151665 tokens) never samples the padding rows
+        self.text_vocab = min(tokenizer.vocab_size, cfg.vocab_size)
         self.spec = parse_speculative(ecfg.speculative)
         k = self.spec.k if self.spec else 0
         # a full decode batch (with k proposals per row) always fits
@@ -146,7 +155,7 @@ class Engine:
             if jax.process_count() > 1:  # multi-host: process 0 schedules and broadcasts plans
                 self.plan_channel = shd.PlanChannel(
                     shd.PlanCodec(tokens[-1], ecfg.max_slots, pages[-1]))
-        self._step = make_step(cfg, self.backend, shardings)
+        self._step = make_step(cfg, self.backend, shardings, vocab_limit=self.text_vocab)
         self._inflight = None  # (plan, packed, sampled tokens) of the launched, unapplied step
         self._no_prev = None  # zeros [S]: `prev` of a step launched with nothing in flight
         # step(): calls, seconds inside, seconds of those blocked on the device's results
@@ -155,6 +164,9 @@ class Engine:
         self.requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
         self.eos_ids = tuple(tokenizer.eos_ids) or tuple(cfg.eos_token_ids)
+        self.limits = Limits.of(self)
+        self.faults = 0  # steps that raised (their requests failed, the engine went on)
+        self.consecutive_faults = 0  # ... since the last step that did not
 
     @property
     def async_scheduling(self) -> bool:
@@ -182,18 +194,20 @@ class Engine:
                 dcfg, dparams, k=sp.k, max_slots=e.max_slots, page_size=e.page_size,
                 num_pages=e.total_pages + extra, max_model_len=e.max_model_len,
                 token_budget=budget, backend=self.backend, dtype=kv_dtype)
-        self._verify = make_verify(self.cfg, self.backend)
+        self._verify = make_verify(self.cfg, self.backend, vocab_limit=self.text_vocab)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
                     request_id: str | None = None) -> str:
+        """Queue a request (checked by the request door again: nothing unchecked reaches a
+        step). Raises RequestError naming the field."""
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise ValueError(f"duplicate request_id {rid!r}")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         prompt_ids = [int(t) for t in prompt_ids]
-        bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids out of range [0, {self.cfg.vocab_size}): {bad[:5]}")
+        check_request(prompt_ids, params, self.limits)
         now = time.monotonic()
         self.scheduler.add_request(
             Request(request_id=rid, prompt_ids=prompt_ids, params=params, eos_ids=self.eos_ids,
@@ -293,11 +307,40 @@ class Engine:
 
     # ---- the loop -------------------------------------------------------------------------
     def step(self) -> list[Delta]:
+        """One engine step. A step that raises fails the requests it may have touched (finish
+        reason "error", slots and pages freed) and the engine goes on with the rest."""
         t0 = time.perf_counter()
-        deltas = self._step_async() if self.async_scheduling else self._step_sync()
+        try:
+            deltas = self._step_async() if self.async_scheduling else self._step_sync()
+            self.consecutive_faults = 0
+        except Exception as exc:  # noqa: BLE001 - a request may fail; the engine may not
+            deltas = self._recover(exc)
         st = self.step_stats
         st["steps"] += 1
         st["step_s"] += time.perf_counter() - t0
+        return deltas
+
+    def _recover(self, exc: Exception) -> list[Delta]:
+        """After a failed step: every request that held a slot (all rows of the failed and the
+        in-flight plan) fails with finish reason "error"; waiting requests stay queued. A cache
+        the failed step consumed (donated) is rebuilt empty, with the prefix cache dropped."""
+        log.error("engine step failed; failing the running requests", exc_info=exc)
+        self.faults += 1
+        self.consecutive_faults += 1
+        self._inflight = None
+        failed = self.scheduler.fail_running()
+        if any(x.is_deleted() for x in jax.tree.leaves(self.cache)):
+            self.cache = self._new_cache()
+            self.scheduler.reset_prefix_cache()
+        now, why = time.monotonic(), f"engine step failed: {type(exc).__name__}: {exc}"
+        deltas = []
+        for rid in failed:
+            st = self.requests.get(rid)
+            if st is None or st.finished:
+                continue
+            st.error = why
+            self._finish(st, "error", now)
+            deltas.append(Delta(rid, "", [], True, "error"))
         return deltas
 
     def _fetch(self, packed) -> np.ndarray:

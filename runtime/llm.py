@@ -4,29 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from runtime.config import EngineConfig, SamplingParams
-from runtime.engine import Engine, RequestState
+from runtime.config import EngineConfig
+from runtime.engine import Engine
+from runtime.requests import (Limits, RequestError, RequestOutput, SamplingParams, check_request,
+                              parse_prompt)
 
 QUANTIZATIONS = (None, "int8", "fp8")
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length" | "abort"
-    metrics: dict = field(default_factory=dict)  # queue_s, ttft_s, itl_s (list), itl_s_mean, e2e_s, cached_tokens
-    logprobs: list[dict] | None = None
-
-    @property
-    def usage(self) -> dict:
-        return {"prompt_tokens": len(self.prompt_token_ids), "completion_tokens": len(self.token_ids),
-                "cached_tokens": int(self.metrics.get("cached_tokens", 0))}
 
 
 @dataclass
@@ -118,25 +103,15 @@ class LLM:
         return draft.cfg, draft.params
 
     # ---- inputs ---------------------------------------------------------------------------
-    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
-            if not prompt:
-                raise ValueError("prompt token id list is empty")
-            return None, list(prompt)
-        raise TypeError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
-
     def _params_list(self, n: int, sampling_params) -> list[SamplingParams]:
         if sampling_params is None:
             return [SamplingParams()] * n
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * n
         sp = list(sampling_params)
-        if len(sp) != n:
-            raise ValueError(f"{len(sp)} sampling_params for {n} prompts")
+        if len(sp) != n or not all(isinstance(p, SamplingParams) for p in sp):
+            raise RequestError("sampling_params", f"needs one SamplingParams per prompt ({n}), "
+                                                  f"got {len(sp)} items")
         return sp
 
     # ---- API ------------------------------------------------------------------------------
@@ -145,8 +120,11 @@ class LLM:
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
-        inputs = [self._prompt_ids(p) for p in prompts]  # validate all before admitting any
+        limits = Limits.of(self.engine)
+        inputs = [parse_prompt(p, self.tokenizer, limits) for p in prompts]
         params = self._params_list(len(inputs), sampling_params)
+        for (_, pids), sp in zip(inputs, params):  # validate all before admitting any
+            check_request(pids, sp, limits)
         ids = []
         try:
             for (_, pids), sp in zip(inputs, params):
@@ -164,10 +142,10 @@ class LLM:
                     pending.discard(d.request_id)
                     bar.update(1)
         bar.close()
-        return [self._output(self.engine.pop(rid), text) for rid, (text, _) in zip(ids, inputs)]
+        return [RequestOutput.from_state(self.engine.pop(rid), text) for rid, (text, _) in zip(ids, inputs)]
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
-        text, pids = self._prompt_ids(prompt)
+        _, pids = parse_prompt(prompt, self.tokenizer, Limits.of(self.engine))
         rid = self.engine.add_request(pids, sampling_params or SamplingParams())
         try:
             done = False
@@ -180,15 +158,6 @@ class LLM:
         finally:
             self.engine.abort(rid)
             self.engine.pop(rid)
-
-    @staticmethod
-    def _output(st: RequestState, prompt_text: str | None) -> RequestOutput:
-        return RequestOutput(
-            request_id=st.request_id, prompt=prompt_text, prompt_token_ids=st.prompt_ids,
-            text=st.text, token_ids=st.token_ids, finish_reason=st.finish_reason,
-            metrics=st.metrics.summary(),
-            logprobs=st.logprobs if st.params.logprobs is not None else None,
-        )
 
     def generate_jsonl(self, in_path, out_path, **kw) -> dict:
         """Run a JSONL file through the engine (see `serve.batch.run_batch` for the format and

@@ -13,6 +13,15 @@ import jax.numpy as jnp
 MAX_LOGPROBS = 20
 
 
+def mask_vocab(logits: jax.Array, vocab_limit: int | None) -> jax.Array:
+    """[..., V] logits with the ids >= vocab_limit (rows the tokenizer has no token for: a
+    vocabulary padded for the matmul) at -inf, so they are never sampled nor in top logprobs."""
+    v = logits.shape[-1]
+    if vocab_limit is None or vocab_limit >= v:
+        return logits
+    return jnp.where(jnp.arange(v) < vocab_limit, logits, -jnp.inf)
+
+
 def row_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:
     """[S] keys from (seed, position)."""
     return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds, positions)

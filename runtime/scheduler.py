@@ -91,8 +91,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from runtime.config import SamplingParams
 from runtime.page_allocator import PageAllocator, page_hashes
+from runtime.requests import SamplingParams
 from runtime.plan import StepPlan
 
 LOGPROBS_BUCKET = 20  # static top-n logprobs width when any row asks for logprobs
@@ -298,6 +298,33 @@ class Scheduler:
     def abort(self, request_id: str) -> bool:
         """Cancel a waiting or running request; True if it was in flight."""
         return self.finish(request_id, "abort")
+
+    def fail_running(self) -> list[str]:
+        """After a step that raised: retire (reason "error") every sequence that holds a slot or
+        is in no queue, forget the plans in flight, keep the waiting queue. If the failure left
+        the page or slot bookkeeping inconsistent (it struck mid-plan), start a fresh pool: no
+        page is held once the running sequences are gone. Returns the retired request ids."""
+        self._inflight.clear()
+        queued = {id(s) for s in self._waiting}
+        failed = [s for s in self._live.values() if id(s) not in queued]
+        broken = False
+        for seq in failed:
+            if seq in self._running:
+                self._running.remove(seq)
+            try:
+                self._release(seq)
+            except AssertionError:  # PageAllocatorError: pages freed twice or never held
+                broken = True
+            seq.status, seq.finish_reason = FINISHED, "error"
+            del self._live[seq.req.request_id]
+        try:
+            self.check_invariants()
+        except AssertionError:
+            broken = True
+        if broken:
+            self.allocator = PageAllocator(self.allocator.num_pages)
+            self._free_slots = list(range(self.max_slots))
+        return [s.req.request_id for s in failed]
 
     # ------------------------------------------------------------------ introspection
 

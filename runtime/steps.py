@@ -19,7 +19,7 @@ from runtime.attention import AttentionMetadata
 from runtime.config import ModelConfig
 from runtime.kv_cache import KVCache
 from runtime.model import Params, compute_logits, forward, forward_hidden
-from runtime.sampling import sample, top_logprobs
+from runtime.sampling import mask_vocab, sample, top_logprobs
 
 
 def _metadata(a: dict, max_q_len: int) -> AttentionMetadata:
@@ -41,8 +41,10 @@ def step(
     num_logprobs: int,
     filtered: bool,
     prev: jax.Array | None = None,
+    vocab_limit: int | None = None,
 ) -> tuple[jax.Array, KVCache]:
-    """`prev` int32 [S]: the previous step's sampled tokens, read by the rows that
+    """`vocab_limit`: ids at and above it are never sampled (see sampling.mask_vocab).
+    `prev` int32 [S]: the previous step's sampled tokens, read by the rows that
     arrays["feed_rows"] [T] points at (asynchronous scheduling; None: every id is in token_ids)."""
     md = _metadata(arrays, max_q_len)
     token_ids = arrays["token_ids"]
@@ -53,7 +55,7 @@ def step(
     s = h.shape[0]
 
     def head_and_sample(rows: int) -> jax.Array:  # the first `rows` rows, padded back to S
-        logits = compute_logits(params, h[:rows], cfg)  # [rows, V]
+        logits = mask_vocab(compute_logits(params, h[:rows], cfg), vocab_limit)  # [rows, V]
         a = {k: arrays[k][:rows] for k in SAMPLING_FIELDS}
         tokens = sample(logits, a["temperature"], a["top_k"], a["top_p"], a["min_p"],
                         a["seeds"], a["sample_positions"], filtered=filtered)
@@ -93,6 +95,7 @@ def verify(
     max_q_len: int,
     num_logprobs: int,
     filtered: bool,
+    vocab_limit: int | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Speculative verify: one forward with logits at every row's last token and proposals
     (arrays["logits_indices"] is [S*(K+1)]), then acceptance for all rows on the device.
@@ -104,7 +107,7 @@ def verify(
     S, K = arrays["draft_ids"].shape
     md = _metadata(arrays, max_q_len)
     logits, cache = forward(params, arrays["token_ids"], cache, md, cfg, backend)  # [S*(K+1), V]
-    logits = logits.reshape(S, K + 1, -1)
+    logits = mask_vocab(logits.reshape(S, K + 1, -1), vocab_limit)
     q = None if q_probs is None else q_probs[q_rows]
     n_acc, tokens = accept(
         logits, arrays["draft_ids"], arrays["num_draft"], q, arrays["temperature"],
@@ -118,17 +121,17 @@ def verify(
     return jnp.concatenate(cols, axis=1), cache
 
 
-def make_verify(cfg: ModelConfig, backend: str):
+def make_verify(cfg: ModelConfig, backend: str, vocab_limit: int | None = None):
     """The jitted verify step (static: q bucket, logprob count, filter flag; q_probs None or
     not retraces once)."""
     return jax.jit(
-        functools.partial(verify, cfg=cfg, backend=backend),
+        functools.partial(verify, cfg=cfg, backend=backend, vocab_limit=vocab_limit),
         static_argnames=("max_q_len", "num_logprobs", "filtered"),
         donate_argnames=("cache",),
     )
 
 
-def make_step(cfg: ModelConfig, backend: str, shardings=None):
+def make_step(cfg: ModelConfig, backend: str, shardings=None, vocab_limit: int | None = None):
     """The jitted step for one model; static: q bucket, logprob count, filter flag.
     `shardings` (tensor parallel): (params, cache, replicated) NamedSharding trees from
     runtime.sharding. Inputs arrive laid out (params and cache committed to their shardings;
@@ -140,7 +143,7 @@ def make_step(cfg: ModelConfig, backend: str, shardings=None):
         _, cache_sh, rep = shardings
         kw = dict(out_shardings=(rep, cache_sh))
     return jax.jit(
-        functools.partial(step, cfg=cfg, backend=backend),
+        functools.partial(step, cfg=cfg, backend=backend, vocab_limit=vocab_limit),
         static_argnames=("max_q_len", "num_logprobs", "filtered"),
         donate_argnames=("cache",),
         **kw,

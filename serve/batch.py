@@ -5,13 +5,17 @@
 Input: one request per line, `{"id": ..., "prompt": "..."}` or `{"id": ..., "prompt_token_ids":
 [...]}`, with optional per-line sampling fields (`max_tokens`, `temperature`, `top_k`, `top_p`,
 `min_p`, `seed`, `stop`, `stop_token_ids`, `logprobs`, `ignore_eos`) that override the command's
-defaults. Output: one line per input line, either a result
+defaults; lines are checked by the same request door (runtime/requests.py) as every other front
+end. Output: one line per input line, either a result
 
-    {"id", "text", "token_ids", "finish_reason", "usage": {"prompt_tokens", "completion_tokens"},
+    {"id", "text", "token_ids", "finish_reason",
+     "usage": {"prompt_tokens", "completion_tokens", "cached_tokens"},
      "metrics": {"queue_s", "ttft_s", "itl_s_mean", "e2e_s"}}   (+ "logprobs" when asked for)
 
 or, for a line that cannot be served, `{"id": <id or null>, "line": <1-based line number>,
-"error": "..."}`; the job goes on. Blank lines are ignored.
+"error": "..."}`; the job goes on. Blank lines are ignored. A line the engine failed (a step
+raised; not the line's fault) gets an error record with `"retry": true`: `--resume` computes it
+again and appends its result after it.
 
 How it runs
 -----------
@@ -60,21 +64,9 @@ import sys
 import time
 from dataclasses import dataclass
 
-from runtime.config import SamplingParams
+from runtime.requests import (SAMPLING_FIELDS, Limits, RequestError, RequestOutput,
+                              SamplingParams, check_request, parse_prompt, sampling_from_json)
 
-SAMPLING_FIELDS = {
-    # field: accepted JSON types (bool is never accepted as a number)
-    "max_tokens": (int,),
-    "temperature": (int, float),
-    "top_k": (int,),
-    "top_p": (int, float),
-    "min_p": (int, float),
-    "seed": (int, type(None)),
-    "stop": (str, list, type(None)),
-    "stop_token_ids": (list,),
-    "logprobs": (int, type(None)),
-    "ignore_eos": (bool,),
-}
 REQUEST_FIELDS = {"id", "prompt", "prompt_token_ids"}
 METRIC_KEYS = ("queue_s", "ttft_s", "itl_s_mean", "e2e_s")
 FSYNC_MODES = ("step", "line", "none")
@@ -107,35 +99,17 @@ def id_key(uid) -> str:
 
 # ------------------------------------------------------------------------------------- parsing
 
-def _check_type(name, value, types):
-    if isinstance(value, bool) and bool not in types:
-        raise LineError(f"field {name!r} must be {_type_names(types)}, got a boolean")
-    if not isinstance(value, types):
-        raise LineError(f"field {name!r} must be {_type_names(types)}, got {type(value).__name__}")
-
-
-def _type_names(types) -> str:
-    names = {int: "an integer", float: "a number", str: "a string", list: "a list",
-             bool: "a boolean", type(None): "null"}
-    if float in types:
-        types = tuple(t for t in types if t is not int)
-    return " or ".join(names[t] for t in types)
-
-
-def _int_list(name, value) -> list[int]:
-    if not isinstance(value, list):
-        raise LineError(f"field {name!r} must be a list of integers, got {type(value).__name__}")
-    for t in value:
-        if isinstance(t, bool) or not isinstance(t, int):
-            raise LineError(f"field {name!r} must be a list of integers, found {t!r}")
-    return value
-
-
 class _Parser:
-    def __init__(self, tokenizer, defaults: dict):
-        self.tokenizer = tokenizer
-        self.defaults = dict(defaults)
-        self.default_params = SamplingParams(**self.defaults)  # a bad default is fatal early
+    """One line -> a job, through the request door (runtime.requests): the same fields, ranges
+    and prompt checks as every other front end."""
+
+    def __init__(self, tokenizer, defaults: dict, limits: Limits):
+        self.tokenizer, self.limits = tokenizer, limits
+        try:
+            self.defaults = dict(defaults)
+            self.default_params = SamplingParams(**self.defaults)
+        except RequestError as e:  # a bad default is fatal, early
+            raise BatchError(f"sampling default {e}") from None
 
     def decode(self, raw: bytes):
         """bytes -> (obj, uid, key). Raises LineError (uid None if the id is unknown)."""
@@ -147,63 +121,45 @@ class _Parser:
             obj = json.loads(text)
         except ValueError as e:
             raise LineError(f"invalid JSON: {e}") from None
+        except RecursionError:
+            raise LineError("invalid JSON: nested too deeply") from None
         if not isinstance(obj, dict):
             raise LineError(f"a line must be a JSON object, got {type(obj).__name__}")
         if "id" not in obj:
             raise LineError("missing field 'id'")
         uid = obj["id"]
         if isinstance(uid, bool) or not isinstance(uid, (str, int)):
-            raise LineError(f"field 'id' must be a string or an integer, got {json.dumps(uid)}")
+            raise LineError(f"field 'id' must be a string or an integer, got {json.dumps(uid)[:80]}")
         if isinstance(uid, str) and not uid:
             raise LineError("field 'id' must be a non-empty string")
+        if isinstance(uid, int) and not -(2**63) <= uid < 2**63:
+            raise LineError("field 'id' must fit in 64 bits")
         return obj, uid, id_key(uid)
 
     def job(self, obj: dict, line: int, uid, key: str) -> _Job:
         unknown = sorted(set(obj) - REQUEST_FIELDS - set(SAMPLING_FIELDS))
         if unknown:
-            raise LineError(f"unknown field(s) {unknown}")
+            raise LineError(f"unknown field(s) {unknown[:10]}")
         has_p, has_ids = "prompt" in obj, "prompt_token_ids" in obj
         if has_p and has_ids:
             raise LineError("give either 'prompt' or 'prompt_token_ids', not both")
         if not (has_p or has_ids):
             raise LineError("missing field 'prompt' (or 'prompt_token_ids')")
-        if has_p:
-            prompt = obj["prompt"]
-            if not isinstance(prompt, str):
-                raise LineError(f"field 'prompt' must be a string, got {type(prompt).__name__}")
-            if not prompt:
-                raise LineError("field 'prompt' is empty")
-            prompt_ids = self.tokenizer.encode(prompt)
-            if not prompt_ids:
-                raise LineError("field 'prompt' encodes to no tokens")
-        else:
-            prompt_ids = _int_list("prompt_token_ids", obj["prompt_token_ids"])
-            if not prompt_ids:
-                raise LineError("field 'prompt_token_ids' is empty")
-            vocab = getattr(self.tokenizer, "vocab_size", None)
-            if vocab is not None:
-                bad = [t for t in prompt_ids if not 0 <= t < vocab]
-                if bad:
-                    raise LineError(f"prompt_token_ids out of range [0, {vocab}): {bad[:5]}")
-        overrides = {}
-        for name, types in SAMPLING_FIELDS.items():
-            if name in obj:
-                v = obj[name]
-                _check_type(name, v, types)
-                if name == "stop" and isinstance(v, list) and not all(isinstance(s, str) for s in v):
-                    raise LineError("field 'stop' must be a string or a list of strings")
-                if name == "stop_token_ids":
-                    _int_list(name, v)
-                if isinstance(v, float) and not math.isfinite(v):
-                    raise LineError(f"field {name!r} must be finite, got {v}")
-                overrides[name] = v
-        if overrides:
-            try:
-                params = SamplingParams(**{**self.defaults, **overrides})
-            except (ValueError, TypeError) as e:
-                raise LineError(str(e)) from None
-        else:
-            params = self.default_params
+        try:
+            if has_p:
+                if not isinstance(obj["prompt"], str):
+                    raise RequestError("prompt", f"must be a string, got {type(obj['prompt']).__name__}")
+                _, prompt_ids = parse_prompt(obj["prompt"], self.tokenizer, self.limits)
+            else:
+                ids = obj["prompt_token_ids"]
+                if not isinstance(ids, list):
+                    raise RequestError("prompt_token_ids", "must be a list of token ids")
+                _, prompt_ids = parse_prompt(ids, self.tokenizer, self.limits, "prompt_token_ids")
+            params = (sampling_from_json(obj, self.defaults)
+                      if any(k in SAMPLING_FIELDS for k in obj) else self.default_params)
+            check_request(prompt_ids, params, self.limits)
+        except RequestError as e:
+            raise LineError(f"field {e.field!r}: {e.reason}" if e.field else e.reason) from None
         return _Job(line=line, uid=uid, key=key, prompt_ids=prompt_ids, params=params)
 
 
@@ -245,7 +201,7 @@ def scan_output(path: str) -> tuple[set[str], set[int], int]:
                 continue
             if "error" in rec:
                 line = rec.get("line")
-                if isinstance(line, int) and not isinstance(line, bool):
+                if isinstance(line, int) and not isinstance(line, bool) and not rec.get("retry"):
                     done_lines.add(line)
             else:
                 done_ids.add(id_key(rec["id"]))
@@ -398,7 +354,7 @@ def run_batch(engine, tokenizer, input_path, output_path, *, sampling: dict | No
     None shows a tqdm bar only when stderr is a terminal. `on_step(engine, inflight)` is a
     test hook called before each engine step."""
     prepare_output(output_path, resume, overwrite)
-    parser = _Parser(tokenizer, {"temperature": 0.0, **(sampling or {})})
+    parser = _Parser(tokenizer, {"temperature": 0.0, **(sampling or {})}, engine.limits)
     max_slots = getattr(getattr(engine, "ecfg", None), "max_slots", 8)
     max_inflight = max_inflight or 2 * max_slots + 4
     reorder_window = reorder_window or max(4 * max_slots + 8, max_inflight)
@@ -552,22 +508,25 @@ def run_batch(engine, tokenizer, input_path, output_path, *, sampling: dict | No
                 if not d.finished or d.request_id not in inflight:
                     continue
                 job = inflight.pop(d.request_id)
-                st = engine.pop(d.request_id)
-                m = st.metrics.summary()
+                out = RequestOutput.from_state(engine.pop(d.request_id))
+                if out.finish_reason == "error":  # the engine failed it: --resume retries it
+                    stats["errors"] += 1
+                    acked_lines += 1
+                    emit(job.seq, _encode_record({"id": job.uid, "line": job.line,
+                                                  "error": out.error or "engine step failed",
+                                                  "retry": True}))
+                    continue
+                m = out.metrics
                 rec = {
-                    "id": job.uid, "text": st.text, "token_ids": list(st.token_ids),
-                    "finish_reason": st.finish_reason,
-                    "usage": {"prompt_tokens": len(st.prompt_ids),
-                              "completion_tokens": len(st.token_ids)},
+                    "id": job.uid, "text": out.text, "token_ids": out.token_ids,
+                    "finish_reason": out.finish_reason, "usage": out.usage,
                     "metrics": {k: m.get(k) for k in METRIC_KEYS},
                 }
-                if "cached_tokens" in m:
-                    rec["usage"]["cached_tokens"] = m["cached_tokens"]
-                if st.params.logprobs is not None:
-                    rec["logprobs"] = st.logprobs
+                if out.logprobs is not None:
+                    rec["logprobs"] = out.logprobs
                 stats["requests"] += 1
-                stats["prompt_tokens"] += len(st.prompt_ids)
-                stats["generated_tokens"] += len(st.token_ids)
+                stats["prompt_tokens"] += len(out.prompt_token_ids)
+                stats["generated_tokens"] += len(out.token_ids)
                 if m.get("ttft_s") is not None:
                     ttft.add(m["ttft_s"])
                 for x in m.get("itl_s") or ():

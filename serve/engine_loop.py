@@ -7,14 +7,22 @@
     h.cancel()                       # abort at the next step: slot and pages freed
 
 Every engine call happens on the loop thread. Callers only touch thread-safe queues: `submit`
-validates on the caller's thread (so bad input and a full queue fail at once, without waiting for
-a device step), then hands the request to the loop thread, which adds it to the engine before the
-next step. After each step the deltas of one handle are delivered as ONE batch (a list with one
-SampleUpdate per sample that advanced), so a handle with n samples sees them in lock-step.
+checks the request at the request door (runtime.requests) on the caller's thread, so bad input
+and a full queue fail at once without waiting for a device step, then hands the request to the
+loop thread, which adds it to the engine before the next step. After each step the deltas of one
+handle are delivered as ONE batch (a list with one SampleUpdate per sample that advanced), so a
+handle with n samples sees them in lock-step.
 
-Failure model: an exception from the engine fails every in-flight handle with EngineFault, marks
-the loop unhealthy and stops the thread; later submits raise EngineFault at once. No consumer is
-ever left waiting: every handle ends with either its final updates or an exception.
+Queue accounting is per sequence: a handle of n samples counts n, `submit_many` (several prompts
+of one request) is admitted or refused as a whole, and the depth (not yet admitted + waiting in
+the engine) is refreshed after every submit, cancel and step. `max_queue` bounds sequences.
+
+Failure model: a request can fail, the engine cannot. An engine step that raises fails the
+requests that held slots (their handles end with EngineFault; slots and pages are freed) and the
+loop goes on. Only when steps keep failing (MAX_CONSECUTIVE_FAULTS in a row) or the loop's own
+bookkeeping breaks does the loop go down: every in-flight handle gets EngineFault, the loop turns
+unhealthy (health NOT_SERVING) and later submits raise EngineFault at once. No consumer is ever
+left waiting: every handle ends with either its final updates or an exception.
 
 Transport-agnostic: no gRPC or HTTP here. Listeners (`on_finish`, `on_fault`) let a metrics or
 health layer observe without the loop knowing about them.
@@ -32,7 +40,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from runtime.config import SamplingParams
+from runtime.requests import RequestError, RequestOutput, SamplingParams, check_request
 from runtime.scheduler import QueueFull
 
 log = logging.getLogger(__name__)
@@ -41,10 +49,11 @@ __all__ = ["EngineLoop", "Handle", "SampleUpdate", "EngineFault", "ShuttingDown"
 
 # Outcome names used in stats()["requests"] (and the Prometheus requests counter).
 OUTCOMES = ("stop", "length", "cancelled", "error", "rejected", "invalid")
+MAX_CONSECUTIVE_FAULTS = 3  # failed engine steps in a row before the loop declares itself down
 
 
 class EngineFault(RuntimeError):
-    """The engine raised; the request cannot complete (and the loop is down)."""
+    """The engine failed this request (a step raised), or the loop is down."""
 
 
 class ShuttingDown(RuntimeError):
@@ -61,7 +70,7 @@ class SampleUpdate:
     logprobs: list[dict]  # new entries of RequestState.logprobs (empty unless requested)
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
-    result: object | None = None  # the popped RequestState when finished (metrics, full text)
+    result: RequestOutput | None = None  # when finished: full text, usage, metrics
 
 
 _END = object()
@@ -148,6 +157,8 @@ class EngineLoop:
         self._idle_wait_s = idle_wait_s
         self._cv = threading.Condition()
         self._inbox: deque[_Pending] = deque()  # guarded by _cv
+        self._inbox_seqs = 0  # guarded by _cv: sequences (samples) in _inbox
+        self._waiting = 0  # guarded by _cv: sequences waiting in the engine (refreshed each turn)
         self._cancels: set[str] = set()  # guarded by _cv
         self._handles: dict[str, _Pending] = {}  # loop thread only
         self._in_flight = 0  # guarded by _cv: handles submitted and not yet ended
@@ -159,63 +170,45 @@ class EngineLoop:
         self._outcomes: Counter[str] = Counter({k: 0 for k in OUTCOMES})  # guarded by _cv
         self._tokens = 0
         self._steps = 0
-        self._waiting_snapshot = 0
         self.on_finish: list[Callable[[object, str], None]] = []  # (RequestState, outcome)
         self.on_fault: list[Callable[[BaseException], None]] = []
-        sch = engine.scheduler
-        self._limits = dict(vocab=engine.cfg.vocab_size, max_model_len=sch.max_model_len,
-                            page_size=sch.page_size, pages=sch.allocator.num_total)
+        self.limits = engine.limits  # runtime.requests.Limits of the served model
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
     # ---- caller side (any thread) ---------------------------------------------------------
     @property
     def healthy(self) -> bool:
-        return self._fault is None and not self._stopped.is_set()
-
-    @property
-    def limits(self) -> dict:
-        return dict(self._limits)
+        return self._fault is None and not self._stopped.is_set() and self._thread.is_alive()
 
     def count(self, outcome: str, n: int = 1) -> None:
         """Record an outcome decided outside the loop (e.g. a transport-level invalid request)."""
         with self._cv:
             self._outcomes[outcome] += n
 
-    def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
-        """Raise ValueError naming the field if the engine could never serve this request."""
-        lim = self._limits
-        if len(prompt_ids) == 0:
-            raise ValueError("prompt: empty (no tokens)")
-        bad = [t for t in prompt_ids if not 0 <= t < lim["vocab"]]
-        if bad:
-            raise ValueError(f"prompt_token_ids: ids out of range [0, {lim['vocab']}): {bad[:5]}")
-        bad = [t for t in params.stop_token_ids if not 0 <= t < lim["vocab"]]
-        if bad:
-            raise ValueError(f"stop_token_ids: ids out of range [0, {lim['vocab']}): {bad[:5]}")
-        n, m = len(prompt_ids), params.max_tokens
-        if n >= lim["max_model_len"]:
-            raise ValueError(f"prompt: {n} tokens leave no room in max_model_len {lim['max_model_len']}")
-        if n + m > lim["max_model_len"]:
-            raise ValueError(f"max_tokens: prompt ({n} tokens) + max_tokens ({m}) exceeds "
-                             f"max_model_len {lim['max_model_len']}")
-        if -(-(n + m - 1) // lim["page_size"]) > lim["pages"]:
-            raise ValueError(f"max_tokens: prompt + max_tokens needs more KV pages than the pool "
-                             f"holds ({lim['pages']} pages of {lim['page_size']} tokens)")
-
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams | Sequence[SamplingParams],
                request_id: str | None = None, *, n: int = 1) -> Handle:
         """Queue `n` samples of one prompt (each an independent engine request; `params` is one
-        SamplingParams or one per sample). Raises at once: ValueError (invalid), QueueFull,
-        ShuttingDown, EngineFault. From inside a running event loop the handle is async-iterable,
-        otherwise sync-iterable."""
-        plist = list(params) if isinstance(params, (list, tuple)) else [params] * n
-        if len(plist) != n or n < 1:
-            raise ValueError(f"num_samples: {len(plist)} sampling params for n={n}")
-        prompt_ids = [int(t) for t in prompt_ids]
+        SamplingParams or one per sample). Raises at once: RequestError (a ValueError naming the
+        field), QueueFull, ShuttingDown, EngineFault. From inside a running event loop the
+        handle is async-iterable, otherwise sync-iterable."""
+        return self.submit_many([(prompt_ids, params, n)], [request_id])[0]
+
+    def submit_many(self, items: Sequence[tuple[Sequence[int], object, int]],
+                    request_ids: Sequence[str | None] | None = None) -> list[Handle]:
+        """Queue several prompts (prompt_ids, params, n) as one request: every one is admitted,
+        or none (the first bad one raises, naming its field; a queue that cannot take all of
+        their sequences raises QueueFull)."""
+        pending = []
         try:
-            for p in plist:
-                self.validate(prompt_ids, p)
+            for prompt_ids, params, n in items:
+                plist = list(params) if isinstance(params, (list, tuple)) else [params] * n
+                if len(plist) != n or n < 1:
+                    raise RequestError("n", f"{len(plist)} sampling params for n={n}")
+                prompt_ids = [int(t) for t in prompt_ids]
+                for p in plist:
+                    check_request(prompt_ids, p, self.limits)
+                pending.append((prompt_ids, plist))
         except ValueError:
             self.count("invalid")
             raise
@@ -223,20 +216,30 @@ class EngineLoop:
             aloop = asyncio.get_running_loop()
         except RuntimeError:
             aloop = None
+        total = sum(len(pl) for _, pl in pending)
+        rids = list(request_ids or [None] * len(pending))
         with self._cv:
-            if self._fault is not None:
+            if self._fault is not None or not self._thread.is_alive():
                 raise EngineFault(f"engine is down: {self._fault!r}")
             if self._closing or self._stopped.is_set():
                 raise ShuttingDown("server is shutting down")
-            depth = len(self._inbox) + self._waiting_snapshot
-            if self.max_queue is not None and depth + n > self.max_queue:
+            depth = self._inbox_seqs + self._waiting
+            if self.max_queue is not None and depth + total > self.max_queue:
                 self._outcomes["rejected"] += 1
-                raise QueueFull(f"queue is full ({depth} waiting, max_queue {self.max_queue})")
-            h = Handle(self, f"h{next(self._ids)}", n, aloop, request_id)
-            self._inbox.append(_Pending(h, prompt_ids, plist))
-            self._in_flight += 1
+                if total > self.max_queue:
+                    raise QueueFull(f"request of {total} sequences (prompts x samples) exceeds "
+                                    f"the queue limit of {self.max_queue}")
+                raise QueueFull(f"queue is full ({depth} sequences waiting, max_queue "
+                                f"{self.max_queue})")
+            handles = []
+            for (prompt_ids, plist), rid in zip(pending, rids):
+                h = Handle(self, f"h{next(self._ids)}", len(plist), aloop, rid)
+                self._inbox.append(_Pending(h, prompt_ids, plist))
+                handles.append(h)
+            self._inbox_seqs += total
+            self._in_flight += len(handles)
             self._cv.notify()
-        return h
+        return handles
 
     def cancel(self, handle_id: str) -> None:
         with self._cv:
@@ -247,17 +250,18 @@ class EngineLoop:
         sch = self.engine.scheduler
         with self._cv:
             outcomes = dict(self._outcomes)
-            inbox = len(self._inbox)
+            depth = self._inbox_seqs + self._waiting
             in_flight = self._in_flight
         total = sch.allocator.num_total
         free = sch.free_pages
         return {
-            "queue_depth": inbox + self._waiting_snapshot, "running": sch.num_running,
+            "queue_depth": depth, "running": sch.num_running,
             "max_slots": sch.max_slots, "pages_total": total, "pages_free": free,
             "pages_used": total - free, "tokens_generated": self._tokens, "requests": outcomes,
             "healthy": self.healthy, "in_flight": in_flight, "steps": self._steps,
-            "compile_count": self._compile_count(), "vocab_size": self._limits["vocab"],
-            "max_model_len": self._limits["max_model_len"], "model": self.model_name,
+            "compile_count": self._compile_count(), "vocab_size": self.limits.vocab_size,
+            "max_model_len": self.limits.max_model_len, "model": self.model_name,
+            "engine_faults": getattr(self.engine, "faults", 0),
         }
 
     def _compile_count(self) -> int:
@@ -288,10 +292,15 @@ class EngineLoop:
                 cancels, stop = self._take_commands()
                 for hid in cancels:
                     self._cancel_now(hid)
+                self._refresh_depth()
                 if stop:
                     break
                 if self.engine.scheduler.has_work:
                     self._step()
+                    self._refresh_depth()
+                    if getattr(self.engine, "consecutive_faults", 0) >= MAX_CONSECUTIVE_FAULTS:
+                        raise EngineFault(f"{self.engine.consecutive_faults} engine steps failed "
+                                          "in a row")
         except BaseException as e:  # noqa: BLE001 - any engine failure fails all clients
             log.exception("engine loop fault")
             self._fail_all(e)
@@ -306,8 +315,10 @@ class EngineLoop:
             # Admission is host-only bookkeeping; doing it under the lock keeps the queue depth
             # seen by submit() exact (inbox + engine waiting queue, never a gap between them).
             while self._inbox:
-                self._admit(self._inbox.popleft())
-            self._waiting_snapshot = self.engine.scheduler.num_waiting
+                p = self._inbox.popleft()
+                self._inbox_seqs -= len(p.params)
+                self._admit(p)
+            self._waiting = self.engine.scheduler.num_waiting
             cancels = set(self._cancels)
             self._cancels.clear()
             stop = False
@@ -317,6 +328,10 @@ class EngineLoop:
                 stop = not self._handles and not cancels
             return cancels, stop
 
+    def _refresh_depth(self) -> None:
+        with self._cv:
+            self._waiting = self.engine.scheduler.num_waiting
+
     def _admit(self, p: _Pending) -> None:
         self._handles[p.handle.id] = p
         try:
@@ -324,12 +339,13 @@ class EngineLoop:
                 rid = self.engine.add_request(p.prompt_ids, sp, f"{p.handle.id}/{i}")
                 p.live[rid] = i
                 p.lp_sent[rid] = 0
-        except ValueError as e:  # validated already; a last guard (e.g. duplicate ids)
+        except Exception as e:  # checked at submit already; a last guard fails this handle only
             for rid in list(p.live):
                 self.engine.abort(rid)
                 self.engine.pop(rid)
             p.live.clear()
-            self._end(p, e, outcome="invalid", locked=True)
+            self._end(p, e if isinstance(e, ValueError) else EngineFault(repr(e)),
+                      outcome="invalid" if isinstance(e, ValueError) else "error", locked=True)
 
     def _cancel_now(self, hid: str) -> None:
         p = self._handles.get(hid)
@@ -340,7 +356,7 @@ class EngineLoop:
             self.engine.abort(rid)
             st = self.engine.pop(rid)
             p.handle.finish_reasons[i] = "abort"
-            updates.append(SampleUpdate(i, "", [], [], True, "abort", st))
+            updates.append(SampleUpdate(i, "", [], [], True, "abort", RequestOutput.from_state(st)))
             self._notify_finish(st, "cancelled")
         p.live.clear()
         if updates:
@@ -351,30 +367,44 @@ class EngineLoop:
         deltas = self.engine.step()
         self._steps += 1
         by_handle: dict[str, list[SampleUpdate]] = {}
-        finished: list[tuple[_Pending, str]] = []
+        failed: dict[str, str] = {}  # handle id -> why
         for d in deltas:
             hid = d.request_id.rsplit("/", 1)[0]
             p = self._handles.get(hid)
             if p is None or d.request_id not in p.live:
                 continue
             self._tokens += len(d.token_ids)
+            if d.finish_reason == "error":  # the engine failed this sample: the handle fails
+                failed[hid] = self.engine.requests[d.request_id].error or "engine step failed"
+                continue
             st = self.engine.requests[d.request_id]
             lp = st.logprobs[p.lp_sent[d.request_id]:]
             p.lp_sent[d.request_id] = len(st.logprobs)
             u = SampleUpdate(p.live[d.request_id], d.text, list(d.token_ids), list(lp))
             if d.finished:
                 u.finished, u.finish_reason = True, d.finish_reason
-                u.result = self.engine.pop(d.request_id)
+                st = self.engine.pop(d.request_id)
+                u.result = RequestOutput.from_state(st)
                 p.handle.finish_reasons[u.index] = d.finish_reason
                 del p.live[d.request_id]
-                finished.append((p, d.request_id))
-                self._notify_finish(u.result, d.finish_reason or "stop")
+                self._notify_finish(st, d.finish_reason or "stop")
             by_handle.setdefault(hid, []).append(u)
         for hid, ups in by_handle.items():
             p = self._handles[hid]
             p.handle._put(sorted(ups, key=lambda u: u.index))
-            if not p.live:
+            if not p.live and hid not in failed:
                 self._end(p, _END)
+        for hid, why in failed.items():
+            self._fail(self._handles[hid], why)
+
+    def _fail(self, p: _Pending, why: str) -> None:
+        """The engine failed one of this handle's samples: end the handle with EngineFault and
+        free what its other samples hold."""
+        for rid in list(p.live):
+            self.engine.abort(rid)
+            self.engine.pop(rid)
+        p.live.clear()
+        self._end(p, EngineFault(why), outcome="error")
 
     def _end(self, p: _Pending, final, outcome: str | None = None, locked: bool = False) -> None:
         if self._handles.pop(p.handle.id, None) is None:
@@ -408,6 +438,7 @@ class EngineLoop:
         with self._cv:
             pending = list(self._handles.values()) + list(self._inbox)
             self._inbox.clear()
+            self._inbox_seqs = 0
             self._handles.clear()
             for p in pending:
                 self._outcomes["error"] += len(p.live) if p.live else p.handle.n

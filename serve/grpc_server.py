@@ -16,9 +16,12 @@ RESOURCE_EXHAUSTED at once; draining -> UNAVAILABLE; engine fault -> INTERNAL fo
 requests, then health NOT_SERVING and UNAVAILABLE for new ones. A client cancel or deadline
 cancels the request: its slot and pages are freed at the next engine step.
 
-Auth: with `--auth-token T` every call must carry metadata `authorization: Bearer T`
-(UNAUTHENTICATED otherwise), except grpc.health.v1.Health, which stays open for load-balancer
-and orchestrator probes (it reveals only SERVING/NOT_SERVING).
+Auth: with a token (`--auth-token-file F`, `JAXINFER_AUTH_TOKEN`, or `--auth-token T`, which
+`ps` shows) every call must carry metadata `authorization: Bearer T` (UNAUTHENTICATED
+otherwise), except grpc.health.v1.Health, which stays open for load-balancer and orchestrator
+probes (it reveals only SERVING/NOT_SERVING). /metrics takes the same token and TLS unless
+`--metrics-public`. A request message that does not parse gets INVALID_ARGUMENT; prompts are
+tokenized on a small thread pool (serve/offload.py), never on the event loop.
 """
 
 from __future__ import annotations
@@ -36,15 +39,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from runtime.config import SamplingParams
+from runtime.requests import (Limits, RequestError, SamplingParams, check_samples, parse_prompt,
+                              sampling_from_json)
 from serve.engine_loop import EngineFault, EngineLoop, QueueFull, ShuttingDown
 from serve.metrics import ServingMetrics
+from serve.offload import Offload
 from serve.proto import jaxinfer_pb2, jaxinfer_pb2_grpc, jetstream_pb2, jetstream_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 256
 HEALTH_SERVICES = ("", "jetstream_proto.Orchestrator", "jaxinfer.v1.Generation")
 
 
@@ -63,65 +66,57 @@ class ServerConfig:
     model_name: str = ""
     http_port: int | None = None  # OpenAI-compatible HTTP API (serve/openai_server.py); 0: free port
     chat_template: str | None = None  # file (or text) overriding the checkpoint's chat template
+    metrics_public: bool = False  # /metrics without the auth token and TLS of the server
 
 
-# ---- request parsing ---------------------------------------------------------------------------
-def generate_inputs(req, tokenizer, vocab_size: int) -> tuple[list[int], SamplingParams]:
-    """GenerateRequest -> (prompt ids, SamplingParams); ValueError naming the field."""
+# ---- request parsing (runs on the offload pool: it tokenizes) ---------------------------------
+def generate_inputs(req, tokenizer, limits: Limits) -> tuple[list[int], SamplingParams]:
+    """GenerateRequest -> (prompt ids, SamplingParams), through the request door; RequestError
+    naming the field."""
     has_text, has_ids = req.HasField("prompt"), len(req.prompt_token_ids) > 0
     if has_text and has_ids:
-        raise ValueError("prompt/prompt_token_ids: set exactly one, got both")
+        raise RequestError("prompt", "set exactly one of prompt and prompt_token_ids, got both")
     if not has_text and not has_ids:
-        raise ValueError("prompt: set prompt (text) or prompt_token_ids")
+        raise RequestError("prompt", "set prompt (text) or prompt_token_ids")
     if has_text:
-        if not req.prompt:
-            raise ValueError("prompt: empty string")
-        ids = tokenizer.encode(req.prompt)
+        _, ids = parse_prompt(req.prompt, tokenizer, limits)
     else:
-        ids = list(req.prompt_token_ids)
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"prompt_token_ids: ids out of range [0, {vocab_size}): {bad[:5]}")
-    if len(req.stop) > MAX_STOP_STRINGS:
-        raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(req.stop)}")
-    if any(len(s) > MAX_STOP_CHARS for s in req.stop):
-        raise ValueError(f"stop: a stop string is longer than {MAX_STOP_CHARS} characters")
-    kw = {f: getattr(req, f) for f in ("max_tokens", "temperature", "top_k", "top_p", "min_p",
-                                        "seed", "logprobs") if req.HasField(f)}
-    return ids, SamplingParams(stop=tuple(req.stop), stop_token_ids=tuple(req.stop_token_ids),
-                               ignore_eos=req.ignore_eos, **kw)
+        _, ids = parse_prompt(list(req.prompt_token_ids), tokenizer, limits, "prompt_token_ids")
+    fields = {f: getattr(req, f) for f in ("max_tokens", "temperature", "top_k", "top_p", "min_p",
+                                            "seed", "logprobs") if req.HasField(f)}
+    fields.update(stop=list(req.stop), stop_token_ids=list(req.stop_token_ids),
+                  ignore_eos=req.ignore_eos)
+    return ids, sampling_from_json(fields)
 
 
-def decode_inputs(req, tokenizer, vocab_size: int, max_samples: int):
-    """JetStream DecodeRequest -> (prompt ids, SamplingParams, n, text_mode)."""
+def decode_inputs(req, tokenizer, limits: Limits, max_samples: int):
+    """JetStream DecodeRequest -> (prompt ids, SamplingParams, n, text_mode). JetStream decodes
+    greedily and stops at EOS; num_samples 0 means 1."""
     kind = req.WhichOneof("content")
     if kind is None:
-        raise ValueError("content: set text_content or token_content")
+        raise RequestError("content", "set text_content or token_content")
     if kind == "text_content":
-        if not req.text_content.text:
-            raise ValueError("text_content.text: empty")
-        ids = tokenizer.encode(req.text_content.text)
+        _, ids = parse_prompt(req.text_content.text, tokenizer, limits, "text_content.text")
     else:
-        ids = list(req.token_content.token_ids)
-        if not ids:
-            raise ValueError("token_content.token_ids: empty")
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"token_content.token_ids: ids out of range [0, {vocab_size}): {bad[:5]}")
-    if req.num_samples < 0 or req.num_samples > max_samples:
-        raise ValueError(f"num_samples: must be in [0, {max_samples}] (0 means 1), got {req.num_samples}")
-    if req.max_tokens <= 0:
-        raise ValueError(f"max_tokens: must be a positive integer, got {req.max_tokens}")
-    # JetStream decodes greedily and stops at EOS.
-    return ids, SamplingParams(max_tokens=req.max_tokens, temperature=0.0), max(1, req.num_samples), \
-        kind == "text_content"
+        _, ids = parse_prompt(list(req.token_content.token_ids), tokenizer, limits,
+                              "token_content.token_ids")
+    n = check_samples(max(1, req.num_samples) if req.num_samples >= 0 else req.num_samples,
+                      max_samples, "num_samples")
+    params = sampling_from_json({"max_tokens": req.max_tokens, "temperature": 0.0})
+    return ids, params, n, kind == "text_content"
 
 
 # ---- servicers ---------------------------------------------------------------------------------
 class _Base:
-    def __init__(self, loop: EngineLoop, tokenizer, cfg: ServerConfig):
-        self.loop, self.tokenizer, self.cfg = loop, tokenizer, cfg
-        self.vocab = loop.limits["vocab"]
+    def __init__(self, loop: EngineLoop, tokenizer, cfg: ServerConfig, offload: Offload):
+        self.loop, self.tokenizer, self.cfg, self.offload = loop, tokenizer, cfg, offload
+
+    async def _parse(self, context, fn, *args):
+        """fn(*args) on the offload pool (it tokenizes); INVALID_ARGUMENT naming the field."""
+        try:
+            return await self.offload.run(fn, *args)
+        except RequestError as e:
+            await self._invalid(context, e)
 
     async def _invalid(self, context, e: ValueError):
         self.loop.count("invalid")
@@ -157,10 +152,8 @@ class _Base:
 
 class GenerationServicer(_Base, jaxinfer_pb2_grpc.GenerationServicer):
     async def Generate(self, request, context):
-        try:
-            ids, params = generate_inputs(request, self.tokenizer, self.vocab)
-        except ValueError as e:
-            await self._invalid(context, e)
+        ids, params = await self._parse(context, generate_inputs, request, self.tokenizer,
+                                         self.loop.limits)
         handle = await self._submit(context, ids, params, request_id=request.request_id)
         async for ups in self._updates(context, handle):
             for u in ups:
@@ -170,12 +163,12 @@ class GenerationServicer(_Base, jaxinfer_pb2_grpc.GenerationServicer):
                                      top=[jaxinfer_pb2.TopLogprob(token_id=i, logprob=v)
                                           for i, v in lp["top"]])
                 if u.finished:
-                    st = u.result
-                    m = st.metrics.summary()
+                    out = u.result
+                    m = out.metrics
                     msg.final.finish_reason = u.finish_reason or ""
                     msg.final.request_id = handle.request_id
-                    msg.final.usage.prompt_tokens = len(st.prompt_ids)
-                    msg.final.usage.completion_tokens = len(st.token_ids)
+                    msg.final.usage.prompt_tokens = out.usage["prompt_tokens"]
+                    msg.final.usage.completion_tokens = out.usage["completion_tokens"]
                     fm = msg.final.metrics
                     fm.queue_s = m["queue_s"] or 0.0
                     fm.ttft_s = m["ttft_s"] or 0.0
@@ -197,11 +190,8 @@ class GenerationServicer(_Base, jaxinfer_pb2_grpc.GenerationServicer):
 
 class OrchestratorServicer(_Base, jetstream_pb2_grpc.OrchestratorServicer):
     async def Decode(self, request, context):
-        try:
-            ids, params, n, text_mode = decode_inputs(request, self.tokenizer, self.vocab,
-                                                      self.cfg.max_samples)
-        except ValueError as e:
-            await self._invalid(context, e)
+        ids, params, n, text_mode = await self._parse(
+            context, decode_inputs, request, self.tokenizer, self.loop.limits, self.cfg.max_samples)
         handle = await self._submit(context, ids, params, n=n)
         Sample = jetstream_pb2.DecodeResponse.StreamContent.Sample
         async for ups in self._updates(context, handle):
@@ -220,6 +210,63 @@ class OrchestratorServicer(_Base, jetstream_pb2_grpc.OrchestratorServicer):
 
     async def HealthCheck(self, request, context):
         return jetstream_pb2.HealthCheckResponse(is_live=self.loop.healthy)
+
+
+# ---- undecodable requests ----------------------------------------------------------------------
+class _Undecodable:
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+class DecodeErrorInterceptor(grpc.aio.ServerInterceptor):
+    """A request message that does not parse gets INVALID_ARGUMENT (grpc's own answer is UNKNOWN
+    with a logged traceback per request). Unary-request methods only: streaming requests keep
+    grpc's handling."""
+
+    def __init__(self, on_refuse=None):
+        self._on_refuse = on_refuse  # called once per refused request (e.g. count it invalid)
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        decode, method, on_refuse = handler.request_deserializer, details.method, self._on_refuse
+
+        def safe_decode(data: bytes):
+            try:
+                return decode(data)
+            except Exception as e:  # noqa: BLE001 - DecodeError and friends
+                return _Undecodable(e)
+
+        def refuse(request) -> str | None:
+            if isinstance(request, _Undecodable):
+                if on_refuse is not None:
+                    on_refuse()
+                return f"{method}: the request message does not parse ({type(request.error).__name__})"
+            return None
+
+        kw = dict(request_deserializer=safe_decode,
+                  response_serializer=handler.response_serializer)
+        if handler.response_streaming:
+            inner = handler.unary_stream
+
+            async def stream(request, context):
+                why = refuse(request)
+                if why:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+                async for msg in inner(request, context):
+                    yield msg
+
+            return grpc.unary_stream_rpc_method_handler(stream, **kw)
+        inner = handler.unary_unary
+
+        async def unary(request, context):
+            why = refuse(request)
+            if why:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+            return await inner(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(unary, **kw)
 
 
 # ---- auth --------------------------------------------------------------------------------------
@@ -272,6 +319,7 @@ class GenerationServer:
         self.llm, self.cfg = llm, cfg
         self.loop = EngineLoop(llm.engine, max_queue=cfg.max_queue, model_name=cfg.model_name)
         self.metrics = ServingMetrics(self.loop)
+        self.offload = Offload()  # tokenization off the event loop, shared by gRPC and HTTP
         self.health = health_aio.HealthServicer()
         self.port: int | None = None
         self.metrics_port: int | None = None
@@ -298,11 +346,12 @@ class GenerationServer:
                 ("grpc.max_send_message_length", cfg.max_message_bytes),
                 ("grpc.so_reuseport", 0)]
         interceptors = [BearerAuthInterceptor(cfg.auth_token)] if cfg.auth_token else []
+        interceptors.append(DecodeErrorInterceptor(lambda: self.loop.count("invalid")))
         server = grpc.aio.server(options=opts, interceptors=interceptors)
         jaxinfer_pb2_grpc.add_GenerationServicer_to_server(
-            GenerationServicer(self.loop, self.llm.tokenizer, cfg), server)
+            GenerationServicer(self.loop, self.llm.tokenizer, cfg, self.offload), server)
         jetstream_pb2_grpc.add_OrchestratorServicer_to_server(
-            OrchestratorServicer(self.loop, self.llm.tokenizer, cfg), server)
+            OrchestratorServicer(self.loop, self.llm.tokenizer, cfg, self.offload), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = (jaxinfer_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
                  jetstream_pb2.DESCRIPTOR.services_by_name["Orchestrator"].full_name,
@@ -326,7 +375,9 @@ class GenerationServer:
         await server.start()
         self._server = server
         if cfg.metrics_port is not None:
-            self.metrics_port = self.metrics.serve_http(cfg.host, cfg.metrics_port)
+            guard = {} if cfg.metrics_public else dict(
+                auth_token=cfg.auth_token, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key)
+            self.metrics_port = self.metrics.serve_http(cfg.host, cfg.metrics_port, **guard)
         if cfg.http_port is not None:  # same asyncio loop, same EngineLoop
             from serve.chat_template import resolve_chat_template
             from serve.openai_server import HttpServer, OpenAIApp
@@ -335,7 +386,7 @@ class GenerationServer:
                             chat_template=resolve_chat_template(self.llm.tokenizer, self.llm.model.cfg,
                                                                 cfg.chat_template),
                             auth_token=cfg.auth_token, max_samples=cfg.max_samples,
-                            max_body_bytes=cfg.max_message_bytes)
+                            max_body_bytes=cfg.max_message_bytes, offload=self.offload)
             self.http = HttpServer(api)
             self.http_port = await self.http.start(cfg.host, cfg.http_port, cfg.tls_cert, cfg.tls_key)
         return self.port
@@ -354,6 +405,7 @@ class GenerationServer:
         if self.http is not None:
             await self.http.stop()
         self.metrics.stop_http()
+        self.offload.close()
 
 
 class ServerThread:
@@ -394,8 +446,13 @@ def register(subparsers, engine_args) -> None:
     p.add_argument("--tls-cert", default=None, help="PEM certificate chain (enables TLS)")
     p.add_argument("--tls-key", default=None, help="PEM private key")
     p.add_argument("--auth-token", default=None,
-                   help="require 'authorization: Bearer TOKEN' on every call, gRPC and HTTP "
-                        "(health exempt)")
+                   help="require 'authorization: Bearer TOKEN' on every call, gRPC, HTTP and "
+                        "/metrics (health exempt); visible in `ps`: prefer --auth-token-file or "
+                        "JAXINFER_AUTH_TOKEN")
+    p.add_argument("--auth-token-file", default=None,
+                   help="read the bearer token from this file (first line)")
+    p.add_argument("--metrics-public", action="store_true",
+                   help="serve /metrics without the auth token and TLS of the server")
     p.add_argument("--http-port", type=int, default=None,
                    help="also serve the OpenAI-compatible HTTP API (/v1/completions, "
                         "/v1/chat/completions, /v1/models, /health) on this port, same engine")
@@ -411,9 +468,15 @@ def cmd_serve(args) -> int:
     from serve.cli import llm_from_args
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        token = auth_token(args.auth_token, args.auth_token_file)
+    except ValueError as e:
+        print(f"jaxinfer serve: error: {e}", file=sys.stderr)
+        return 2
     cfg = ServerConfig(host=args.host, port=args.port, metrics_port=args.metrics_port,
                        max_queue=args.max_queue, max_samples=args.max_samples,
-                       tls_cert=args.tls_cert, tls_key=args.tls_key, auth_token=args.auth_token,
+                       tls_cert=args.tls_cert, tls_key=args.tls_key, auth_token=token,
+                       metrics_public=args.metrics_public,
                        max_message_bytes=args.max_message_bytes,
                        drain_timeout_s=args.drain_timeout, model_name=args.model,
                        http_port=args.http_port, chat_template=args.chat_template)
@@ -421,14 +484,40 @@ def cmd_serve(args) -> int:
     return asyncio.run(_serve(llm, cfg))
 
 
+def auth_token(flag: str | None, path: str | None) -> str | None:
+    """The bearer token: --auth-token, else the first line of --auth-token-file, else the
+    JAXINFER_AUTH_TOKEN environment variable; None: no auth."""
+    import os
+
+    if flag and path:
+        raise ValueError("give --auth-token or --auth-token-file, not both")
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                token = f.readline().strip()
+        except OSError as e:
+            raise ValueError(f"cannot read --auth-token-file {path}: {e.strerror}") from None
+        if not token:
+            raise ValueError(f"--auth-token-file {path} is empty")
+        return token
+    return flag or os.environ.get("JAXINFER_AUTH_TOKEN") or None
+
+
+def banner(cfg: ServerConfig, server: GenerationServer) -> str:
+    web = "https" if cfg.tls_cert else "http"
+    metrics_web = "http" if cfg.metrics_public or not cfg.tls_cert else "https"
+    out = f"jaxinfer serve: listening on {cfg.host}:{server.port}{' (TLS)' if cfg.tls_cert else ''}"
+    if server.metrics_port:
+        out += f", metrics on {metrics_web}://{cfg.host}:{server.metrics_port}/metrics"
+    if server.http_port:
+        out += f", OpenAI API on {web}://{cfg.host}:{server.http_port}/v1"
+    return out
+
+
 async def _serve(llm, cfg: ServerConfig) -> int:
     server = GenerationServer(llm, cfg)
-    port = await server.start()
-    metrics = f", metrics on http://{cfg.host}:{server.metrics_port}/metrics" if server.metrics_port else ""
-    if server.http_port:
-        metrics += f", OpenAI API on http://{cfg.host}:{server.http_port}/v1"
-    print(f"jaxinfer serve: listening on {cfg.host}:{port}"
-          f"{' (TLS)' if cfg.tls_cert else ''}{metrics}", flush=True)
+    await server.start()
+    print(banner(cfg, server), flush=True)
     stop = asyncio.Event()
     aloop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -10,9 +10,14 @@ so dashboards can be built now.
 
 from __future__ import annotations
 
+import hmac
 import math
+import ssl
+import threading
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest, start_http_server
+from prometheus_client import CollectorRegistry, Histogram, generate_latest, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
@@ -86,16 +91,63 @@ class ServingMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def serve_http(self, host: str, port: int) -> int:
-        """Start the /metrics HTTP endpoint; returns the bound port (port 0 picks one)."""
-        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
-        return self._http.server_port
+    def serve_http(self, host: str, port: int, *, auth_token: str | None = None,
+                   tls_cert: str | None = None, tls_key: str | None = None) -> int:
+        """Start the /metrics HTTP endpoint in a thread; returns the bound port (port 0 picks
+        one). With `auth_token` a scrape needs `Authorization: Bearer <token>` (401 otherwise);
+        with `tls_cert`/`tls_key` it is HTTPS only. The serving layer passes the server's own
+        token and TLS unless started with --metrics-public."""
+        app = make_wsgi_app(self.registry)
+        if auth_token:
+            app = _bearer_only(app, auth_token)
+        server = make_server(host, port, app, server_class=_ThreadingWSGIServer,
+                             handler_class=_QuietHandler)
+        if tls_cert:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.load_cert_chain(tls_cert, tls_key)
+            # the handshake runs in the request's own thread (first read), not in accept()
+            server.socket = ctx.wrap_socket(server.socket, server_side=True,
+                                            do_handshake_on_connect=False)
+        threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+        self._http = server
+        return server.server_port
 
     def stop_http(self) -> None:
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()
             self._http = None
+
+
+def _bearer_only(app, token: str):
+    expected = f"Bearer {token}".encode()
+
+    def guarded(environ, start_response):
+        got = environ.get("HTTP_AUTHORIZATION", "").encode("latin-1", "replace")
+        if hmac.compare_digest(got, expected):
+            return app(environ, start_response)
+        start_response("401 Unauthorized", [("Content-Type", "text/plain"),
+                                            ("WWW-Authenticate", "Bearer")])
+        return [b"missing or invalid bearer token\n"]
+
+    return guarded
+
+
+class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    timeout = 10  # a client that connects and sends nothing does not hold a thread for long
+
+    def log_message(self, format, *args):  # noqa: A002 - no access log per scrape
+        pass
+
+    def handle(self):
+        try:
+            super().handle()
+        except (ssl.SSLError, ConnectionError, TimeoutError):
+            pass  # a plaintext client on the TLS port, or one that went away
 
 
 def parse_text(body: str) -> dict[str, float]:

@@ -32,10 +32,10 @@ that submitted them and SIGTERM drains both together; uvicorn's own signal handl
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
-import math
 import re
 import socket
 import time
@@ -51,15 +51,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from runtime.config import SamplingParams
+from runtime.requests import (MAX_LOGPROBS, RequestError, SamplingParams, check_samples,
+                              parse_prompt, sampling_from_json)
 from serve.chat_template import ChatTemplate, ChatTemplateError
 from serve.engine_loop import EngineFault, EngineLoop, QueueFull, ShuttingDown
+from serve.offload import Offload
 
 log = logging.getLogger(__name__)
 
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 256
-MAX_LOGPROBS = 20
 FINGERPRINT = "jaxinfer"
 
 # Fields accepted and ignored: they carry no meaning for a local engine.
@@ -100,10 +99,6 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_num(v) -> bool:
-    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
-
-
 class _Body:
     """Typed getters over the JSON body; each raises a 400 naming the field."""
 
@@ -123,16 +118,6 @@ class _Body:
             rng = f">= {lo}" if hi is None else f"between {lo} and {hi}"
             raise bad(f"'{k}' must be {rng}, got {v}", k)
         return v
-
-    def num(self, k: str, default, lo: float, hi: float, lo_open: bool = False) -> float:
-        v = self.d.get(k)
-        if v is None:
-            return default
-        if not _is_num(v):
-            raise bad(f"'{k}' must be a number, got {json.dumps(v)}", k)
-        if v > hi or v < lo or (lo_open and v == lo):
-            raise bad(f"'{k}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}", k)
-        return float(v)
 
     def bool(self, k: str, default: bool) -> bool:
         v = self.d.get(k)
@@ -164,39 +149,28 @@ def _check_fields(body: dict, allowed: set[str]) -> None:
         raise bad(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0])
 
 
-def _stop(b: _Body) -> tuple[str, ...]:
-    v = b.d.get("stop")
-    if v is None:
-        return ()
-    stops = [v] if isinstance(v, str) else v
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise bad("'stop' must be a string or a list of strings", "stop")
-    if len(stops) > MAX_STOP_STRINGS:
-        raise bad(f"'stop' takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "stop")
-    if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
-        raise bad(f"'stop' strings must be 1..{MAX_STOP_CHARS} characters", "stop")
-    return tuple(stops)
-
-
-def _sampling(b: _Body, *, max_tokens: int, logprobs: int | None, n: int) -> list[SamplingParams]:
+def _sampling(b: _Body, *, max_tokens_key: str, default_max_tokens: int, logprobs: int | None,
+              n: int) -> list[SamplingParams]:
+    """The n samples' SamplingParams: fields and ranges from the request door; the OpenAI
+    fields this server does not implement are refused unless they are no-ops."""
     for k in ("presence_penalty", "frequency_penalty"):
-        v = b.num(k, 0.0, -2.0, 2.0)
-        if v != 0.0:
+        v = b.d.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v != 0):
             raise bad(f"'{k}' is not supported by this server (only 0)", k)
     lb = b.d.get("logit_bias")
     if lb is not None and (not isinstance(lb, dict) or lb):
         raise bad("'logit_bias' is not supported by this server (only empty or null)", "logit_bias")
-    stop_ids = b.d.get("stop_token_ids")
-    if stop_ids is not None and (not isinstance(stop_ids, list) or not all(_is_int(t) for t in stop_ids)):
-        raise bad("'stop_token_ids' must be a list of integers", "stop_token_ids")
-    seed = b.int("seed", None)
-    kw = dict(max_tokens=max_tokens, temperature=b.num("temperature", 1.0, 0.0, 2.0),
-              top_p=b.num("top_p", 1.0, 0.0, 1.0, lo_open=True), top_k=b.int("top_k", 0, 0),
-              min_p=b.num("min_p", 0.0, 0.0, 1.0), stop=_stop(b),
-              stop_token_ids=tuple(stop_ids or ()), logprobs=logprobs,
-              ignore_eos=b.bool("ignore_eos", False))
-    return [SamplingParams(seed=None if seed is None else (seed + i) & 0xFFFFFFFF, **kw)
-            for i in range(n)]
+    fields = {k: v for k, v in b.d.items() if k not in ("max_tokens", "logprobs")}
+    fields["max_tokens"] = b.d.get(max_tokens_key)
+    try:
+        sp = sampling_from_json(fields, {"max_tokens": default_max_tokens, "logprobs": logprobs})
+    except RequestError as e:
+        field_ = max_tokens_key if e.field == "max_tokens" else e.field
+        raise bad(str(e).replace("max_tokens", field_), field_) from None
+    if sp.seed is None:
+        return [sp] * n
+    # sample i uses seed + i: the samples differ, and each is reproducible alone
+    return [dataclasses.replace(sp, seed=(sp.seed + i) & 0xFFFFFFFF) for i in range(n)]
 
 
 def _stream_opts(b: _Body, stream: bool) -> bool:
@@ -296,8 +270,10 @@ class OpenAIApp:
 
     def __init__(self, loop: EngineLoop, tokenizer, *, model_name: str,
                  chat_template: ChatTemplate | None = None, auth_token: str | None = None,
-                 max_samples: int = 8, max_body_bytes: int = 16 * 1024 * 1024):
+                 max_samples: int = 8, max_body_bytes: int = 16 * 1024 * 1024,
+                 offload: Offload | None = None):
         self.loop, self.tokenizer, self.model_name = loop, tokenizer, model_name
+        self.offload = offload or Offload()  # tokenization and chat templates, off the loop
         self.chat_template = chat_template
         self._expected = f"Bearer {auth_token}".encode() if auth_token else None
         self.max_samples, self.max_body_bytes = max_samples, max_body_bytes
@@ -337,16 +313,22 @@ class OpenAIApp:
 
     async def _body(self, request: Request) -> dict:
         self._auth(request)
+        too_big = ApiError(413, f"request body exceeds {self.max_body_bytes} bytes")
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            raise ApiError(413, f"request body exceeds {self.max_body_bytes} bytes")
-        raw = await request.body()
-        if len(raw) > self.max_body_bytes:
-            raise ApiError(413, f"request body exceeds {self.max_body_bytes} bytes")
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():  # chunked bodies too: refused at the limit
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise too_big
+            chunks.append(chunk)
         try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            body = json.loads(b"".join(chunks))
+        except (ValueError, UnicodeDecodeError) as e:
             raise bad(f"request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise bad("request body is nested too deeply") from None
         if not isinstance(body, dict):
             raise bad("request body must be a JSON object")
         model = body.get("model")
@@ -357,18 +339,6 @@ class OpenAIApp:
                                 f"'{self.model_name}'", "model", "invalid_request_error",
                            "model_not_found")
         return body
-
-    def _limits_max_tokens(self, prompt_len: int) -> int:
-        lim = self.loop.limits
-        by_len = lim["max_model_len"] - prompt_len
-        by_pages = lim["pages"] * lim["page_size"] - prompt_len + 1
-        return max(1, min(by_len, by_pages))
-
-    def _check_ids(self, ids: list[int], param: str) -> None:
-        vocab = self.loop.limits["vocab"]
-        bad_ids = [t for t in ids if not 0 <= t < vocab]
-        if bad_ids:
-            raise bad(f"'{param}' has token ids out of range [0, {vocab}): {bad_ids[:5]}", param)
 
     async def _guard(self, fn, request: Request) -> Response:
         try:
@@ -383,13 +353,11 @@ class OpenAIApp:
         if self.closing or not self.loop.healthy:
             why = "shutting down" if self.loop.healthy else "engine is down"
             return error_response(503, why, None, "service_unavailable", "unavailable")
-        s = self.loop.stats()
-        return JSONResponse({"status": "ok", "model": self.model_name, "running": s["running"],
-                             "queue_depth": s["queue_depth"]})
+        return JSONResponse({"status": "ok"})  # nothing about the model or the load
 
     def _model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created,
-                "owned_by": "jaxinfer", "max_model_len": self.loop.limits["max_model_len"]}
+                "owned_by": "jaxinfer", "max_model_len": self.loop.limits.max_model_len}
 
     async def models(self, request: Request) -> Response:
         try:
@@ -420,8 +388,8 @@ class OpenAIApp:
         b = _Body(body)
         if body.get("suffix") not in (None, ""):
             raise bad("'suffix' is not supported by this server", "suffix")
-        prompts, texts = self._prompts(body.get("prompt"))
-        n = b.int("n", 1, 1, self.max_samples)
+        prompts, texts = await self._prompts(body.get("prompt"))
+        n = self._n(b)
         best_of = b.int("best_of", None, 1)
         if best_of is not None and best_of != n:
             raise bad("'best_of' is not supported (only equal to n)", "best_of")
@@ -432,36 +400,32 @@ class OpenAIApp:
         if echo and logprobs is not None:
             raise bad("'echo' with 'logprobs' (prompt logprobs) is not supported", "echo")
         longest = max(len(p) for p in prompts)
-        max_tokens = b.int("max_tokens", min(16, self._limits_max_tokens(longest)), 1)
-        params = _sampling(b, max_tokens=max_tokens, logprobs=logprobs, n=n)
+        params = _sampling(b, max_tokens_key="max_tokens", logprobs=logprobs, n=n,
+                           default_max_tokens=min(16, self.loop.limits.max_new_tokens(longest)))
         job = _Job(prompts, texts, [params] * len(prompts), n, stream, include_usage, logprobs,
                    echo, body["model"])
         return await self._run(request, job, chat=False)
 
-    def _prompts(self, p) -> tuple[list[list[int]], list[str | None]]:
-        if isinstance(p, str):
-            items = [p]
-        elif isinstance(p, list) and p and all(_is_int(t) for t in p):
+    async def _prompts(self, p) -> tuple[list[list[int]], list[str | None]]:
+        if isinstance(p, str) or (isinstance(p, list) and p and all(_is_int(t) for t in p)):
             items = [p]
         elif isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
             items = p
         else:
             raise bad("'prompt' must be a non-empty string, list of strings, list of token ids, "
                       "or list of token id lists", "prompt")
-        ids, texts = [], []
-        for x in items:
-            if isinstance(x, str):
-                if not x:
-                    raise bad("'prompt' must not be empty", "prompt")
-                ids.append(self.tokenizer.encode(x))
-                texts.append(x)
-            else:
-                if not x or not all(_is_int(t) for t in x):
-                    raise bad("'prompt' token id lists must be non-empty lists of integers", "prompt")
-                self._check_ids(x, "prompt")
-                ids.append(list(x))
-                texts.append(None)
-        return ids, texts
+        mq = self.loop.max_queue
+        if mq is not None and len(items) > mq:  # refused before any tokenization work
+            self.loop.count("rejected")
+            raise ApiError(429, f"{len(items)} prompts exceed the queue limit of {mq} sequences",
+                           None, "rate_limit_exceeded", "queue_full")
+        limits = self.loop.limits
+        try:
+            parsed = await self.offload.run(
+                lambda: [parse_prompt(x, self.tokenizer, limits) for x in items])
+        except RequestError as e:
+            raise bad(str(e), e.field) from None
+        return [ids for _, ids in parsed], [text for text, _ in parsed]
 
     async def _chat(self, request: Request) -> Response:
         body = await self._body(request)
@@ -483,10 +447,14 @@ class OpenAIApp:
             raise bad("this model has no chat template (none in the checkpoint): use "
                       "/v1/completions, or start the server with --chat-template FILE", "messages")
         try:
-            ids = self.chat_template.encode(messages, add_generation_prompt=True)
+            ids = await self.offload.run(self.chat_template.encode, messages,
+                                         add_generation_prompt=True)
         except ChatTemplateError as e:
             raise bad(f"chat template: {e}", "messages") from None
-        n = b.int("n", 1, 1, self.max_samples)
+        except (RecursionError, UnicodeError, ValueError) as e:
+            raise bad(f"messages cannot be rendered or tokenized: {type(e).__name__}",
+                      "messages") from None
+        n = self._n(b)
         stream = b.bool("stream", False)
         include_usage = _stream_opts(b, stream)
         want_lp = b.bool("logprobs", False)
@@ -494,34 +462,32 @@ class OpenAIApp:
         if top is not None and not want_lp:
             raise bad("'top_logprobs' requires 'logprobs': true", "top_logprobs")
         key = "max_completion_tokens" if b.has("max_completion_tokens") else "max_tokens"
-        max_tokens = b.int(key, self._limits_max_tokens(len(ids)), 1)
-        params = _sampling(b, max_tokens=max_tokens, logprobs=(top or 0) if want_lp else None, n=n)
+        params = _sampling(b, max_tokens_key=key, logprobs=(top or 0) if want_lp else None, n=n,
+                           default_max_tokens=self.loop.limits.max_new_tokens(len(ids)))
         job = _Job([ids], [None], [params], n, stream, include_usage, top if want_lp else None,
                    model=body["model"])
         return await self._run(request, job, chat=True)
 
     # ---- running a job --------------------------------------------------------------------
-    def _submit(self, job: _Job) -> list:
-        handles = []
+    def _n(self, b: _Body) -> int:
         try:
-            for ids, params in zip(job.prompts, job.params):
-                handles.append(self.loop.submit(ids, params, n=job.n))
-        except ValueError as e:
-            msg = str(e)
-            field_ = msg.split(":", 1)[0].strip()
-            param = {"prompt_token_ids": "prompt", "num_samples": "n"}.get(field_, field_)
-            err = bad(msg, param if " " not in param else None)
-            err.counted = True  # EngineLoop.submit counted it
+            return check_samples(b.d.get("n", 1) if b.has("n") else 1, self.max_samples)
+        except RequestError as e:
+            raise bad(str(e), "n") from None
+
+    def _submit(self, job: _Job) -> list:
+        """All prompts x samples of the request are queued, or none (one door, one verdict)."""
+        try:
+            return self.loop.submit_many([(ids, params, job.n)
+                                          for ids, params in zip(job.prompts, job.params)])
+        except RequestError as e:
+            err = bad(str(e), e.field)
+            err.counted = True  # EngineLoop.submit_many counted it
             raise err from None
         except QueueFull as e:
             raise ApiError(429, str(e), None, "rate_limit_exceeded", "queue_full") from None
         except (ShuttingDown, EngineFault) as e:
             raise ApiError(503, str(e), None, "service_unavailable", "unavailable") from None
-        finally:
-            if len(handles) < len(job.prompts):
-                for h in handles:
-                    h.cancel()
-        return handles
 
     async def _run(self, request: Request, job: _Job, chat: bool) -> Response:
         handles = self._submit(job)

@@ -90,7 +90,7 @@ def teacher_forced(llm, tokens: list[int], page_size: int = 16, bucket: int = 12
 
 
 def _bench_decode(llm, batch: int, max_tokens: int) -> float:
-    from runtime.config import SamplingParams
+    from runtime.requests import SamplingParams
 
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]

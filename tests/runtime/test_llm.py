@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from runtime import LLM, SamplingParams
+from runtime import LLM, RequestError, SamplingParams
 from tools.make_test_model import make
 
 PROMPTS = [
@@ -177,13 +177,34 @@ def test_no_new_compilations_after_warmup(tiny_dir):
     (dict(temperature=-0.1), "temperature"),
     (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-1), "top_k"),
+    (dict(top_k=-2), "top_k"),
+    (dict(top_k=2**31), "top_k"),
+    (dict(top_k=1.5), "top_k"),
+    (dict(temperature=2.5), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature="hot"), "temperature"),
+    (dict(max_tokens=True), "max_tokens"),
+    (dict(max_tokens=2**40), "max_tokens"),
+    (dict(seed=1.5), "seed"),
+    (dict(seed=2**64), "seed"),
+    (dict(logprobs=21), "logprobs"),
     (dict(stop=5), "stop"),
     (dict(stop=["ok", 3]), "stop"),
+    (dict(stop=["s"] * 17), "stop"),
+    (dict(stop_token_ids=[1] * 65), "stop_token_ids"),
+    (dict(stop_token_ids=["1"]), "stop_token_ids"),
+    (dict(ignore_eos="yes"), "ignore_eos"),
 ])
 def test_bad_sampling_params(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(RequestError, match=match) as e:
         SamplingParams(**kwargs)
+    assert e.value.field == match and isinstance(e.value, ValueError)
+
+
+def test_sampling_params_normalize_like_vllm():
+    assert SamplingParams(top_k=-1).top_k == 0  # -1 and 0 both mean "off"
+    assert SamplingParams(temperature=1e-7).greedy  # below 1e-5: greedy, not a 1e7x scale
+    assert SamplingParams(stop="x").stop == ("x",)
 
 
 def test_bad_prompts(llm):

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from runtime.config import SamplingParams
+from runtime.requests import SamplingParams
 from runtime.scheduler import QueueFull, Request, Scheduler
 
 V = 101  # fake vocabulary

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from runtime.config import EngineConfig, ModelConfig, SamplingParams
+from runtime.config import EngineConfig, ModelConfig
+from runtime.requests import SamplingParams
 from runtime.engine import Engine
 from runtime.model import init_params
 from runtime.speculative import accept, probs_of

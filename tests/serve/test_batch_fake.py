@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from runtime.requests import Limits
 from serve.batch import run_batch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,6 +48,8 @@ class FakeEngine:
 
     def __init__(self, max_slots=8, text_len=16, max_model_len=4096):
         self.ecfg = SimpleNamespace(max_slots=max_slots)
+        self.limits = Limits(vocab_size=1000, text_vocab=1000, max_model_len=max_model_len,
+                             page_size=16, num_pages=10**6)
         self.max_slots, self.text_len, self.max_model_len = max_slots, text_len, max_model_len
         self.requests = {}
         self.queue = []  # unfinished, FIFO
@@ -61,7 +64,7 @@ class FakeEngine:
                              f"max_tokens exceeds max_model_len {self.max_model_len}")
         self.requests[request_id] = SimpleNamespace(
             request_id=request_id, prompt_ids=list(prompt_ids), params=params, token_ids=[],
-            text="", finish_reason=None, finished=False, logprobs=[], metrics=None)
+            text="", finish_reason=None, finished=False, logprobs=[], metrics=None, error=None)
         self.queue.append(request_id)
         self.adds += 1
         return request_id
@@ -176,6 +179,7 @@ def test_queue_full_is_retried_not_an_error(tmp_path):
 _MEM_SCRIPT = r"""
 import json, resource, sys
 sys.path.insert(0, sys.argv[4])
+from runtime.requests import Limits
 from serve.batch import run_batch
 from tests.serve.test_batch_fake import FakeEngine, FakeTokenizer
 s = run_batch(FakeEngine(max_slots=32, text_len=1500), FakeTokenizer(), sys.argv[1], sys.argv[2],
@@ -236,6 +240,7 @@ def test_error_records_are_written_in_order_and_counted(tmp_path, ordered):
 _BAR_SCRIPT = r"""
 import sys
 sys.path.insert(0, sys.argv[3])
+from runtime.requests import Limits
 from serve.batch import run_batch
 from tests.serve.test_batch_fake import FakeEngine, FakeTokenizer
 run_batch(FakeEngine(max_slots=4), FakeTokenizer(), sys.argv[1], sys.argv[2],

@@ -434,10 +434,15 @@ def test_disconnect_mid_stream_frees_pages(server):
     assert s.requests["cancelled"] == cancelled0 + 1
     assert s.pages_free == s.pages_total
     # the Prometheus view agrees
+    import urllib.error
     import urllib.request
 
-    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read()
-    m = parse_text(text.decode())
+    url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+    with pytest.raises(urllib.error.HTTPError) as e:  # behind the server's token too
+        urllib.request.urlopen(url, timeout=10)
+    assert e.value.code == 401
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {TOKEN}"})
+    m = parse_text(urllib.request.urlopen(req, timeout=10).read().decode())
     assert m["jaxinfer_kv_pages_used"] == 0 and m["jaxinfer_running_slots"] == 0
 
 

@@ -1,0 +1,276 @@
+"""The request door: every front end turns its input into (prompt ids, SamplingParams, n) here.
+
+One table of sampling fields with their types and ranges (`SAMPLING_FIELDS`, applied by
+`SamplingParams` itself), one prompt parser (`parse_prompt`), one length / page budget and vocab
+check against the served model (`check_request`), one typed error naming the field
+(`RequestError`) and one result builder (`RequestOutput.from_state`). `LLM`, gRPC (jaxinfer.v1
+Generate and JetStream Decode), the OpenAI HTTP API and JSONL batch all call these and
+re-implement none of them; `Engine.add_request` runs `check_request` again, so nothing reaches a
+step that did not pass the door.
+
+    limits = Limits.of(engine)
+    params = sampling_from_json(obj, defaults)       # JSON values -> SamplingParams
+    text, ids = parse_prompt(obj["prompt"], tokenizer, limits)
+    check_request(ids, params, limits)               # vocab, top_k, length, pages
+
+No JAX here: the host scheduler imports SamplingParams.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+INT32_MAX = 2**31 - 1
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGPROBS = 20
+GREEDY_BELOW = 1e-5  # a temperature under this samples greedily (vLLM's epsilon)
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve. `field` names the input field at fault ("top_k",
+    "prompt", "messages[0].content", ...) or is None for the request as a whole."""
+
+    def __init__(self, field: str | None, message: str):
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field = field
+        self.reason = message
+
+
+# ---- the sampling field table ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Field:
+    kind: str  # "int" | "float" | "bool" | "strings" (str or list of str) | "ids" (list of int)
+    default: object
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False  # (lo, hi] instead of [lo, hi]
+    nullable: bool = False  # None is a value of its own (not "the default")
+    doc: str = ""
+
+
+SAMPLING_FIELDS: dict[str, Field] = {
+    "max_tokens": Field("int", 16, 1, INT32_MAX,
+                        doc="tokens to generate; prompt + max_tokens <= max_model_len"),
+    "temperature": Field("float", 1.0, 0.0, 2.0, doc="0 (or < 1e-5) is greedy"),
+    "top_k": Field("int", 0, -1, INT32_MAX, doc="0 or -1: off; at most the vocabulary"),
+    "top_p": Field("float", 1.0, 0.0, 1.0, lo_open=True),
+    "min_p": Field("float", 0.0, 0.0, 1.0),
+    "seed": Field("int", None, -(2**63), 2**64 - 1, nullable=True,
+                  doc="reproducible sampling (taken mod 2**32); null: random"),
+    "stop": Field("strings", (), 1, MAX_STOP_CHARS,
+                  doc=f"at most {MAX_STOP_STRINGS} strings of 1..{MAX_STOP_CHARS} characters"),
+    "stop_token_ids": Field("ids", (), doc=f"at most {MAX_STOP_TOKEN_IDS} ids in the vocabulary"),
+    "logprobs": Field("int", None, 0, MAX_LOGPROBS, nullable=True,
+                      doc="top-n logprobs per generated token; null: none"),
+    "ignore_eos": Field("bool", False),
+}
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _range_text(f: Field) -> str:
+    return f"in {'(' if f.lo_open else '['}{f.lo}, {f.hi}]"
+
+
+def check_field(name: str, v):
+    """One field's value, type-checked, range-checked and normalized; RequestError otherwise."""
+    f = SAMPLING_FIELDS[name]
+    if v is None:
+        if f.nullable or f.kind in ("strings", "ids"):
+            return f.default
+        raise RequestError(name, "must not be null")
+    if f.kind == "bool":
+        if not isinstance(v, bool):
+            raise RequestError(name, f"must be a boolean, got {_show(v)}")
+        return v
+    if f.kind == "int":
+        if not _is_int(v):
+            raise RequestError(name, f"must be an integer, got {_show(v)}")
+        v = int(v)
+        if not f.lo <= v <= f.hi:
+            raise RequestError(name, f"must be {_range_text(f)}, got {v}")
+        return v
+    if f.kind == "float":
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise RequestError(name, f"must be a number, got {_show(v)}")
+        v = float(v)
+        if not math.isfinite(v) or v > f.hi or v < f.lo or (f.lo_open and v == f.lo):
+            raise RequestError(name, f"must be {_range_text(f)}, got {v}")
+        return v
+    if f.kind == "strings":
+        items = [v] if isinstance(v, str) else v
+        if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) for s in items):
+            raise RequestError(name, f"must be a string or a list of strings, got {_show(v)}")
+        if len(items) > MAX_STOP_STRINGS:
+            raise RequestError(name, f"takes at most {MAX_STOP_STRINGS} strings, got {len(items)}")
+        if any(not f.lo <= len(s) <= f.hi for s in items):
+            raise RequestError(name, f"strings must be {int(f.lo)}..{int(f.hi)} characters")
+        return tuple(items)
+    # "ids"
+    if not isinstance(v, (list, tuple)) or not all(_is_int(t) for t in v):
+        raise RequestError(name, f"must be a list of integers, got {_show(v)}")
+    if len(v) > MAX_STOP_TOKEN_IDS:
+        raise RequestError(name, f"takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(v)}")
+    return tuple(int(t) for t in v)
+
+
+def _show(v) -> str:
+    s = repr(v)
+    return f"{type(v).__name__} {s[:40]}{'...' if len(s) > 40 else ''}"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling (fields and ranges: SAMPLING_FIELDS). temperature 0 is greedy;
+    `seed` makes sampling reproducible (the key of each token derives from (seed, position)
+    only). Bad values raise RequestError (a ValueError) naming the field."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0  # 0 (or -1) = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None  # top-n logprobs per generated token
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        for name in SAMPLING_FIELDS:
+            object.__setattr__(self, name, check_field(name, getattr(self, name)))
+        if self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
+        if self.top_k < 0:
+            object.__setattr__(self, "top_k", 0)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def sampling_from_json(obj: Mapping, defaults: Mapping | None = None) -> SamplingParams:
+    """SamplingParams from the sampling fields of a JSON object (other keys ignored; null means
+    the default). Raises RequestError naming the field."""
+    kw = dict(defaults or {})
+    for name in SAMPLING_FIELDS:
+        if name in obj and obj[name] is not None:
+            kw[name] = obj[name]
+    return SamplingParams(**kw)
+
+
+def check_samples(n, max_samples: int, name: str = "n") -> int:
+    """The number of samples of one prompt, in [1, max_samples]."""
+    if not _is_int(n) or not 1 <= n <= max_samples:
+        raise RequestError(name, f"must be an integer in [1, {max_samples}], got {_show(n)}")
+    return int(n)
+
+
+# ---- what the served model allows --------------------------------------------------------------
+@dataclass(frozen=True)
+class Limits:
+    vocab_size: int  # ids the model has rows for
+    text_vocab: int  # ids the tokenizer can decode (<= vocab_size): prompts and samples stay below
+    max_model_len: int
+    page_size: int
+    num_pages: int  # usable KV pages of the pool
+
+    @classmethod
+    def of(cls, engine) -> Limits:
+        sch = engine.scheduler
+        return cls(vocab_size=engine.cfg.vocab_size, text_vocab=engine.text_vocab,
+                   max_model_len=sch.max_model_len, page_size=sch.page_size,
+                   num_pages=sch.allocator.num_total)
+
+    def max_new_tokens(self, prompt_len: int) -> int:
+        """The most tokens a prompt of this length can still generate (>= 1 when it fits)."""
+        by_len = self.max_model_len - prompt_len
+        by_pages = self.num_pages * self.page_size - prompt_len + 1
+        return max(1, min(by_len, by_pages))
+
+
+def parse_prompt(prompt, tokenizer, limits: Limits, name: str = "prompt") -> tuple[str | None, list[int]]:
+    """A prompt given as text (tokenized here) or as token ids -> (text or None, ids)."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise RequestError(name, "must not be empty")
+        try:
+            ids = tokenizer.encode(prompt)
+        except Exception as e:  # e.g. lone surrogates the tokenizer cannot encode
+            raise RequestError(name, f"cannot be tokenized: {type(e).__name__}") from None
+        if not ids:
+            raise RequestError(name, "encodes to no tokens")
+        return prompt, ids
+    if isinstance(prompt, (list, tuple)) and all(_is_int(t) for t in prompt):
+        if not prompt:
+            raise RequestError(name, "token id list must not be empty")
+        ids = [int(t) for t in prompt]
+        check_ids(ids, limits, name)
+        return None, ids
+    raise RequestError(name, f"must be a string or a list of token ids, got {_show(prompt)}")
+
+
+def check_ids(ids: Sequence[int], limits: Limits, name: str) -> None:
+    bad = [t for t in ids if not 0 <= t < limits.text_vocab]
+    if bad:
+        raise RequestError(name, f"token ids out of range [0, {limits.text_vocab}): {bad[:5]}")
+
+
+def check_request(prompt_ids: Sequence[int], params: SamplingParams, limits: Limits,
+                  prompt_name: str = "prompt") -> None:
+    """What depends on the served model: ids in the vocabulary, top_k, and the length and page
+    budget of prompt + max_tokens."""
+    n, m = len(prompt_ids), params.max_tokens
+    if n == 0:
+        raise RequestError(prompt_name, "empty (no tokens)")
+    check_ids(prompt_ids, limits, prompt_name)
+    check_ids(params.stop_token_ids, limits, "stop_token_ids")
+    if params.top_k > limits.vocab_size:
+        raise RequestError("top_k", f"must be at most the vocabulary size {limits.vocab_size}, "
+                                    f"got {params.top_k}")
+    if n >= limits.max_model_len:
+        raise RequestError(prompt_name, f"{n} tokens leave no room in max_model_len "
+                                        f"{limits.max_model_len}")
+    if n + m > limits.max_model_len:
+        raise RequestError("max_tokens", f"prompt ({n} tokens) + max_tokens ({m}) exceeds "
+                                         f"max_model_len {limits.max_model_len}")
+    if -(-(n + m - 1) // limits.page_size) > limits.num_pages:
+        raise RequestError("max_tokens", f"prompt + max_tokens needs more KV pages than the pool "
+                                         f"holds ({limits.num_pages} pages of {limits.page_size} "
+                                         f"tokens)")
+
+
+# ---- results -----------------------------------------------------------------------------------
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    metrics: dict = field(default_factory=dict)  # queue_s, ttft_s, itl_s (list), itl_s_mean, e2e_s, cached_tokens
+    logprobs: list[dict] | None = None
+    error: str | None = None  # why the engine failed this request (finish_reason "error")
+
+    @classmethod
+    def from_state(cls, st, prompt: str | None = None) -> RequestOutput:
+        """From the engine's finished RequestState."""
+        return cls(request_id=st.request_id, prompt=prompt, prompt_token_ids=list(st.prompt_ids),
+                   text=st.text, token_ids=list(st.token_ids), finish_reason=st.finish_reason,
+                   metrics=st.metrics.summary(),
+                   logprobs=st.logprobs if st.params.logprobs is not None else None,
+                   error=st.error)
+
+    @property
+    def usage(self) -> dict:
+        return {"prompt_tokens": len(self.prompt_token_ids),
+                "completion_tokens": len(self.token_ids),
+                "cached_tokens": int(self.metrics.get("cached_tokens", 0))}
