@@ -45,7 +45,10 @@ def train_tokenizer(vocab_size: int) -> bytes:
     return model.getvalue()
 
 
-def make(out: str | Path, preset: str = "tiny", seed: int = 0, vocab_size: int = 2000) -> Path:
+def make(out: str | Path, preset: str = "tiny", seed: int = 0, vocab_size: int = 2000,
+         model_vocab_size: int | None = None) -> Path:
+    """`model_vocab_size` > vocab_size pads the embedding and lm_head past the tokenizer's
+    vocabulary, as Qwen2.5 does (151936 rows for 151665 tokens)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -53,7 +56,7 @@ def make(out: str | Path, preset: str = "tiny", seed: int = 0, vocab_size: int =
     out.mkdir(parents=True, exist_ok=True)
     (out / "tokenizer.model").write_bytes(train_tokenizer(vocab_size))
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab_size, max_position_embeddings=2048, bos_token_id=1,
+    cfg = LlamaConfig(vocab_size=model_vocab_size or vocab_size, max_position_embeddings=2048, bos_token_id=1,
                       eos_token_id=2, tie_word_embeddings=False, **PRESETS[preset])
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # sharper than the 0.02 init so greedy text is not all ties

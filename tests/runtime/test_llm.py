@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from runtime import LLM, RequestError, SamplingParams
-from tools.make_test_model import make
 
 PROMPTS = [
     "To be, or not to be", "Hello", "The king is dead; long live the king. " * 6,
@@ -15,11 +14,6 @@ PROMPTS = [
     "O Romeo", "All the world's a stage", "Out, damned spot!", "Brevity is the soul of wit " * 5,
     "Cry havoc", "Et tu, Brute?",
 ]
-
-
-@pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory):
-    return make(tmp_path_factory.mktemp("tiny_llama"), "tiny", seed=0)
 
 
 @pytest.fixture(scope="session")

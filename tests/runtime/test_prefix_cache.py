@@ -8,14 +8,8 @@ import numpy as np
 import pytest
 
 from runtime import LLM, SamplingParams
-from tools.make_test_model import make
 
 PS = 8  # page size used throughout
-
-
-@pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory):
-    return make(tmp_path_factory.mktemp("tiny_llama_prefix"), "tiny", seed=0)
 
 
 def _workload(tok):

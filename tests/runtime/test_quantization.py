@@ -258,13 +258,6 @@ def test_int8_param_bytes_at_most_0_3x_f32(tiny_models):
 # ------------------------------------------------------------------- LLM, convert, orbax
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from tools.make_test_model import make
-
-    return make(tmp_path_factory.mktemp("q_tiny"), "tiny", seed=0)
-
-
 GREEDY = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = ["To be, or not to be", "Now is the winter of our discontent", "O Romeo"]
 

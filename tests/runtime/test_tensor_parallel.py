@@ -178,13 +178,6 @@ def test_single_process_channel_sends_nothing_and_broadcast_is_identity():
     assert np.array_equal(multihost_utils.broadcast_one_to_all(buf), buf)
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from tools.make_test_model import make
-
-    return make(tmp_path_factory.mktemp("tp_tiny"), "tiny", seed=0)
-
-
 def test_follower_replaying_broadcast_plans_matches_leader(tiny_dir):
     """The multi-host protocol on one machine: a leader engine broadcasts each step's plan;
     a follower engine (no scheduler use) replays them with `follow` and ends with the same

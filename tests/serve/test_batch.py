@@ -13,18 +13,12 @@ import pytest
 
 from runtime import LLM, SamplingParams
 from serve.batch import BatchError, run_batch, scan_output
-from tools.make_test_model import make
 
 REPO = Path(__file__).resolve().parents[2]
 ENGINE = dict(max_slots=4, page_size=8, max_model_len=128)
 ENGINE_FLAGS = ["--max-slots", "4", "--page-size", "8", "--max-model-len", "128"]
 WORDS = ("To be or not to be that is the question whether tis nobler in the mind to suffer "
          "the slings and arrows of outrageous fortune").split()
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return make(tmp_path_factory.mktemp("tiny_llama_batch"), "tiny", seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +74,14 @@ def test_malformed_lines_become_error_records_and_good_lines_complete(llm, tmp_p
         json.dumps({"id": "s", "prompt": "x", "stop": [1]}): "stop",
         json.dumps({"id": "p", "prompt": 7}): "'prompt'",
         b'{"id": "utf", "prompt": "\xff\xfe"}': "UTF-8",
+        # hostile: each of these stopped the whole job before the request door
+        json.dumps({"id": "k", "prompt": "x", "top_k": 2**31}): "top_k",
+        json.dumps({"id": "k2", "prompt": "x", "top_k": 10**40}): "top_k",
+        json.dumps({"id": "sd", "prompt": "x", "seed": 2**70}): "seed",
+        json.dumps({"id": "mt", "prompt": "x", "max_tokens": 2**63}): "max_tokens",
+        json.dumps({"id": "sur", "prompt": "\ud800 lone surrogate"}): "prompt",
+        b'{"id": "deep", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}": "nested",
+        b"[" * 200_000: "nested",
     }
     rows, expect = [], {}
     for i, g in enumerate(good):
@@ -92,7 +94,7 @@ def test_malformed_lines_become_error_records_and_good_lines_complete(llm, tmp_p
     for line in list(bad)[len(good) * 3:]:
         rows.append(line)
         expect[len(rows)] = bad[line]
-    assert len(expect) == len(bad) >= 8
+    assert len(expect) == len(bad) >= 20
     _write(tmp_path / "in.jsonl", rows)
     s = llm.generate_jsonl(tmp_path / "in.jsonl", tmp_path / "out.jsonl", progress=False,
                            sampling={"ignore_eos": True})
@@ -292,3 +294,35 @@ def test_sigkill_twice_then_resume_gives_every_id_exactly_once(llm, tiny_dir, tm
     assert s["requests"] + s["errors"] == total - s["skipped"]
     assert "\r" not in stderr  # no progress bar when stderr is not a terminal
     assert "batch:" in stderr and "TTFT p50" in stderr
+
+
+def test_engine_fault_gives_retry_records_that_resume_completes(tiny_dir, tmp_path):
+    """A step that raises fails the lines it held (error records marked "retry"), the job goes
+    on, and --resume computes exactly those lines again."""
+    llm = LLM(str(tiny_dir), **ENGINE)
+    rows = [{"id": i, "prompt": _prompt(i), "max_tokens": 5} for i in range(8)]
+    _write(tmp_path / "in.jsonl", rows)
+    real, calls = llm.engine._step, []
+
+    def step(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected device failure")
+        return real(*a, **kw)
+
+    llm.engine._step = step
+    s = llm.generate_jsonl(tmp_path / "in.jsonl", tmp_path / "out.jsonl", progress=False,
+                           sampling={"ignore_eos": True})
+    llm.engine._step = real
+    out = _read(tmp_path / "out.jsonl")
+    retry = [r for r in out if "error" in r]
+    assert retry and all(r["retry"] and "injected device failure" in r["error"] for r in retry)
+    assert s["errors"] == len(retry) and s["requests"] == 8 - len(retry)
+    s2 = llm.generate_jsonl(tmp_path / "in.jsonl", tmp_path / "out.jsonl", progress=False,
+                            sampling={"ignore_eos": True}, resume=True)
+    assert s2["requests"] == len(retry) and s2["errors"] == 0
+    results = _by_id(_read(tmp_path / "out.jsonl"))
+    assert set(results) == set(range(8))
+    ref = llm.generate([r["prompt"] for r in rows],
+                       SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    assert [results[i]["token_ids"] for i in range(8)] == [o.token_ids for o in ref]

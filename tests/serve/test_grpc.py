@@ -20,15 +20,9 @@ from runtime import LLM, SamplingParams
 from serve.grpc_server import ServerConfig, ServerThread
 from serve.metrics import parse_text
 from serve.proto import jaxinfer_pb2, jaxinfer_pb2_grpc, jetstream_pb2, jetstream_pb2_grpc
-from tools.make_test_model import make
 
 ENGINE = dict(max_slots=4, page_size=8, max_model_len=1024)
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory):
-    return make(tmp_path_factory.mktemp("tiny_serve"), "tiny", seed=0)
 
 
 @pytest.fixture(scope="session")
