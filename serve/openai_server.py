@@ -48,7 +48,8 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse as _StarletteJSON
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from runtime.requests import (MAX_LOGPROBS, RequestError, SamplingParams, check_samples,
@@ -84,6 +85,28 @@ class ApiError(Exception):
         return error_response(self.status, self.message, self.param, self.type, self.code)
 
 
+def _dumps(obj) -> bytes:
+    """JSON as UTF-8; \\u escapes when some text (a lone surrogate echoed from a request) has no
+    UTF-8 form."""
+    try:
+        return json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(obj).encode("ascii")
+
+
+class JSONResponse(_StarletteJSON):
+    def render(self, content) -> bytes:
+        return _dumps(content)
+
+
+def _brief(v) -> str:
+    """A bounded rendering of a client's value for an error message."""
+    if isinstance(v, (dict, list)):
+        return f"a JSON {'object' if isinstance(v, dict) else 'array'}"
+    s = json.dumps(v)
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
 def error_response(status: int, message: str, param: str | None = None,
                    type_: str = "invalid_request_error", code: str | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
@@ -113,7 +136,7 @@ class _Body:
         if v is None:
             return default
         if not _is_int(v):
-            raise bad(f"'{k}' must be an integer, got {json.dumps(v)}", k)
+            raise bad(f"'{k}' must be an integer, got {_brief(v)}", k)
         if (lo is not None and v < lo) or (hi is not None and v > hi):
             rng = f">= {lo}" if hi is None else f"between {lo} and {hi}"
             raise bad(f"'{k}' must be {rng}, got {v}", k)
@@ -124,7 +147,7 @@ class _Body:
         if v is None:
             return default
         if not isinstance(v, bool):
-            raise bad(f"'{k}' must be a boolean, got {json.dumps(v)}", k)
+            raise bad(f"'{k}' must be a boolean, got {_brief(v)}", k)
         return v
 
 
@@ -214,7 +237,7 @@ def _messages(body: dict) -> list[dict]:
             raise bad(f"messages[{i}] must be an object", f"messages[{i}]")
         role = m.get("role")
         if role not in _ROLES:
-            raise bad(f"messages[{i}].role must be one of {list(_ROLES)}, got {json.dumps(role)}",
+            raise bad(f"messages[{i}].role must be one of {list(_ROLES)}, got {_brief(role)}",
                       f"messages[{i}].role")
         if m.get("tool_calls") or m.get("function_call"):
             raise bad(f"messages[{i}]: tool calls are not supported", f"messages[{i}]")
@@ -335,7 +358,7 @@ class OpenAIApp:
         if not isinstance(model, str) or not model:
             raise bad("'model' is required (a string)", "model")
         if model != self.model_name:
-            raise ApiError(404, f"The model '{model}' does not exist; this server serves "
+            raise ApiError(404, f"The model {_brief(model)} does not exist; this server serves "
                                 f"'{self.model_name}'", "model", "invalid_request_error",
                            "model_not_found")
         return body
@@ -598,7 +621,7 @@ class OpenAIApp:
         def chunk(choices: list[dict]) -> bytes:
             d = {"id": rid, "object": obj, "created": created, "model": job.model,
                  "system_fingerprint": FINGERPRINT, "choices": choices, **usage_null}
-            return b"data: " + json.dumps(d, ensure_ascii=False).encode() + b"\n\n"
+            return b"data: " + _dumps(d) + b"\n\n"
 
         total = len(handles) * job.n
         offsets = [0] * total
@@ -641,12 +664,12 @@ class OpenAIApp:
                 d = {"id": rid, "object": obj, "created": created, "model": job.model,
                      "system_fingerprint": FINGERPRINT, "choices": [],
                      "usage": self._usage(job, completion_tokens)}
-                yield b"data: " + json.dumps(d).encode() + b"\n\n"
+                yield b"data: " + _dumps(d) + b"\n\n"
             yield b"data: [DONE]\n\n"
         except (EngineFault, ShuttingDown) as e:
             status, type_ = (500, "server_error") if isinstance(e, EngineFault) else (503, "service_unavailable")
             err = {"error": {"message": str(e), "type": type_, "param": None, "code": status}}
-            yield b"data: " + json.dumps(err).encode() + b"\n\n"
+            yield b"data: " + _dumps(err) + b"\n\n"
         finally:  # client disconnect (the task is cancelled) or normal end: cancel is idempotent
             for h in handles:
                 h.cancel()
