@@ -234,3 +234,22 @@ def test_an_engine_fault_fails_its_request_and_the_server_keeps_serving(server):
         eng._step = real
     assert_serving(server)
     assert server.loop.stats()["requests"]["error"] == errors0 + 1 and eng.faults == 1
+
+
+def test_soak_over_grpc_and_http_with_hostile_traffic_loses_nothing(server):
+    import asyncio
+
+    from tools.soak import run_soak
+
+    s = asyncio.run(run_soak(f"127.0.0.1:{server.port}",
+                             http_target=f"127.0.0.1:{server.http_port}", model=MODEL,
+                             duration_s=60.0, max_requests=24, seed=3, hang_s=120,
+                             weights=(0.5, 0.1, 0.1, 0.1, 0.2)))
+    assert s["lost"] == 0 and s["errors"] == 0, s
+    parts = ("completed", "cancelled", "deadline_exceeded", "rejected", "invalid", "errors", "lost")
+    assert sum(s[k] for k in parts) == s["sent"] == 24, s
+    assert s["sent_by_kind"]["hostile"] >= 3 and s["invalid"] > 0 and s["completed"] > 0, s
+    assert all(v.get("completed") for v in s["by_transport"].values()), s
+    assert s["health_polls"] >= 5 and not s["health_not_serving"] and s["engine_faults"] == 0, s
+    assert s["pages_free_after"] == s["pages_total"] and s["drained"] and s["serving"], s
+    assert s["ok"]
