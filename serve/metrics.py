@@ -31,7 +31,7 @@ class _StatsCollector:
     def collect(self):
         s = self.loop.stats()
         for name, key, doc in (
-            ("jaxinfer_queue_depth", "queue_depth", "Requests waiting for a decode slot"),
+            ("jaxinfer_queue_depth", "queue_depth", "Sequences (prompts x samples) waiting for a decode slot"),
             ("jaxinfer_running_slots", "running", "Occupied decode slots"),
             ("jaxinfer_max_slots", "max_slots", "Decode slots"),
             ("jaxinfer_kv_pages_used", "pages_used", "KV cache pages in use"),

@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import ipaddress
 import json
+import os
 import sys
 import time
 
@@ -356,7 +357,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-requests", type=int, default=None)
     p.add_argument("--concurrency", type=int, default=None, help="default: 2 x max_slots")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--auth-token", default=None)
+    p.add_argument("--auth-token", default=os.environ.get("JAXINFER_AUTH_TOKEN"),
+                   help="bearer token of the server (default: $JAXINFER_AUTH_TOKEN)")
     p.add_argument("--compile-cache", default=".jax_cache", help="with --model: jax cache dir")
     a = p.parse_args(argv)
     server = None

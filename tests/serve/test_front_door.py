@@ -253,3 +253,23 @@ def test_soak_over_grpc_and_http_with_hostile_traffic_loses_nothing(server):
     assert s["health_polls"] >= 5 and not s["health_not_serving"] and s["engine_faults"] == 0, s
     assert s["pages_free_after"] == s["pages_total"] and s["drained"] and s["serving"], s
     assert s["ok"]
+
+
+def test_auth_token_from_file_or_environment(tmp_path, monkeypatch):
+    from serve.grpc_server import auth_token
+
+    monkeypatch.delenv("JAXINFER_AUTH_TOKEN", raising=False)
+    assert auth_token(None, None) is None
+    monkeypatch.setenv("JAXINFER_AUTH_TOKEN", "from-env")
+    assert auth_token(None, None) == "from-env"
+    assert auth_token("from-flag", None) == "from-flag"
+    f = tmp_path / "token"
+    f.write_text("  from-file \nsecond line\n")
+    assert auth_token(None, str(f)) == "from-file"  # the first line, stripped; beats the env
+    with pytest.raises(ValueError, match="not both"):
+        auth_token("from-flag", str(f))
+    f.write_text("\n")
+    with pytest.raises(ValueError, match="empty"):
+        auth_token(None, str(f))
+    with pytest.raises(ValueError, match="cannot read"):
+        auth_token(None, str(tmp_path / "missing"))

@@ -8,6 +8,8 @@ import json
 import ssl
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import grpc
 import pytest
@@ -16,7 +18,7 @@ openai = pytest.importorskip("openai")
 
 from runtime import LLM, SamplingParams  # noqa: E402
 from serve.chat_template import GEMMA_TEMPLATE, ChatTemplate, ChatTemplateError  # noqa: E402
-from serve.grpc_server import ServerConfig, ServerThread  # noqa: E402
+from serve.grpc_server import ServerConfig, ServerThread, banner  # noqa: E402
 from serve.metrics import parse_text  # noqa: E402
 from serve.proto import jaxinfer_pb2, jaxinfer_pb2_grpc  # noqa: E402
 from tools.make_test_model import make  # noqa: E402
@@ -479,9 +481,19 @@ def test_tls_applies_to_http_too(ref_llm, tmp_path):
     from tests.serve.test_grpc import _self_signed
 
     key, cert = _self_signed(tmp_path)
-    s = ServerThread(ref_llm, ServerConfig(port=0, http_port=0, tls_cert=str(cert), tls_key=str(key),
-                                           model_name=MODEL))
+    cfg = ServerConfig(port=0, http_port=0, metrics_port=0, tls_cert=str(cert), tls_key=str(key),
+                       model_name=MODEL)
+    s = ServerThread(ref_llm, cfg)
     try:
+        shown = banner(cfg, s.server)
+        assert f"https://127.0.0.1:{s.http_port}/v1" in shown
+        assert f"https://127.0.0.1:{s.metrics_port}/metrics" in shown and "http://" not in shown
+        tls = ssl.create_default_context(cafile=str(cert))
+        m = urllib.request.urlopen(f"https://localhost:{s.metrics_port}/metrics", context=tls,
+                                   timeout=10).read().decode()
+        assert "jaxinfer_kv_pages_total" in parse_text(m)
+        with pytest.raises((urllib.error.URLError, ConnectionError, http.client.HTTPException)):
+            urllib.request.urlopen(f"http://127.0.0.1:{s.metrics_port}/metrics", timeout=10)
         c = openai.OpenAI(base_url=f"https://localhost:{s.http_port}/v1", api_key="x", max_retries=0,
                           http_client=openai.DefaultHttpxClient(
                               verify=ssl.create_default_context(cafile=str(cert))))
