@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from checkpoints.loader import load_model
-from checkpoints.orbax_io import save_converted
+from jaxinfer.checkpoints.loader import load_model
+from jaxinfer.checkpoints.orbax_io import save_converted
 
 
 def convert(src: str, out: str | Path, *, dtype: str = "float32", overwrite: bool = False,
@@ -14,7 +14,7 @@ def convert(src: str, out: str | Path, *, dtype: str = "float32", overwrite: boo
     (loading the output needs no re-quantization)."""
     place = None
     if quantize is not None:
-        from runtime.quantization import placer
+        from jaxinfer.runtime.quantization import placer
 
         place = placer(quantize, dtype, quantize_embeddings=quantize_embeddings)
     m = load_model(src, dtype=dtype, place=place)

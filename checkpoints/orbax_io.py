@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from checkpoints.errors import CheckpointError
-from runtime.config import ModelConfig
-from runtime.model import Params, init_params
+from jaxinfer.checkpoints.errors import CheckpointError
+from jaxinfer.runtime.config import ModelConfig
+from jaxinfer.runtime.model import Params, init_params
 
 MANIFEST = "jaxinfer.json"
 FORMAT = "jaxinfer-orbax"
@@ -44,7 +44,7 @@ def save_converted(out: str | Path, cfg: ModelConfig, params: Params, *, source:
             raise CheckpointError(f"{out}: exists and is not empty (pass overwrite)")
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    from runtime.quantization import quantization_spec
+    from jaxinfer.runtime.quantization import quantization_spec
 
     dtype = str(params.final_norm.dtype)  # the compute dtype (quantized leaves are int8 / fp8)
     qspec = quantization_spec(params)
@@ -79,7 +79,7 @@ def load_converted(path: str | Path, dtype=None, place=None, mesh=None
     any layout whatever the one saved (each device reads only its slice).
     Quantized params (manifest "quantization") are restored as saved, bit-exact, with no
     re-quantization; `place` (a quantizing hook) then applies only to unquantized params."""
-    from runtime.quantization import QuantizedArray, abstract_quantized, path_str
+    from jaxinfer.runtime.quantization import QuantizedArray, abstract_quantized, path_str
 
     path = Path(path).absolute()
     m = read_manifest(path)
@@ -98,7 +98,7 @@ def load_converted(path: str | Path, dtype=None, place=None, mesh=None
 
         target = jax.tree_util.tree_map_with_path(leaf, target)
     if mesh is not None:
-        from runtime.sharding import param_shardings
+        from jaxinfer.runtime.sharding import param_shardings
 
         target = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
                               target, param_shardings(target, mesh))

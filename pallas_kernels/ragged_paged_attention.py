@@ -333,9 +333,9 @@ def ragged_paged_attention(
                     sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                     platform=platform, k_scale=k_scale, v_scale=v_scale)
     if platform == "tpu":
-        from pallas_kernels.ragged_paged_attention_tpu import ragged_paged_attention_tpu as kernel
+        from jaxinfer.pallas_kernels.ragged_paged_attention_tpu import ragged_paged_attention_tpu as kernel
     else:
-        from pallas_kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu as kernel
+        from jaxinfer.pallas_kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu as kernel
     return kernel(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
                   sm_scale=float(sm_scale),
                   sliding_window=None if sliding_window is None else int(sliding_window),

@@ -95,7 +95,7 @@ def attend(
     args = (q, k_pages, v_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs)
     if backend == "xla":
         return xla_ragged_paged_attention(*args, **kw, max_q_len=md.max_q_len)
-    from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+    from jaxinfer.pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
     if backend == "pallas_interpret":
         return ragged_paged_attention(*args, **kw, platform="tpu", interpret=True)

@@ -23,15 +23,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from runtime.attention import resolve_backend
-from runtime.config import EngineConfig, ModelConfig, parse_speculative
-from runtime.requests import Limits, SamplingParams, check_request
-from runtime.kv_cache import init_cache
-from runtime.model import Params
-from runtime.plan import empty_step_arrays
-from runtime.scheduler import Request, Scheduler
-from runtime.steps import make_step, sampled_tokens
-from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+from jaxinfer.runtime.attention import resolve_backend
+from jaxinfer.runtime.config import EngineConfig, ModelConfig, parse_speculative
+from jaxinfer.runtime.requests import Limits, SamplingParams, check_request
+from jaxinfer.runtime.kv_cache import init_cache
+from jaxinfer.runtime.model import Params
+from jaxinfer.runtime.plan import empty_step_arrays
+from jaxinfer.runtime.scheduler import Request, Scheduler
+from jaxinfer.runtime.steps import make_step, sampled_tokens
+from jaxinfer.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -106,14 +106,14 @@ class Engine:
         # tensor parallel: params and page pools live in shards on a ("data", "model") mesh
         self.mesh = mesh
         if mesh is None and (ecfg.tensor_parallel > 1 or jax.process_count() > 1):
-            from runtime.sharding import make_mesh
+            from jaxinfer.runtime.sharding import make_mesh
 
             self.mesh = make_mesh(ecfg.tensor_parallel)
         make_cache = lambda: init_cache(cfg, ecfg.total_pages, ecfg.page_size, kv_dtype)  # noqa: E731
         if self.mesh is None:
             self._new_cache = make_cache
         else:
-            from runtime.sharding import init_sharded_cache, shard_params
+            from jaxinfer.runtime.sharding import init_sharded_cache, shard_params
 
             self.params = shard_params(params, self.mesh)
             self._new_cache = lambda: init_sharded_cache(make_cache, self.mesh)  # noqa: E731
@@ -140,7 +140,7 @@ class Engine:
             self._init_speculative(draft_model, kv_dtype, budget)
         shardings, self.plan_channel, self.leader = None, None, jax.process_index() == 0
         if self.mesh is not None:
-            from runtime import sharding as shd
+            from jaxinfer.runtime import sharding as shd
 
             if self.mesh.shape["model"] > 1 and self.backend in ("pallas_tpu", "pallas_gpu"):
                 # Mosaic / Triton kernels are not auto-partitioned by XLA SPMD (they need a
@@ -176,8 +176,8 @@ class Engine:
                 and self.plan_channel is None)
 
     def _init_speculative(self, draft_model, kv_dtype, budget) -> None:
-        from runtime.speculative import DraftModelProposer, NgramProposer, check_vocab
-        from runtime.steps import make_verify
+        from jaxinfer.runtime.speculative import DraftModelProposer, NgramProposer, check_vocab
+        from jaxinfer.runtime.steps import make_verify
 
         if self.mesh is not None:
             raise ValueError("speculative decoding with tensor_parallel > 1 is not supported yet")
@@ -248,7 +248,7 @@ class Engine:
         1 only for steps small enough to be decode-only) with all-padding plans; under
         speculation also the verify step (no proposer distributions: greedy, n-gram) and the
         draft model's steps. Returns the number of new compilations."""
-        from runtime.scheduler import LOGPROBS_BUCKET
+        from jaxinfer.runtime.scheduler import LOGPROBS_BUCKET
 
         before = self.compile_count
         sch, s = self.scheduler, self.ecfg.max_slots
@@ -282,18 +282,18 @@ class Engine:
         if self._no_prev is None:
             self._no_prev = jnp.zeros(self.ecfg.max_slots, jnp.int32)
             if self.mesh is not None:
-                from runtime.sharding import replicated
+                from jaxinfer.runtime.sharding import replicated
 
                 self._no_prev = jax.device_put(self._no_prev, replicated(self.mesh))
         return self._no_prev
 
     def _run(self, arrays, max_q_len, logprobs, filtered, prev=None):
-        from runtime.scheduler import LOGPROBS_BUCKET
+        from jaxinfer.runtime.scheduler import LOGPROBS_BUCKET
 
         if self.plan_channel is not None and self.leader:  # followers run the same step
             self.plan_channel.send(arrays, max_q_len, LOGPROBS_BUCKET if logprobs else 0, filtered)
         if self.mesh is not None and jax.process_count() > 1:
-            from runtime.sharding import global_plan
+            from jaxinfer.runtime.sharding import global_plan
 
             arrays = global_plan(arrays, self.mesh)
         return self._step(self.params, self.cache, arrays, max_q_len=max_q_len,

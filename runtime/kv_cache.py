@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from runtime.config import ModelConfig
+from jaxinfer.runtime.config import ModelConfig
 
 
 @struct.dataclass

@@ -6,9 +6,9 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from runtime.config import EngineConfig
-from runtime.engine import Engine
-from runtime.requests import (Limits, RequestError, RequestOutput, SamplingParams, check_request,
+from jaxinfer.runtime.config import EngineConfig
+from jaxinfer.runtime.engine import Engine
+from jaxinfer.runtime.requests import (Limits, RequestError, RequestOutput, SamplingParams, check_request,
                               parse_prompt)
 
 QUANTIZATIONS = (None, "int8", "fp8")
@@ -28,7 +28,7 @@ class LLM:
     EngineConfig fields."""
 
     def __init__(self, model: str = "gemma3-270m", **options):
-        from checkpoints.loader import load_model
+        from jaxinfer.checkpoints.loader import load_model
 
         enable_compilation_cache()
         known = {f.name for f in dataclasses.fields(EngineConfig)}
@@ -40,11 +40,11 @@ class LLM:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {q!r}")
         place = None
         if q is not None:  # quantize each weight as it streams in (peak ~ the int8 model)
-            from runtime.quantization import placer
+            from jaxinfer.runtime.quantization import placer
 
             place = placer(q, options.get("dtype", "float32"), mode=options.get("quant_mode"),
                            quantize_embeddings=options.get("quantize_embeddings", True))
-        from runtime.config import parse_speculative
+        from jaxinfer.runtime.config import parse_speculative
 
         speculative = parse_speculative(options.get("speculative"))  # errors before any loading
         if speculative is not None:
@@ -54,13 +54,13 @@ class LLM:
             # tensor parallel: every tensor streams straight into its shards on the mesh
             import jax.numpy as jnp
 
-            from runtime.sharding import make_mesh, shard_placer
+            from jaxinfer.runtime.sharding import make_mesh, shard_placer
 
             mesh = make_mesh(options.get("tensor_parallel", 1))
             place = shard_placer(mesh, jnp.dtype(options.get("dtype", "float32")), inner=place)
         self.model = load_model(model, dtype=options.get("dtype", "float32"), place=place,
                                 mesh=mesh)
-        from runtime.quantization import default_mode, quantization_spec, with_mode
+        from jaxinfer.runtime.quantization import default_mode, quantization_spec, with_mode
 
         spec = quantization_spec(self.model.params)  # a converted dir may be quantized already
         if spec is not None:
@@ -86,8 +86,8 @@ class LLM:
         (and asks for no other quantization)."""
         import os
 
-        from checkpoints.loader import load_model
-        from runtime.speculative import check_vocab
+        from jaxinfer.checkpoints.loader import load_model
+        from jaxinfer.runtime.speculative import check_vocab
 
         same = spec.model == target or (os.path.exists(spec.model) and os.path.exists(target)
                                         and os.path.samefile(spec.model, target))
@@ -95,7 +95,7 @@ class LLM:
             return self.model.cfg, self.model.params
         place = None
         if spec.quantization is not None:
-            from runtime.quantization import placer
+            from jaxinfer.runtime.quantization import placer
 
             place = placer(spec.quantization, dtype)
         draft = load_model(spec.model, dtype=dtype, place=place)
@@ -162,7 +162,7 @@ class LLM:
     def generate_jsonl(self, in_path, out_path, **kw) -> dict:
         """Run a JSONL file through the engine (see `serve.batch.run_batch` for the format and
         options: sampling=dict(...), resume, ordered, ...); returns the summary dict."""
-        from serve.batch import run_batch
+        from jaxinfer.serve.batch import run_batch
 
         return run_batch(self.engine, self.tokenizer, str(in_path), str(out_path), **kw)
 

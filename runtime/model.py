@@ -15,10 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from runtime.attention import AttentionMetadata, attend
-from runtime.config import ModelConfig, RopeScaling
-from runtime.kv_cache import KVCache, write_pages
-from runtime.quantization import einsum, take_rows
+from jaxinfer.runtime.attention import AttentionMetadata, attend
+from jaxinfer.runtime.config import ModelConfig, RopeScaling
+from jaxinfer.runtime.kv_cache import KVCache, write_pages
+from jaxinfer.runtime.quantization import einsum, take_rows
 
 
 @struct.dataclass

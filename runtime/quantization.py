@@ -295,7 +295,7 @@ class Placer:
     def __call__(self, path: str, arr):
         if should_quantize(path, self.quantize_embeddings):
             if self.smooth_alpha is not None:
-                from runtime.smoothing import SMOOTHED_WEIGHTS
+                from jaxinfer.runtime.smoothing import SMOOTHED_WEIGHTS
 
                 if weight_name(path) in SMOOTHED_WEIGHTS:
                     self.pending[path] = jnp.asarray(arr, jnp.float32)
@@ -306,7 +306,7 @@ class Placer:
         """Smooth and re-quantize the weights kept by __call__ (no-op when none were)."""
         if not self.pending:
             return params
-        from runtime.smoothing import calibration_tokens, norm_input_maxima, smooth_layers
+        from jaxinfer.runtime.smoothing import calibration_tokens, norm_input_maxima, smooth_layers
 
         pending, self.pending = self.pending, {}
         float_params = _with_leaves(with_mode(params, "weight_only"), pending)

@@ -91,9 +91,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from runtime.page_allocator import PageAllocator, page_hashes
-from runtime.requests import SamplingParams
-from runtime.plan import StepPlan
+from jaxinfer.runtime.page_allocator import PageAllocator, page_hashes
+from jaxinfer.runtime.requests import SamplingParams
+from jaxinfer.runtime.plan import StepPlan
 
 LOGPROBS_BUCKET = 20  # static top-n logprobs width when any row asks for logprobs
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from runtime.quantization import QuantizedArray, _parse, einsum
+from jaxinfer.runtime.quantization import QuantizedArray, _parse, einsum
 
 DEFAULT_ALPHA = 0.5
 # norm -> the weights that read its output (their row j multiplies the norm's channel j)
@@ -64,7 +64,7 @@ def calibration_tokens(tokenizer, text: str | None = None,
                        max_tokens: int = MAX_CALIBRATION_TOKENS) -> list[int]:
     """BOS (when the tokenizer has one) + the calibration text's ids, at most max_tokens."""
     if text is None:
-        from runtime.calibration import CALIBRATION_TEXT as text
+        from jaxinfer.runtime.calibration import CALIBRATION_TEXT as text
     bos = [tokenizer.bos_id] if getattr(tokenizer, "bos_id", None) is not None else []
     return (bos + list(tokenizer.encode(text)))[:max_tokens]
 
@@ -72,9 +72,9 @@ def calibration_tokens(tokenizer, text: str | None = None,
 def norm_input_maxima(params, cfg, tokens: list[int]) -> dict[str, np.ndarray]:
     """{"layers.i.attn_norm" | "layers.i.mlp_norm": max |norm output| per channel [D]} over one
     forward pass of `tokens` (one sequence) through `params` (dense or weight-only weights)."""
-    from runtime.attention import whole_sequence_metadata
-    from runtime.kv_cache import init_cache
-    from runtime.model import forward_hidden
+    from jaxinfer.runtime.attention import whole_sequence_metadata
+    from jaxinfer.runtime.kv_cache import init_cache
+    from jaxinfer.runtime.model import forward_hidden
 
     layers = []
     for i, lp in enumerate(params.layers):

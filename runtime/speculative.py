@@ -37,13 +37,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from runtime.attention import AttentionMetadata
-from runtime.config import SpecConfig, parse_speculative  # noqa: F401 (re-exported)
-from runtime.kv_cache import init_cache
-from runtime.model import forward
-from runtime.page_allocator import PageAllocator
-from runtime.plan import empty_step_arrays
-from runtime.sampling import filter_logits, row_keys
+from jaxinfer.runtime.attention import AttentionMetadata
+from jaxinfer.runtime.config import SpecConfig, parse_speculative  # noqa: F401 (re-exported)
+from jaxinfer.runtime.kv_cache import init_cache
+from jaxinfer.runtime.model import forward
+from jaxinfer.runtime.page_allocator import PageAllocator
+from jaxinfer.runtime.plan import empty_step_arrays
+from jaxinfer.runtime.sampling import filter_logits, row_keys
 
 # config: runtime.config.SpecConfig / parse_speculative (pure Python, validated there)
 

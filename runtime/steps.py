@@ -15,11 +15,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from runtime.attention import AttentionMetadata
-from runtime.config import ModelConfig
-from runtime.kv_cache import KVCache
-from runtime.model import Params, compute_logits, forward, forward_hidden
-from runtime.sampling import mask_vocab, sample, top_logprobs
+from jaxinfer.runtime.attention import AttentionMetadata
+from jaxinfer.runtime.config import ModelConfig
+from jaxinfer.runtime.kv_cache import KVCache
+from jaxinfer.runtime.model import Params, compute_logits, forward, forward_hidden
+from jaxinfer.runtime.sampling import mask_vocab, sample, top_logprobs
 
 
 def _metadata(a: dict, max_q_len: int) -> AttentionMetadata:
@@ -102,7 +102,7 @@ def verify(
     Packed [S, 2 + K (+ 1 + 2n)]: [:, 0] proposals accepted a, [:, 1:K+2] the emitted tokens
     (a + 1 valid, then -1), then logprobs of the token drawn at the first verify row (rows that
     want logprobs get no proposals, so that is their one token)."""
-    from runtime.speculative import accept
+    from jaxinfer.runtime.speculative import accept
 
     S, K = arrays["draft_ids"].shape
     md = _metadata(arrays, max_q_len)

@@ -64,7 +64,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from runtime.requests import (SAMPLING_FIELDS, Limits, RequestError, RequestOutput,
+from jaxinfer.runtime.requests import (SAMPLING_FIELDS, Limits, RequestError, RequestOutput,
                               SamplingParams, check_request, parse_prompt, sampling_from_json)
 
 REQUEST_FIELDS = {"id", "prompt", "prompt_token_ids"}
@@ -622,7 +622,7 @@ def register(subparsers, engine_args) -> None:
 
 
 def cmd_batch(args) -> int:
-    from serve.cli import llm_from_args
+    from jaxinfer.serve.cli import llm_from_args
 
     sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, min_p=args.min_p, seed=args.seed,

@@ -44,7 +44,7 @@ def engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def llm_from_args(args):
-    from runtime import LLM
+    from jaxinfer.runtime.llm import LLM
 
     opts = dict(dtype=args.dtype, max_slots=args.max_slots, page_size=args.page_size,
                 num_pages=args.num_pages, attention_backend=args.attention_backend,
@@ -59,7 +59,7 @@ def llm_from_args(args):
     if tp != 1:
         opts["tensor_parallel"] = tp
     if getattr(args, "distributed", False):
-        from runtime.sharding import follow, init_distributed
+        from jaxinfer.runtime.sharding import follow, init_distributed
 
         leader = init_distributed()
         llm = LLM(args.model, **opts)
@@ -74,7 +74,7 @@ def llm_from_args(args):
 
 
 def cmd_generate(args) -> int:
-    from runtime import SamplingParams
+    from jaxinfer.runtime.requests import SamplingParams
 
     t0 = time.perf_counter()
     llm = llm_from_args(args)
@@ -107,7 +107,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from checkpoints.convert import convert
+    from jaxinfer.checkpoints.convert import convert
 
     t0 = time.perf_counter()
     out = convert(args.src, args.out, dtype=args.dtype, overwrite=args.overwrite,
@@ -117,7 +117,7 @@ def cmd_convert(args) -> int:
 
 
 # Modules that add their own subcommands: each has `register(subparsers, engine_args)`.
-COMMAND_MODULES: tuple[str, ...] = ("tools.bench_throughput", "serve.batch", "serve.grpc_server", "tools.bench_serving")
+COMMAND_MODULES: tuple[str, ...] = ("jaxinfer.tools.bench_throughput", "jaxinfer.serve.batch", "jaxinfer.serve.grpc_server", "jaxinfer.tools.bench_serving")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -150,13 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=cmd_convert)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub, engine_args)
-    importlib.import_module("tools.bench_quality").register(sub, engine_args)
+    importlib.import_module("jaxinfer.tools.bench_quality").register(sub, engine_args)
     return p
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from checkpoints.errors import CheckpointError
+    from jaxinfer.checkpoints.errors import CheckpointError
 
     try:
         return args.fn(args)

@@ -40,8 +40,8 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from runtime.requests import RequestError, RequestOutput, SamplingParams, check_request
-from runtime.scheduler import QueueFull
+from jaxinfer.runtime.requests import RequestError, RequestOutput, SamplingParams, check_request
+from jaxinfer.runtime.scheduler import QueueFull
 
 log = logging.getLogger(__name__)
 

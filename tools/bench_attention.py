@@ -29,7 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pallas_kernels.ragged_paged_attention import (  # noqa: E402
+from jaxinfer.pallas_kernels.ragged_paged_attention import (  # noqa: E402
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
@@ -75,7 +75,7 @@ def resolve_backend(name: str) -> str:
     if platform in ("gpu", "cuda", "rocm"):
         return "gpu"
     try:
-        from runtime.attention import xla_ragged_paged_attention  # noqa: F401
+        from jaxinfer.runtime.attention import xla_ragged_paged_attention  # noqa: F401
     except ImportError:
         return "reference"
     return "xla"
@@ -85,7 +85,7 @@ def attention_fn(backend: str, *, sm_scale: float, max_q_len: int, interpret: bo
     if backend == "reference":
         return jax.jit(lambda *a: ragged_paged_attention_reference(*a, sm_scale=sm_scale))
     if backend == "xla":
-        from runtime.attention import xla_ragged_paged_attention
+        from jaxinfer.runtime.attention import xla_ragged_paged_attention
 
         return jax.jit(lambda *a: xla_ragged_paged_attention(*a, sm_scale=sm_scale, max_q_len=max_q_len))
     if backend in ("tpu", "gpu"):

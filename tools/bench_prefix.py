@@ -1,6 +1,6 @@
 """Prefix-caching benchmark: N requests sharing one long system prompt, with and without caching.
 
-    python -m tools.bench_prefix [--model gemma3-270m] [--requests 32] [--system-tokens 512]
+    python -m jaxinfer.tools.bench_prefix [--model gemma3-270m] [--requests 32] [--system-tokens 512]
                                  [--suffix-tokens 16] [--max-tokens 8] [--modes burst,sequential]
 
 Each request is <system prompt> + <distinct short suffix>. For each setting (prefix caching on,
@@ -88,7 +88,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
 
-    from runtime import LLM, SamplingParams
+    from jaxinfer.runtime.llm import LLM
+    from jaxinfer.runtime.requests import SamplingParams
 
     modes = [m for m in args.modes.split(",") if m]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)

@@ -1,6 +1,6 @@
 """Quality / memory / speed of weight and KV-cache formats on one model.
 
-    python -m tools.bench_quality [--model gemma3-270m] [--json out.json]
+    python -m jaxinfer.tools.bench_quality [--model gemma3-270m] [--json out.json]
     jaxinfer bench-quality [--model ...]
 
 For each variant (f32, bf16, int8, fp8 weights; int8 KV): parameter bytes, KV-cache bytes per
@@ -56,7 +56,7 @@ def _scorer(cfg, backend: str):
     import jax
     import jax.numpy as jnp
 
-    from runtime.model import forward
+    from jaxinfer.runtime.model import forward
 
     @jax.jit
     def score(params, tokens, cache, md):
@@ -75,8 +75,8 @@ def teacher_forced(llm, tokens: list[int], page_size: int = 16, bucket: int = 12
     import jax.numpy as jnp
     import numpy as np
 
-    from runtime.attention import whole_sequence_metadata
-    from runtime.kv_cache import init_cache
+    from jaxinfer.runtime.attention import whole_sequence_metadata
+    from jaxinfer.runtime.kv_cache import init_cache
 
     e = llm.engine
     n = len(tokens)
@@ -90,7 +90,7 @@ def teacher_forced(llm, tokens: list[int], page_size: int = 16, bucket: int = 12
 
 
 def _bench_decode(llm, batch: int, max_tokens: int) -> float:
-    from runtime.requests import SamplingParams
+    from jaxinfer.runtime.requests import SamplingParams
 
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
@@ -105,8 +105,8 @@ def _bench_decode(llm, batch: int, max_tokens: int) -> float:
 def _load(model: str, opts: dict):
     """LLM(model, **opts); `smooth_alpha` (not an engine option) overrides the int8 smoothing
     strength for this load only."""
-    import runtime.quantization as rq
-    from runtime import LLM
+    import jaxinfer.runtime.quantization as rq
+    from jaxinfer.runtime.llm import LLM
 
     opts = dict(opts)
     alpha = opts.pop("smooth_alpha", rq.SMOOTH_ALPHA)
@@ -123,7 +123,7 @@ def _load_rss_mb(model: str, opts: dict) -> float:
     import sys
 
     code = (
-        "import json, resource, sys; from tools.bench_quality import _load; "
+        "import json, resource, sys; from jaxinfer.tools.bench_quality import _load; "
         f"_load({model!r}, json.loads(sys.argv[1])); "
         "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)"
     )
@@ -138,8 +138,8 @@ def run(model: str = "gemma3-270m", *, variants=tuple(VARIANTS), ppl_tokens: int
         load_rss: bool = False, max_model_len: int = 1024, log=print) -> dict:
     import numpy as np
 
-    from runtime import SamplingParams
-    from runtime.quantization import param_bytes
+    from jaxinfer.runtime.requests import SamplingParams
+    from jaxinfer.runtime.quantization import param_bytes
 
     if "f32" not in variants:
         variants = ("f32",) + tuple(variants)

@@ -1,6 +1,6 @@
 """Load-test a running `jaxinfer serve` over gRPC (jaxinfer.v1.Generate).
 
-    python -m tools.bench_serving --target 127.0.0.1:9000 --rates 1,2,4,inf --num-requests 64
+    python -m jaxinfer.tools.bench_serving --target 127.0.0.1:9000 --rates 1,2,4,inf --num-requests 64
     jaxinfer bench-serving --target 127.0.0.1:9000 --concurrency 1,4,16
 
 Requests: seeded random prompt token ids with lengths uniform in --input-len LO:HI and output
@@ -58,7 +58,7 @@ def channel(target: str, tls_ca: str | None = None, server_name: str | None = No
 
 
 async def _one(stub, prompt, max_tokens, metadata) -> dict:
-    from serve.proto import jaxinfer_pb2
+    from jaxinfer.serve.proto import jaxinfer_pb2
 
     req = jaxinfer_pb2.GenerateRequest(prompt_token_ids=prompt, max_tokens=max_tokens,
                                        temperature=0.0, ignore_eos=True)
@@ -97,7 +97,7 @@ async def run_load(target: str, requests, *, rate: float | None = None,
                    tls_ca: str | None = None, server_name: str | None = None) -> dict:
     """One load level: Poisson arrivals at `rate` req/s (inf: all at once) or `concurrency`
     closed-loop clients. Returns the summary dict."""
-    from serve.proto import jaxinfer_pb2_grpc
+    from jaxinfer.serve.proto import jaxinfer_pb2_grpc
 
     if (rate is None) == (concurrency is None):
         raise ValueError("give exactly one of rate or concurrency")
@@ -140,7 +140,7 @@ async def run_load(target: str, requests, *, rate: float | None = None,
 
 
 async def server_vocab(target: str, metadata=(), tls_ca=None, server_name=None) -> int:
-    from serve.proto import jaxinfer_pb2, jaxinfer_pb2_grpc
+    from jaxinfer.serve.proto import jaxinfer_pb2, jaxinfer_pb2_grpc
 
     async with channel(target, tls_ca, server_name) as ch:
         s = await jaxinfer_pb2_grpc.GenerationStub(ch).Stats(jaxinfer_pb2.StatsRequest(),

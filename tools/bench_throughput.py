@@ -41,7 +41,7 @@ def _pct(xs, q):
 
 
 def run_engine(llm, reqs, *, static: bool) -> dict:
-    from runtime import SamplingParams
+    from jaxinfer.runtime.requests import SamplingParams
 
     sps = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for _, o in reqs]
     prompts = [p for p, _ in reqs]
@@ -123,7 +123,7 @@ def run_hf(model_source, reqs, batch: int, dtype: str) -> dict:
 
 def decode_step_time(llm, context: int, steps: int = 24) -> float:
     """Median inter-token latency of one sequence decoding at `context` tokens."""
-    from runtime import SamplingParams
+    from jaxinfer.runtime.requests import SamplingParams
 
     prompt = (np.arange(context) % 1000 + 10).tolist()
     out = llm.generate([prompt], SamplingParams(max_tokens=steps, temperature=0.0,
@@ -140,8 +140,8 @@ def param_bytes(params) -> int:
 def run(args) -> dict:
     import jax
 
-    from runtime import LLM
-    from tools.bench_attention import copy_bandwidth
+    from jaxinfer.runtime.llm import LLM
+    from jaxinfer.tools.bench_attention import copy_bandwidth
 
     opts = dict(dtype=args.dtype, max_slots=args.max_slots, page_size=args.page_size,
                 max_model_len=args.max_model_len, prefill_chunk=args.prefill_chunk)

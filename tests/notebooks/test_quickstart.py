@@ -13,11 +13,11 @@ NB = ROOT / "notebooks" / "quickstart.ipynb"
 
 
 def test_committed_notebook_is_generated_and_cleared():
-    from tools.make_notebook import build
+    from jaxinfer.tools.make_notebook import build
 
     committed = nbformat.read(NB, as_version=4)
     assert [c.source for c in committed.cells] == [c.source for c in build().cells], \
-        "notebooks/quickstart.ipynb is stale: run python -m tools.make_notebook"
+        "notebooks/quickstart.ipynb is stale: run python -m jaxinfer.tools.make_notebook"
     assert all(not c.get("outputs") for c in committed.cells if c.cell_type == "code")
 
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from jaxinfer.pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 # Triton custom calls carry no cross-version compatibility guarantee; export refuses them unless
 # told this module is for same-version use (which is what the engine does: lower and run).

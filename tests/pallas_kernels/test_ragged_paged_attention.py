@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.ragged_paged_attention import (
+from jaxinfer.pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
     validate_dynamic,
@@ -439,7 +439,7 @@ def test_dispatch_needs_interpret_on_cpu():
 
 
 def test_bench_attention_tool_runs(tmp_path, capsys):
-    from tools import bench_attention
+    from jaxinfer.tools import bench_attention
 
     out = tmp_path / "bench.json"
     rc = bench_attention.main(["--backend", "reference", "--batches", "2", "--contexts", "40",

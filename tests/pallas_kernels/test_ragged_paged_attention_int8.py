@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention, validate_dynamic
+from jaxinfer.pallas_kernels.ragged_paged_attention import ragged_paged_attention, validate_dynamic
 from tests.pallas_kernels.test_ragged_paged_attention import (
     _mixed_seqs,
     _reference_jit,

@@ -15,12 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
-from runtime.attention import resolve_backend, xla_ragged_paged_attention
-from runtime.config import ModelConfig
-from runtime.kv_cache import init_cache
-from runtime.model import init_params
-from runtime.steps import step
+from jaxinfer.pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
+from jaxinfer.runtime.attention import resolve_backend, xla_ragged_paged_attention
+from jaxinfer.runtime.config import ModelConfig
+from jaxinfer.runtime.kv_cache import init_cache
+from jaxinfer.runtime.model import init_params
+from jaxinfer.runtime.steps import step
 from tests.model_utils import run_sequence
 from tests.pallas_kernels.test_ragged_paged_attention import make_case
 
@@ -58,7 +58,7 @@ def test_xla_path_matches_reference(heads, head_dim, page_size, window, dtype):
 def test_xla_path_query_tiles(monkeypatch, seqs, max_q, window, gather_bytes):
     """The tiled XLA path over prompts longer than one tile, windows narrower than the context
     (tiles gather a page window), and the sequential-tiles branch, vs the reference."""
-    import runtime.attention as ra
+    import jaxinfer.runtime.attention as ra
 
     if gather_bytes is not None:
         monkeypatch.setattr(ra, "_GATHER_BYTES", gather_bytes)

@@ -7,8 +7,8 @@ import jax
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from runtime import LLM, SamplingParams
-from tools.make_test_model import make
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.tools.make_test_model import make
 
 ENGINE = dict(max_slots=2, page_size=8, max_model_len=128, prefill_chunk=32)
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -124,7 +124,7 @@ def test_padded_vocabulary_rows_are_never_sampled(padded_dir):
     # the padding rows win the raw argmax: the mask is what keeps them out
     import jax.numpy as jnp
 
-    from runtime.model import compute_logits
+    from jaxinfer.runtime.model import compute_logits
     h = jnp.ones((1, llm.engine.cfg.hidden_size), jnp.float32)
     assert int(jnp.argmax(compute_logits(llm.engine.params, h, llm.engine.cfg)[0])) >= 2000
     params = [GREEDY, SamplingParams(max_tokens=12, temperature=1.0, seed=3, ignore_eos=True),

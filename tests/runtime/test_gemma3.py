@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from checkpoints.hf import load_hf
+from jaxinfer.checkpoints.hf import load_hf
 from tests.gemma_fixtures import (  # noqa: F401  (session fixtures)
     LOAD_STATS,
     gemma_gguf_path,
@@ -124,7 +124,7 @@ def test_real_config_and_norms(gemma_ours, gemma_hf):
 
 
 def test_real_tokenizer_ids(gemma_tokenizer, gemma_gguf_path, gemma_reader):
-    from checkpoints.gguf import load_gguf_tokenizer
+    from jaxinfer.checkpoints.gguf import load_gguf_tokenizer
 
     assert gemma_tokenizer.encode(PROMPTS[0]) == FRANCE_IDS
     tok = load_gguf_tokenizer(gemma_gguf_path, reader=gemma_reader)

@@ -14,14 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.ragged_paged_attention import (
+from jaxinfer.pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
     validate_static,
 )
-from runtime.attention import xla_ragged_paged_attention
-from runtime.config import EngineConfig, ModelConfig
-from runtime.kv_cache import QuantizedPages, init_cache, quantize_kv, write_pages
+from jaxinfer.runtime.attention import xla_ragged_paged_attention
+from jaxinfer.runtime.config import EngineConfig, ModelConfig
+from jaxinfer.runtime.kv_cache import QuantizedPages, init_cache, quantize_kv, write_pages
 from tests.pallas_kernels.test_ragged_paged_attention import make_case
 
 CASES = [  # (seqs, Hq, Hkv, head_dim, page_size, window, soft_cap)
@@ -126,7 +126,7 @@ def test_validators_and_kernels_on_int8_pages():
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
-    from checkpoints.hf import load_hf
+    from jaxinfer.checkpoints.hf import load_hf
     from tests.hf_models import make_hf_model
 
     d = tmp_path_factory.mktemp("kv8_llama")
@@ -149,8 +149,8 @@ def test_model_logits_with_int8_kv_close_to_f32_kv(tiny_llama):
 
 
 def test_engine_int8_kv_generate(tiny_llama):
-    from runtime import LLM, SamplingParams
-    from tools.make_test_model import make
+    from jaxinfer import LLM, SamplingParams
+    from jaxinfer.tools.make_test_model import make
 
     d = make(tiny_llama[0].parent / "kv8_sp", "tiny", seed=0)
     sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)

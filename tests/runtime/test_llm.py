@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from runtime import LLM, RequestError, SamplingParams
+from jaxinfer import LLM, RequestError, SamplingParams
 
 PROMPTS = [
     "To be, or not to be", "Hello", "The king is dead; long live the king. " * 6,

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from checkpoints.hf import load_hf
+from jaxinfer.checkpoints.hf import load_hf
 from tests.hf_models import FAMILIES, make_hf_model
 from tests.model_utils import run_sequence
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from runtime import LLM, SamplingParams
+from jaxinfer import LLM, SamplingParams
 
 PS = 8  # page size used throughout
 

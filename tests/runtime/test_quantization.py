@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from runtime.quantization import (
+from jaxinfer.runtime.quantization import (
     QuantizationError,
     QuantizedArray,
     dequantize,
@@ -137,7 +137,7 @@ def test_w8a8_grouped_activation_scales(spec, xs, ws, axes):
     """Contractions over >= MIN_GROUPS * ACT_GROUP channels quantize activations per token per group of
     ACT_GROUP channels: exact on those operands, and closer to f32 than one scale per token
     when a few channels are outliers."""
-    from runtime.quantization import ACT_GROUP
+    from jaxinfer.runtime.quantization import ACT_GROUP
 
     rng = np.random.default_rng(8)
     xn = rng.standard_normal(xs)
@@ -198,7 +198,7 @@ def test_bad_formats_and_modes():
         quantize(w, "int8", (0,), mode="int4_awq")
     with pytest.raises(NotImplementedError, match="group_size"):
         quantize(w, "int8", (0,), group_size=32)
-    from runtime.quantization import placer
+    from jaxinfer.runtime.quantization import placer
 
     with pytest.raises(QuantizationError, match="fp8 weights need float32 or bfloat16"):
         placer("fp8", jnp.float16)
@@ -209,7 +209,7 @@ def test_bad_formats_and_modes():
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
-    from checkpoints.hf import load_hf
+    from jaxinfer.checkpoints.hf import load_hf
     from tests.gemma_fixtures import tiny_gemma3_hf
     from tests.hf_models import make_hf_model
 
@@ -264,7 +264,7 @@ PROMPTS = ["To be, or not to be", "Now is the winter of our discontent", "O Rome
 
 @pytest.fixture(scope="module")
 def f32_tokens(tiny_dir):
-    from runtime import LLM, SamplingParams
+    from jaxinfer import LLM, SamplingParams
 
     llm = LLM(str(tiny_dir), max_slots=4, page_size=8, max_model_len=128)
     return [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(**GREEDY))]
@@ -273,9 +273,9 @@ def f32_tokens(tiny_dir):
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 def test_llm_quantized_generate_and_convert_round_trip(tiny_dir, tmp_path, f32_tokens, fmt,
                                                        monkeypatch):
-    from checkpoints.orbax_io import load_converted
-    from runtime import LLM, SamplingParams
-    from serve.cli import main
+    from jaxinfer.checkpoints.orbax_io import load_converted
+    from jaxinfer import LLM, SamplingParams
+    from jaxinfer.serve.cli import main
 
     llm = LLM(str(tiny_dir), quantization=fmt, max_slots=4, page_size=8, max_model_len=128)
     spec = quantization_spec(llm.engine.params)
@@ -290,7 +290,7 @@ def test_llm_quantized_generate_and_convert_round_trip(tiny_dir, tmp_path, f32_t
     manifest = json.loads((out / "jaxinfer.json").read_text())
     assert manifest["quantization"]["fmt"] == fmt and manifest["dtype"] == "float32"
     # loading needs no re-quantization: the quantizer must not run
-    import runtime.quantization as rq
+    import jaxinfer.runtime.quantization as rq
 
     def boom(*a, **k):
         raise AssertionError("re-quantized on load")
@@ -313,8 +313,8 @@ def test_llm_quantized_generate_and_convert_round_trip(tiny_dir, tmp_path, f32_t
 
 
 def test_llm_bad_quantization_input(tiny_dir):
-    from runtime import LLM
-    from serve.cli import main
+    from jaxinfer import LLM
+    from jaxinfer.serve.cli import main
 
     with pytest.raises(ValueError, match="quantization must be one of"):
         LLM(str(tiny_dir), quantization="int4")
@@ -327,7 +327,7 @@ def test_llm_bad_quantization_input(tiny_dir):
 
 
 def test_llm_keep_embeddings_and_bf16_int8(tiny_dir, f32_tokens):
-    from runtime import LLM, SamplingParams
+    from jaxinfer import LLM, SamplingParams
 
     llm = LLM(str(tiny_dir), quantization="int8", quantize_embeddings=False, dtype="bfloat16",
               max_slots=4, page_size=8, max_model_len=128)
@@ -340,7 +340,7 @@ def test_llm_keep_embeddings_and_bf16_int8(tiny_dir, f32_tokens):
 
 
 def test_bench_quality_tiny(tiny_dir):
-    from tools.bench_quality import run, table
+    from jaxinfer.tools.bench_quality import run, table
 
     res = run(str(tiny_dir), variants=("f32", "int8", "f32+kv8"), ppl_tokens=128, chunk=64,
               agree_prompts=2, agree_len=16, decode_tokens=4, batches=(1, 2), log=lambda s: None)
@@ -369,7 +369,7 @@ class _StubTokenizer:
 
 @pytest.mark.parametrize("family", ["qwen2", "gemma3"])
 def test_smoothing_keeps_the_float_function(tiny_models, family):
-    from runtime.smoothing import calibration_tokens, norm_input_maxima, smooth_layers
+    from jaxinfer.runtime.smoothing import calibration_tokens, norm_input_maxima, smooth_layers
     from tests.model_utils import run_sequence
 
     cfg, params = tiny_models[family]
@@ -389,8 +389,8 @@ def test_smoothing_keeps_the_float_function(tiny_models, family):
 
 
 def test_norm_input_maxima_is_the_first_norm_output(tiny_models):
-    from runtime.model import rms_norm
-    from runtime.smoothing import norm_input_maxima
+    from jaxinfer.runtime.model import rms_norm
+    from jaxinfer.runtime.smoothing import norm_input_maxima
 
     cfg, params = tiny_models["gemma3"]
     toks = list(np.random.default_rng(4).integers(3, cfg.vocab_size, 40))
@@ -404,7 +404,7 @@ def test_norm_input_maxima_is_the_first_norm_output(tiny_models):
 
 
 def test_smoothing_scales_balance_activation_and_weight_ranges():
-    from runtime.smoothing import smoothing_scales
+    from jaxinfer.runtime.smoothing import smoothing_scales
 
     rng = np.random.default_rng(5)
     x_max, w_max = np.exp(rng.uniform(-3, 4, 64)), np.exp(rng.uniform(-5, 0, 64))
@@ -420,7 +420,7 @@ def test_smoothing_lowers_w8a8_error_on_outlier_channels():
     """Activations with a few large channels (as after a norm in a real model): per-token int8
     activations lose the small channels; smoothed operands give the same product, quantized
     closer to the exact one."""
-    from runtime.smoothing import _row_max, smoothing_scales
+    from jaxinfer.runtime.smoothing import _row_max, smoothing_scales
 
     rng = np.random.default_rng(6)
     x = rng.standard_normal((32, 256))
@@ -438,7 +438,7 @@ def test_smoothing_lowers_w8a8_error_on_outlier_channels():
 
 
 def test_quantize_params_smooths_int8_w8a8_only(tiny_models):
-    from runtime.smoothing import SMOOTHED_WEIGHTS
+    from jaxinfer.runtime.smoothing import SMOOTHED_WEIGHTS
 
     cfg, params = tiny_models["gemma3"]
     tok = _StubTokenizer(cfg.vocab_size)
@@ -463,7 +463,7 @@ def test_quantize_params_smooths_int8_w8a8_only(tiny_models):
 
 
 def test_llm_int8_is_smoothed_at_load_weight_only_is_not(tiny_dir):
-    from runtime import LLM
+    from jaxinfer import LLM
 
     kw = dict(max_slots=1, page_size=8, max_model_len=64)
     f32 = LLM(str(tiny_dir), **kw).engine.params

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from runtime.requests import SamplingParams
-from runtime.scheduler import QueueFull, Request, Scheduler
+from jaxinfer.runtime.requests import SamplingParams
+from jaxinfer.runtime.scheduler import QueueFull, Request, Scheduler
 
 V = 101  # fake vocabulary
 

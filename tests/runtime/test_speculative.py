@@ -6,9 +6,9 @@ target accepts everything; stops / max_tokens with several tokens per step; no p
 import numpy as np
 import pytest
 
-from runtime import LLM, SamplingParams
-from runtime.speculative import NgramProposer
-from tools.make_test_model import make
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.runtime.speculative import NgramProposer
+from jaxinfer.tools.make_test_model import make
 
 BASE = [
     "To be, or not to be", "Hello", "The king is dead; long live the king. " * 6,

@@ -20,12 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from runtime.config import EngineConfig, ModelConfig
-from runtime.requests import SamplingParams
-from runtime.engine import Engine
-from runtime.model import init_params
-from runtime.speculative import accept, probs_of
-from runtime.tokenizer import Tokenizer
+from jaxinfer.runtime.config import EngineConfig, ModelConfig
+from jaxinfer.runtime.requests import SamplingParams
+from jaxinfer.runtime.engine import Engine
+from jaxinfer.runtime.model import init_params
+from jaxinfer.runtime.speculative import accept, probs_of
+from jaxinfer.runtime.tokenizer import Tokenizer
 
 V, K, N = 12, 3, 20_000
 BOUND = 0.03

@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from runtime import sharding as shd
-from runtime.config import ModelConfig
-from runtime.kv_cache import init_cache
-from runtime.model import init_params
+from jaxinfer.runtime import sharding as shd
+from jaxinfer.runtime.config import ModelConfig
+from jaxinfer.runtime.kv_cache import init_cache
+from jaxinfer.runtime.model import init_params
 from tests.model_utils import _fwd, single_sequence_metadata
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -107,7 +107,7 @@ def test_rules_replicate_what_does_not_divide():
 
 
 def test_quantized_leaves_shard_values_and_scales_alike():
-    from runtime.quantization import quantize_params
+    from jaxinfer.runtime.quantization import quantize_params
 
     mesh_like = type("M", (), {"shape": {"data": 1, "model": 4}})()
     qp = jax.eval_shape(lambda: quantize_params(init_params(LLAMA, jax.random.key(0)), "int8"))
@@ -182,7 +182,7 @@ def test_follower_replaying_broadcast_plans_matches_leader(tiny_dir):
     """The multi-host protocol on one machine: a leader engine broadcasts each step's plan;
     a follower engine (no scheduler use) replays them with `follow` and ends with the same
     cache, bit for bit, after running the same number of steps."""
-    from runtime import LLM, SamplingParams
+    from jaxinfer import LLM, SamplingParams
 
     sent = []
 
@@ -243,7 +243,7 @@ def test_forward_logits_match_across_tp_and_gqa_replication():
 
 @on_8_devices
 def test_quantized_params_shard_and_match():
-    from runtime.quantization import quantize_params
+    from jaxinfer.runtime.quantization import quantize_params
 
     qp = quantize_params(init_params(LLAMA, jax.random.key(2)), "int8")
     ref, _ = _run_forward(qp, LLAMA)
@@ -260,7 +260,7 @@ def test_quantized_params_shard_and_match():
 def test_int8_smoothing_under_tp_equals_single_device(tmp_path):
     """LLM(quantization="int8") smooths (norm weights change) the same way with params
     streamed into shards as on one device, and the result is sharded by the rules."""
-    from runtime import LLM
+    from jaxinfer import LLM
 
     d = _write_model(tmp_path / "llama", "llama")
     one = LLM(str(d), quantization="int8", max_slots=2, page_size=8, max_model_len=64)
@@ -294,7 +294,7 @@ def test_per_device_param_bytes_shrink_with_tp():
 
 @on_8_devices
 def test_orbax_save_tp1_restore_tp4_bit_identical(tmp_path):
-    from checkpoints.orbax_io import load_converted, save_converted
+    from jaxinfer.checkpoints.orbax_io import load_converted, save_converted
 
     params = init_params(GEMMA, jax.random.key(3))
     save_converted(tmp_path / "ck", GEMMA, params, source="test")
@@ -319,7 +319,7 @@ def _write_model(out: Path, family: str) -> Path:
     import torch
     import transformers
 
-    from tools.make_test_model import train_tokenizer
+    from jaxinfer.tools.make_test_model import train_tokenizer
 
     out.mkdir(parents=True)
     torch.manual_seed(0)
@@ -351,7 +351,7 @@ PROMPTS = ["To be, or not to be", "Hello", "Now is the winter of our discontent 
 
 @on_8_devices
 def test_llm_greedy_tokens_identical_across_tp_and_no_recompiles(tmp_path):
-    from runtime import LLM, SamplingParams
+    from jaxinfer import LLM, SamplingParams
 
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     for family in ("llama", "gemma"):
@@ -379,7 +379,7 @@ def test_llm_greedy_tokens_identical_across_tp_and_no_recompiles(tmp_path):
 
 @on_8_devices
 def test_cli_tensor_parallel_flag(tmp_path):
-    from serve.cli import build_parser, llm_from_args
+    from jaxinfer.serve.cli import build_parser, llm_from_args
 
     d = _write_model(tmp_path / "m", "llama")
     args = build_parser().parse_args(["generate", "--model", str(d), "--tensor-parallel", "2",
@@ -395,7 +395,7 @@ def test_cli_tensor_parallel_flag(tmp_path):
 
 @on_8_devices
 def test_pallas_kernel_under_shard_map_matches_unsharded():
-    from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+    from jaxinfer.pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
     rng = np.random.default_rng(0)
     hq, hkv, dh, ps, n = 8, 4, 64, 8, 9

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.tokenizer import (
+from jaxinfer.runtime.tokenizer import (
     HFTokenizer,
     IncrementalDetokenizer,
     SentencePieceTokenizer,

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime import LLM, SamplingParams
-from serve.batch import BatchError, run_batch, scan_output
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.serve.batch import BatchError, run_batch, scan_output
 
 REPO = Path(__file__).resolve().parents[2]
 ENGINE = dict(max_slots=4, page_size=8, max_model_len=128)
@@ -197,7 +197,7 @@ def test_resume_refuses_damage_in_the_middle_and_foreign_files(tmp_path):
 
 
 def test_existing_output_is_not_clobbered(tiny_dir, tmp_path, capsys):
-    from serve.cli import main
+    from jaxinfer.serve.cli import main
 
     _write(tmp_path / "in.jsonl", [{"id": 1, "prompt": "hi"}])
     (tmp_path / "out.jsonl").write_text('{"id": 0, "text": "keep me"}\n')
@@ -265,7 +265,7 @@ def test_sigkill_twice_then_resume_gives_every_id_exactly_once(llm, tiny_dir, tm
     ref = _read(tmp_path / "ref.jsonl")
 
     out, log = tmp_path / "out.jsonl", tmp_path / "stderr.log"
-    cmd = [sys.executable, "-m", "serve.cli", "batch", "--model", str(tiny_dir),
+    cmd = [sys.executable, "-m", "jaxinfer.serve.cli", "batch", "--model", str(tiny_dir),
            "--input", str(tmp_path / "in.jsonl"), "--output", str(out), *ENGINE_FLAGS,
            "--ignore-eos", "--max-tokens", "16", "--fsync", "line"]
     total = len(rows)

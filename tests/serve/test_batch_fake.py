@@ -17,8 +17,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from runtime.requests import Limits
-from serve.batch import run_batch
+from jaxinfer.runtime.requests import Limits
+from jaxinfer.serve.batch import run_batch
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -161,7 +161,7 @@ def test_ordered_reorder_window_stops_admission_until_head_finishes(tmp_path):
 
 
 def test_queue_full_is_retried_not_an_error(tmp_path):
-    from runtime.scheduler import QueueFull
+    from jaxinfer.runtime.scheduler import QueueFull
 
     class Limited(FakeEngine):
         def add_request(self, prompt_ids, params, request_id):
@@ -179,8 +179,8 @@ def test_queue_full_is_retried_not_an_error(tmp_path):
 _MEM_SCRIPT = r"""
 import json, resource, sys
 sys.path.insert(0, sys.argv[4])
-from runtime.requests import Limits
-from serve.batch import run_batch
+from jaxinfer.runtime.requests import Limits
+from jaxinfer.serve.batch import run_batch
 from tests.serve.test_batch_fake import FakeEngine, FakeTokenizer
 s = run_batch(FakeEngine(max_slots=32, text_len=1500), FakeTokenizer(), sys.argv[1], sys.argv[2],
               sampling={"max_tokens": int(sys.argv[3])}, progress=False)
@@ -240,8 +240,8 @@ def test_error_records_are_written_in_order_and_counted(tmp_path, ordered):
 _BAR_SCRIPT = r"""
 import sys
 sys.path.insert(0, sys.argv[3])
-from runtime.requests import Limits
-from serve.batch import run_batch
+from jaxinfer.runtime.requests import Limits
+from jaxinfer.serve.batch import run_batch
 from tests.serve.test_batch_fake import FakeEngine, FakeTokenizer
 run_batch(FakeEngine(max_slots=4), FakeTokenizer(), sys.argv[1], sys.argv[2],
           sampling={"max_tokens": 3})

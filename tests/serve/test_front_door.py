@@ -15,9 +15,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from runtime import LLM, SamplingParams
-from serve.grpc_server import ServerConfig, ServerThread
-from serve.proto import jaxinfer_pb2, jaxinfer_pb2_grpc
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.serve.grpc_server import ServerConfig, ServerThread
+from jaxinfer.serve.proto import jaxinfer_pb2, jaxinfer_pb2_grpc
 
 ENGINE = dict(max_slots=4, page_size=8, max_model_len=256)
 MODEL = "tiny"
@@ -239,7 +239,7 @@ def test_an_engine_fault_fails_its_request_and_the_server_keeps_serving(server):
 def test_soak_over_grpc_and_http_with_hostile_traffic_loses_nothing(server):
     import asyncio
 
-    from tools.soak import run_soak
+    from jaxinfer.tools.soak import run_soak
 
     s = asyncio.run(run_soak(f"127.0.0.1:{server.port}",
                              http_target=f"127.0.0.1:{server.http_port}", model=MODEL,
@@ -256,7 +256,7 @@ def test_soak_over_grpc_and_http_with_hostile_traffic_loses_nothing(server):
 
 
 def test_auth_token_from_file_or_environment(tmp_path, monkeypatch):
-    from serve.grpc_server import auth_token
+    from jaxinfer.serve.grpc_server import auth_token
 
     monkeypatch.delenv("JAXINFER_AUTH_TOKEN", raising=False)
     assert auth_token(None, None) is None

@@ -18,12 +18,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime import LLM
-from runtime.requests import (SAMPLING_FIELDS, Limits, RequestError, check_request, parse_prompt,
+from jaxinfer import LLM
+from jaxinfer.runtime.requests import (SAMPLING_FIELDS, Limits, RequestError, check_request, parse_prompt,
                               sampling_from_json)
-from serve.batch import LineError, _Parser
-from serve.grpc_server import ServerConfig, ServerThread
-from serve.proto import jaxinfer_pb2, jaxinfer_pb2_grpc
+from jaxinfer.serve.batch import LineError, _Parser
+from jaxinfer.serve.grpc_server import ServerConfig, ServerThread
+from jaxinfer.serve.proto import jaxinfer_pb2, jaxinfer_pb2_grpc
 
 MODEL = "fuzz"
 FUZZ = settings(derandomize=True, deadline=None, database=None,

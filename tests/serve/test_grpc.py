@@ -16,10 +16,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from runtime import LLM, SamplingParams
-from serve.grpc_server import ServerConfig, ServerThread
-from serve.metrics import parse_text
-from serve.proto import jaxinfer_pb2, jaxinfer_pb2_grpc, jetstream_pb2, jetstream_pb2_grpc
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.serve.grpc_server import ServerConfig, ServerThread
+from jaxinfer.serve.metrics import parse_text
+from jaxinfer.serve.proto import jaxinfer_pb2, jaxinfer_pb2_grpc, jetstream_pb2, jetstream_pb2_grpc
 
 ENGINE = dict(max_slots=4, page_size=8, max_model_len=1024)
 REPO = Path(__file__).resolve().parents[2]
@@ -363,7 +363,7 @@ def test_malformed_requests_invalid_argument_then_server_still_serves(channel):
 
 
 def test_short_soak_loses_nothing(server):
-    from tools.soak import run_soak
+    from jaxinfer.tools.soak import run_soak
 
     # a stream silent for hang_s counts as lost; the server compiles step shapes on first use,
     # which on a loaded CI machine can take tens of seconds
@@ -379,7 +379,7 @@ def test_short_soak_loses_nothing(server):
 def test_bench_serving_writes_json_and_plot(server, tmp_path):
     import json
 
-    from tools.bench_serving import main
+    from jaxinfer.tools.bench_serving import main
 
     out = tmp_path / "bench"
     rc = main(["--target", f"127.0.0.1:{server.port}", "--rates", "50,inf", "--num-requests", "8",
@@ -546,7 +546,7 @@ def test_cli_serve_sigterm_drains_and_exits_zero(tiny_dir):
     port, mport = _free_port(), _free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "serve.cli", "serve", "--model", str(tiny_dir), "--port", str(port),
+        [sys.executable, "-m", "jaxinfer.serve.cli", "serve", "--model", str(tiny_dir), "--port", str(port),
          "--metrics-port", str(mport), "--max-slots", "2", "--page-size", "8",
          "--max-model-len", "512"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -16,12 +16,12 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from runtime import LLM, SamplingParams  # noqa: E402
-from serve.chat_template import GEMMA_TEMPLATE, ChatTemplate, ChatTemplateError  # noqa: E402
-from serve.grpc_server import ServerConfig, ServerThread, banner  # noqa: E402
-from serve.metrics import parse_text  # noqa: E402
-from serve.proto import jaxinfer_pb2, jaxinfer_pb2_grpc  # noqa: E402
-from tools.make_test_model import make  # noqa: E402
+from jaxinfer import LLM, SamplingParams  # noqa: E402
+from jaxinfer.serve.chat_template import GEMMA_TEMPLATE, ChatTemplate, ChatTemplateError  # noqa: E402
+from jaxinfer.serve.grpc_server import ServerConfig, ServerThread, banner  # noqa: E402
+from jaxinfer.serve.metrics import parse_text  # noqa: E402
+from jaxinfer.serve.proto import jaxinfer_pb2, jaxinfer_pb2_grpc  # noqa: E402
+from jaxinfer.tools.make_test_model import make  # noqa: E402
 
 ENGINE = dict(max_slots=4, page_size=8, max_model_len=1024)
 TOKEN = "test-token"
@@ -201,7 +201,7 @@ MESSAGES = [{"role": "system", "content": "You are terse."},
 def test_chat_template_renders_as_transformers(ref_llm):
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    from serve.chat_template import resolve_chat_template
+    from jaxinfer.serve.chat_template import resolve_chat_template
 
     tpl = resolve_chat_template(ref_llm.tokenizer, ref_llm.model.cfg)
     assert tpl.origin == "checkpoint" and tpl.bos_token == "<s>" and tpl.eos_token == "</s>"
@@ -241,7 +241,7 @@ def test_builtin_gemma_template_matches_transformers(ref_llm):
 
 
 def test_chat_matches_llm_generate(client, ref_llm):
-    from serve.chat_template import resolve_chat_template
+    from jaxinfer.serve.chat_template import resolve_chat_template
 
     ids = resolve_chat_template(ref_llm.tokenizer, ref_llm.model.cfg).encode(MESSAGES)
     kw = dict(max_tokens=16, temperature=0.9, logprobs=2)
@@ -270,7 +270,7 @@ def test_chat_matches_llm_generate(client, ref_llm):
 
 
 def test_chat_greedy_stop_and_length(client, ref_llm):
-    from serve.chat_template import resolve_chat_template
+    from jaxinfer.serve.chat_template import resolve_chat_template
 
     ids = resolve_chat_template(ref_llm.tokenizer, ref_llm.model.cfg).encode(MESSAGES)
     free = ref_llm.generate([ids], SamplingParams(max_tokens=20, temperature=0.0))[0]

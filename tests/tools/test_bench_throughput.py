@@ -10,7 +10,7 @@ from pathlib import Path
 
 import jax
 
-from tools.make_test_model import make
+from jaxinfer.tools.make_test_model import make
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,7 +21,7 @@ def test_report_counts_and_no_compiles_after_warmup(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                JAXINFER_COMPILATION_CACHE=jax.config.jax_compilation_cache_dir or "0")
     r = subprocess.run(
-        [sys.executable, "-m", "serve.cli", "bench", "throughput", "--model", str(model),
+        [sys.executable, "-m", "jaxinfer.serve.cli", "bench", "throughput", "--model", str(model),
          "--num-requests", "6", "--input-len", "4:30", "--output-len", "2:12", "--max-slots", "4",
          "--max-model-len", "64", "--prefill-chunk", "16", "--static-batching", "--compare-sync",
          "--out", str(out)],

@@ -1,0 +1,32 @@
+"""jaxinfer: LLM inference on JAX/XLA. `from jaxinfer import LLM, SamplingParams`.
+
+The subpackages live in the repository's top-level folders and are installed under this name:
+jaxinfer.runtime (engine, scheduler, model), jaxinfer.pallas_kernels, jaxinfer.checkpoints,
+jaxinfer.serve (CLI, gRPC, HTTP, JSONL batch) and jaxinfer.tools (benchmarks, test models).
+
+Names resolve lazily, so `import jaxinfer` does not import JAX.
+"""
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "RequestError", "EngineConfig", "ModelConfig"]
+
+_HOMES = {
+    "LLM": "jaxinfer.runtime.llm",
+    "SamplingParams": "jaxinfer.runtime.requests",
+    "RequestOutput": "jaxinfer.runtime.requests",
+    "RequestError": "jaxinfer.runtime.requests",
+    "EngineConfig": "jaxinfer.runtime.config",
+    "ModelConfig": "jaxinfer.runtime.config",
+}
+
+
+def __getattr__(name):
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'jaxinfer' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(home), name)
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)
