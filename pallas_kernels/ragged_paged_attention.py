@@ -32,8 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-# A finite floor for running maxima: fully masked rows never produce exp(-inf - -inf) = NaN.
-MASK_FLOOR = -1e30
+from jaxinfer.pallas_kernels.masking import MASK_FLOOR
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 PLATFORMS = ("tpu", "gpu")

@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxinfer.pallas_kernels.ragged_paged_attention import MASK_FLOOR
+from jaxinfer.pallas_kernels.masking import MASK_FLOOR
 
 
 def _kernel(

@@ -30,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxinfer.pallas_kernels.ragged_paged_attention import MASK_FLOOR
+from jaxinfer.pallas_kernels.masking import MASK_FLOOR
 
 LANES = 128
 

@@ -243,6 +243,7 @@ def _activation(name: str) -> str:
 
 
 ATTENTION_BACKENDS = (None, "xla", "pallas", "pallas_interpret")
+COMPUTE_DTYPES = ("float32", "bfloat16")
 
 
 SPEC_METHODS = ("draft", "ngram")
@@ -311,8 +312,8 @@ class EngineConfig:
     async_scheduling: bool = True
 
     def __post_init__(self):
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"dtype must be one of {COMPUTE_DTYPES}, got {self.dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"

@@ -160,9 +160,9 @@ class LLM:
             self.engine.pop(rid)
 
     def generate_jsonl(self, in_path, out_path, **kw) -> dict:
-        """Run a JSONL file through the engine (see `serve.batch.run_batch` for the format and
+        """Run a JSONL file through the engine (see `runtime.batch.run_batch` for the format and
         options: sampling=dict(...), resume, ordered, ...); returns the summary dict."""
-        from jaxinfer.serve.batch import run_batch
+        from jaxinfer.runtime.batch import run_batch
 
         return run_batch(self.engine, self.tokenizer, str(in_path), str(out_path), **kw)
 

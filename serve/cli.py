@@ -3,75 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
-DEFAULT_MODEL = "gemma3-270m"
-
-
-def engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help="HF checkpoint dir, .gguf file, `jaxinfer convert` dir, or a model name "
-                        f"(default: {DEFAULT_MODEL})")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--max-slots", type=int, default=8)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--num-pages", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--attention-backend", default=None,
-                   choices=["xla", "pallas", "pallas_interpret"])
-    p.add_argument("--quantization", default=None, choices=["int8", "fp8"],
-                   help="quantize weights at load (per-channel scales)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
-                   help="int8 KV pages with per-token-per-head scales (XLA attention path)")
-    p.add_argument("--prefill-chunk", type=int, default=256,
-                   help="per-step prompt token budget (chunked prefill)")
-    p.add_argument("--no-prefix-caching", action="store_true",
-                   help="do not share KV pages of common prompt prefixes")
-    p.add_argument("--no-async-scheduling", action="store_true",
-                   help="each step waits for the previous step's tokens (default: step n+1 is "
-                        "planned and launched while step n runs)")
-    p.add_argument("--speculative", default=None, type=json.loads,
-                   help='speculative decoding, e.g. \'{"method": "ngram", "k": 4, "n": 3}\' or '
-                        '\'{"method": "draft", "model": "PATH", "k": 4}\'')
-    p.add_argument("--tensor-parallel", type=int, default=1,
-                   help="shard params and KV cache over N devices (multi-host: all devices)")
-    p.add_argument("--distributed", action="store_true",
-                   help="join a multi-host job (jax.distributed.initialize; env "
-                        "JAXINFER_COORDINATOR_ADDRESS / _NUM_PROCESSES / _PROCESS_ID or "
-                        "auto-detected on TPU pods); process 0 serves, the others follow")
-
-
-def llm_from_args(args):
-    from jaxinfer.runtime.llm import LLM
-
-    opts = dict(dtype=args.dtype, max_slots=args.max_slots, page_size=args.page_size,
-                num_pages=args.num_pages, attention_backend=args.attention_backend,
-                quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-                prefill_chunk=args.prefill_chunk,
-                enable_prefix_caching=not args.no_prefix_caching,
-                async_scheduling=not getattr(args, "no_async_scheduling", False),
-                speculative=args.speculative)
-    if args.max_model_len:
-        opts["max_model_len"] = args.max_model_len
-    tp = getattr(args, "tensor_parallel", 1)
-    if tp != 1:
-        opts["tensor_parallel"] = tp
-    if getattr(args, "distributed", False):
-        from jaxinfer.runtime.sharding import follow, init_distributed
-
-        leader = init_distributed()
-        llm = LLM(args.model, **opts)
-        if not leader:  # a follower runs the leader's steps on its devices until released
-            follow(llm.engine)
-            sys.exit(0)
-        import atexit
-
-        atexit.register(llm.engine.release_followers)
-        return llm
-    return LLM(args.model, **opts)
-
+from jaxinfer.serve.engine_args import engine_args, llm_from_args
 
 def cmd_generate(args) -> int:
     from jaxinfer.runtime.requests import SamplingParams
@@ -117,11 +52,16 @@ def cmd_convert(args) -> int:
 
 
 # Modules that add their own subcommands: each has `register(subparsers, engine_args)`.
-COMMAND_MODULES: tuple[str, ...] = ("jaxinfer.tools.bench_throughput", "jaxinfer.serve.batch", "jaxinfer.serve.grpc_server", "jaxinfer.tools.bench_serving")
+COMMAND_MODULES: tuple[str, ...] = ("jaxinfer.tools.bench_throughput", "jaxinfer.serve.batch",
+                                    "jaxinfer.serve.grpc_server", "jaxinfer.tools.bench_serving",
+                                    "jaxinfer.tools.bench_quality")
 
 
 def build_parser() -> argparse.ArgumentParser:
     import importlib
+
+    from jaxinfer.runtime.config import COMPUTE_DTYPES
+    from jaxinfer.runtime.quantization import FORMATS
 
     p = argparse.ArgumentParser(prog="jaxinfer", description="LLM inference on JAX/XLA")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -141,16 +81,15 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("convert", help="convert a checkpoint (HF dir or GGUF) to orbax")
     c.add_argument("src", help="HF checkpoint dir, .gguf file or model name")
     c.add_argument("out")
-    c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    c.add_argument("--dtype", default="float32", choices=COMPUTE_DTYPES)
     c.add_argument("--overwrite", action="store_true")
-    c.add_argument("--quantize", default=None, choices=["int8", "fp8"],
+    c.add_argument("--quantize", default=None, choices=FORMATS,
                    help="save int8 / fp8 weights with per-channel scales")
     c.add_argument("--keep-embeddings", action="store_true",
                    help="with --quantize: keep embed / lm_head in --dtype")
     c.set_defaults(fn=cmd_convert)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub, engine_args)
-    importlib.import_module("jaxinfer.tools.bench_quality").register(sub, engine_args)
     return p
 
 

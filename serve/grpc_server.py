@@ -465,7 +465,7 @@ def register(subparsers, engine_args) -> None:
 
 
 def cmd_serve(args) -> int:
-    from jaxinfer.serve.cli import llm_from_args
+    from jaxinfer.serve.engine_args import llm_from_args
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -379,7 +379,8 @@ def test_llm_greedy_tokens_identical_across_tp_and_no_recompiles(tmp_path):
 
 @on_8_devices
 def test_cli_tensor_parallel_flag(tmp_path):
-    from jaxinfer.serve.cli import build_parser, llm_from_args
+    from jaxinfer.serve.cli import build_parser
+    from jaxinfer.serve.engine_args import llm_from_args
 
     d = _write_model(tmp_path / "m", "llama")
     args = build_parser().parse_args(["generate", "--model", str(d), "--tensor-parallel", "2",

@@ -1,8 +1,8 @@
-"""`serve.batch` driven by a fake engine (no JAX): admission, reorder window, and bounded memory
+"""`runtime.batch` driven by a fake engine (no JAX): admission, reorder window, and bounded memory
 on a 20,000-line input.
 
 The 20k-line memory test runs the real reader, parser, admission loop, reorder logic and
-writer of `serve.batch.run_batch` in a subprocess, but with `FakeEngine` instead of the JAX
+writer of `runtime.batch.run_batch` in a subprocess, but with `FakeEngine` instead of the JAX
 engine: a real-engine run of 20k lines would take minutes on this 2-core machine, and the
 memory question is about the batch layer (does it hold the file or the results?), not the
 engine, whose memory is fixed by its page pool.
@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 from jaxinfer.runtime.requests import Limits
-from jaxinfer.serve.batch import run_batch
+from jaxinfer.runtime.batch import run_batch
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -180,8 +180,8 @@ _MEM_SCRIPT = r"""
 import json, resource, sys
 sys.path.insert(0, sys.argv[4])
 from jaxinfer.runtime.requests import Limits
-from jaxinfer.serve.batch import run_batch
-from tests.serve.test_batch_fake import FakeEngine, FakeTokenizer
+from jaxinfer.runtime.batch import run_batch
+from tests.runtime.test_batch_fake import FakeEngine, FakeTokenizer
 s = run_batch(FakeEngine(max_slots=32, text_len=1500), FakeTokenizer(), sys.argv[1], sys.argv[2],
               sampling={"max_tokens": int(sys.argv[3])}, progress=False)
 # VmHWM is this process's own peak RSS; ru_maxrss would also count the parent's peak at
@@ -241,8 +241,8 @@ _BAR_SCRIPT = r"""
 import sys
 sys.path.insert(0, sys.argv[3])
 from jaxinfer.runtime.requests import Limits
-from jaxinfer.serve.batch import run_batch
-from tests.serve.test_batch_fake import FakeEngine, FakeTokenizer
+from jaxinfer.runtime.batch import run_batch
+from tests.runtime.test_batch_fake import FakeEngine, FakeTokenizer
 run_batch(FakeEngine(max_slots=4), FakeTokenizer(), sys.argv[1], sys.argv[2],
           sampling={"max_tokens": 3})
 """

@@ -1,0 +1,75 @@
+"""The engine options every `jaxinfer` command takes, and the LLM they build. Allowed values
+come from the typed configs (runtime/config.py, runtime/quantization.py), never listed here."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from jaxinfer.checkpoints.loader import DEFAULT_MODEL
+from jaxinfer.runtime.config import ATTENTION_BACKENDS, COMPUTE_DTYPES
+from jaxinfer.runtime.quantization import FORMATS, KV_CACHE_DTYPES
+
+
+def engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="HF checkpoint dir, .gguf file, `jaxinfer convert` dir, or a model name "
+                        f"(default: {DEFAULT_MODEL})")
+    p.add_argument("--dtype", default="float32", choices=COMPUTE_DTYPES)
+    p.add_argument("--max-slots", type=int, default=8)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--num-pages", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--attention-backend", default=None,
+                   choices=[b for b in ATTENTION_BACKENDS if b])
+    p.add_argument("--quantization", default=None, choices=FORMATS,
+                   help="quantize weights at load (per-channel scales)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="int8 KV pages with per-token-per-head scales (XLA attention path)")
+    p.add_argument("--prefill-chunk", type=int, default=256,
+                   help="per-step prompt token budget (chunked prefill)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="do not share KV pages of common prompt prefixes")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="each step waits for the previous step's tokens (default: step n+1 is "
+                        "planned and launched while step n runs)")
+    p.add_argument("--speculative", default=None, type=json.loads,
+                   help='speculative decoding, e.g. \'{"method": "ngram", "k": 4, "n": 3}\' or '
+                        '\'{"method": "draft", "model": "PATH", "k": 4}\'')
+    p.add_argument("--tensor-parallel", type=int, default=1,
+                   help="shard params and KV cache over N devices (multi-host: all devices)")
+    p.add_argument("--distributed", action="store_true",
+                   help="join a multi-host job (jax.distributed.initialize; env "
+                        "JAXINFER_COORDINATOR_ADDRESS / _NUM_PROCESSES / _PROCESS_ID or "
+                        "auto-detected on TPU pods); process 0 serves, the others follow")
+
+
+def llm_from_args(args):
+    from jaxinfer.runtime.llm import LLM
+
+    opts = dict(dtype=args.dtype, max_slots=args.max_slots, page_size=args.page_size,
+                num_pages=args.num_pages, attention_backend=args.attention_backend,
+                quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                prefill_chunk=args.prefill_chunk,
+                enable_prefix_caching=not args.no_prefix_caching,
+                async_scheduling=not getattr(args, "no_async_scheduling", False),
+                speculative=args.speculative)
+    if args.max_model_len:
+        opts["max_model_len"] = args.max_model_len
+    tp = getattr(args, "tensor_parallel", 1)
+    if tp != 1:
+        opts["tensor_parallel"] = tp
+    if getattr(args, "distributed", False):
+        from jaxinfer.runtime.sharding import follow, init_distributed
+
+        leader = init_distributed()
+        llm = LLM(args.model, **opts)
+        if not leader:  # a follower runs the leader's steps on its devices until released
+            follow(llm.engine)
+            sys.exit(0)
+        import atexit
+
+        atexit.register(llm.engine.release_followers)
+        return llm
+    return LLM(args.model, **opts)
