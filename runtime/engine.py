@@ -166,6 +166,8 @@ class Engine:
         self.eos_ids = tuple(tokenizer.eos_ids) or tuple(cfg.eos_token_ids)
         self.limits = Limits.of(self)
         self.faults = 0  # steps that raised (their requests failed, the engine went on)
+        self.spec_proposed = 0  # proposals verified, all requests since start
+        self.spec_accepted = 0  # of those, accepted
         self.consecutive_faults = 0  # ... since the last step that did not
 
     @property
@@ -430,6 +432,8 @@ class Engine:
                 m.spec_proposed += out.num_proposed
                 m.spec_accepted += out.num_accepted
                 m.spec_steps += 1
+                self.spec_proposed += out.num_proposed
+                self.spec_accepted += out.num_accepted
             row = host[row_of[out.request_id]]
             deltas.append(self._consume(st, out.new_token_ids, out.finished, out.finish_reason,
                                         row, plan.num_logprobs, now))

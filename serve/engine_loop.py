@@ -262,6 +262,8 @@ class EngineLoop:
             "compile_count": self._compile_count(), "vocab_size": self.limits.vocab_size,
             "max_model_len": self.limits.max_model_len, "model": self.model_name,
             "engine_faults": getattr(self.engine, "faults", 0),
+            "spec_proposed": getattr(self.engine, "spec_proposed", 0),
+            "spec_accepted": getattr(self.engine, "spec_accepted", 0),
         }
 
     def _compile_count(self) -> int:

@@ -3,9 +3,10 @@
 Histograms (observed when a request finishes): TTFT, inter-token latency, time per output token,
 queue time, end-to-end latency. Gauges and counters are read from `EngineLoop.stats()` at scrape
 time, so they are never stale and the loop thread does no metric work for them: queue depth,
-running slots, KV pages used/free/total, generated tokens, requests by outcome, health.
-Speculative decoding does not exist yet: `jaxinfer_spec_acceptance_rate` is exported as NaN
-so dashboards can be built now.
+running slots, KV pages used/free/total, generated tokens, requests by outcome, health, and
+speculative decoding's proposals verified / accepted since start with their ratio
+(`jaxinfer_spec_acceptance_rate`, NaN until a proposal has been verified: without speculation,
+or before its first verify step).
 """
 
 from __future__ import annotations
@@ -43,9 +44,14 @@ class _StatsCollector:
             yield GaugeMetricFamily(name, doc, value=s[key])
         yield GaugeMetricFamily("jaxinfer_healthy", "1 while the engine loop is healthy",
                                 value=1.0 if s["healthy"] else 0.0)
+        proposed, accepted = s["spec_proposed"], s["spec_accepted"]
         yield GaugeMetricFamily("jaxinfer_spec_acceptance_rate",
-                                "Speculative decoding acceptance rate (NaN: not enabled)",
-                                value=math.nan)
+                                "Accepted / verified speculative proposals since start (NaN: none "
+                                "verified)", value=accepted / proposed if proposed else math.nan)
+        yield CounterMetricFamily("jaxinfer_spec_proposed_tokens",
+                                  "Speculative proposals verified", value=proposed)
+        yield CounterMetricFamily("jaxinfer_spec_accepted_tokens",
+                                  "Speculative proposals accepted", value=accepted)
         yield CounterMetricFamily("jaxinfer_generated_tokens", "Generated tokens",
                                   value=s["tokens_generated"])
         yield CounterMetricFamily("jaxinfer_engine_steps", "Engine steps", value=s["steps"])

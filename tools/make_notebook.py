@@ -20,9 +20,9 @@ This notebook runs top to bottom on a CPU, a Colab TPU or a GPU. It loads the de
 latency and throughput, and tries int8 quantization, speculative decoding and a JSONL batch.
 
 **Install** (pick one, then restart the runtime):
-- CPU: `pip install "jaxinfer[gemma] @ git+<this repo>"` or, from a clone, `pip install -e '.[gemma]'`
-- Colab TPU: `pip install -e '.[gemma,tpu]'`
-- GPU (CUDA 13): `pip install -e '.[gemma,cuda]'`"""),
+- CPU: `pip install "jaxinfer[notebook] @ git+<this repo>"` or, from a clone, `pip install -e '.[notebook]'`
+- Colab TPU: `pip install -e '.[notebook,tpu]'`
+- GPU (CUDA 13): `pip install -e '.[notebook,cuda]'`"""),
     ("code", """import os, time, json, tempfile
 # QUICK keeps CI short (smaller workloads, same code path).
 QUICK = os.environ.get("JAXINFER_QUICK", "0") == "1"

@@ -45,3 +45,34 @@ def test_quickstart_executes(tmp_path):
     assert len(images) == 1, "the TTFT/ITL plot cell must produce one image"
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
     assert "the capital of the country of France" in text  # the greedy generation ran
+
+
+def test_the_extra_the_notebook_names_installs_what_it_imports():
+    """Every third-party module the notebook imports comes with `pip install '.[notebook]'`:
+    a core dependency or one of the `notebook` extra's."""
+    import ast
+    import importlib.metadata as md
+    import re
+    import sys
+    import tomllib
+
+    nb = nbformat.read(NB, as_version=4)
+    assert "pip install -e '.[notebook]'" in nb.cells[0].source
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    allowed = {re.split(r"[<>=!~\[; ]", d, maxsplit=1)[0].lower().replace("_", "-")
+               for d in project["dependencies"] + project["optional-dependencies"]["notebook"]}
+    dists_of = md.packages_distributions()
+    missing = set()
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        for node in ast.walk(ast.parse(cell.source)):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            for top in {n.split(".")[0] for n in names}:
+                if top in sys.stdlib_module_names or top == "jaxinfer":
+                    continue
+                dists = {d.lower().replace("_", "-") for d in dists_of.get(top, [top])}
+                if not dists & allowed:
+                    missing.add(top)
+    assert "matplotlib" in allowed and not missing, missing

@@ -179,3 +179,31 @@ def test_no_new_compilations_after_warmup(dirs):
     outs = llm.generate(prompts, sps)
     assert sum(o.metrics["spec_accepted"] for o in outs) > 0  # draft = target: verify steps ran
     assert llm.engine.compile_count == compiled
+
+
+def test_served_acceptance_rate_is_the_engines(dirs):
+    """`jaxinfer_spec_acceptance_rate` is accepted / verified proposals over every request the
+    loop served (NaN before the first verify), equal to the per-request figures summed."""
+    import math
+
+    from jaxinfer.serve.engine_loop import EngineLoop
+    from jaxinfer.serve.metrics import ServingMetrics, parse_text
+
+    llm = LLM(str(dirs[0]), max_slots=2, speculative=_specs(dirs)["ngram"], **OPTS)
+    loop = EngineLoop(llm.engine)
+    metrics = ServingMetrics(loop)
+    try:
+        assert math.isnan(parse_text(metrics.render().decode())["jaxinfer_spec_acceptance_rate"])
+        results = []
+        for prompt in PROMPTS[16:20]:  # repeated text: the n-gram proposer has hits
+            h = loop.submit(llm.tokenizer.encode(prompt), GREEDY)
+            results += [u.result for step in h for u in step if u.finished]
+        proposed = sum(r.metrics["spec_proposed"] for r in results)
+        accepted = sum(r.metrics["spec_accepted"] for r in results)
+        assert len(results) == 4 and proposed > 0
+        m = parse_text(metrics.render().decode())
+        assert m["jaxinfer_spec_proposed_tokens_total"] == proposed
+        assert m["jaxinfer_spec_accepted_tokens_total"] == accepted
+        assert m["jaxinfer_spec_acceptance_rate"] == pytest.approx(accepted / proposed)
+    finally:
+        loop.shutdown(drain=False)
