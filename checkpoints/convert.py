@@ -14,7 +14,7 @@ def convert(src: str, out: str | Path, *, dtype: str = "float32", overwrite: boo
     (loading the output needs no re-quantization)."""
     place = None
     if quantize is not None:
-        from jaxinfer.runtime.quantization import placer
+        from jaxinfer.checkpoints.quantize import placer
 
         place = placer(quantize, dtype, quantize_embeddings=quantize_embeddings)
     m = load_model(src, dtype=dtype, place=place)

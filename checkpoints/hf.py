@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from safetensors import SafetensorError, safe_open
 
 from jaxinfer.checkpoints.errors import CheckpointError
+from jaxinfer.checkpoints.hf_config import from_hf_config
 from jaxinfer.runtime.config import ConfigError, ModelConfig
 from jaxinfer.runtime.model import LayerParams, Params
 
@@ -31,7 +32,7 @@ def read_config(path: Path) -> ModelConfig:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from None
     try:
-        return ModelConfig.from_hf_config(hf, source=str(cfg_file))
+        return from_hf_config(hf, source=str(cfg_file))
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import jax.numpy as jnp
 
 from jaxinfer.checkpoints.errors import CheckpointError
-from jaxinfer.runtime.config import ModelConfig
+from jaxinfer.checkpoints.named import DEFAULT_MODEL
+from jaxinfer.runtime.config import COMPUTE_DTYPES, ModelConfig
 from jaxinfer.runtime.model import Params
 from jaxinfer.runtime.tokenizer import Tokenizer, check_compatible, load_tokenizer
 
-DEFAULT_MODEL = "gemma3-270m"
 
 
 @dataclass
@@ -46,11 +46,13 @@ def resolve(model: str | Path) -> Path:
 def load_model(model: str | Path, dtype: str = "float32", place=None, mesh=None) -> LoadedModel:
     """`place(path, f32_array)`: optional per-leaf hook (quantization while streaming); a
     converted dir that is already quantized is restored as saved. A hook with a
-    `finish(cfg, params, tokenizer)` method (runtime.quantization.Placer) gets the assembled
+    `finish(cfg, params, tokenizer)` method (checkpoints.quantize.Placer) gets the assembled
     params once everything is read (int8 smoothing calibrates there) and returns the final ones."""
     from jaxinfer.checkpoints.orbax_io import is_converted, load_converted
 
-    jdtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype]
+    if dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"dtype must be one of {COMPUTE_DTYPES}, got {dtype!r}")
+    jdtype = getattr(jnp, dtype)
     path = resolve(model)
     if path.is_file():
         if not _is_gguf(path):

@@ -15,6 +15,8 @@ from pathlib import Path
 
 from jaxinfer.checkpoints.errors import CheckpointError
 
+DEFAULT_MODEL = "gemma3-270m"  # what every command and LLM() load unless told otherwise
+
 
 @dataclass(frozen=True)
 class NamedModel:

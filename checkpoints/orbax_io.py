@@ -44,7 +44,7 @@ def save_converted(out: str | Path, cfg: ModelConfig, params: Params, *, source:
             raise CheckpointError(f"{out}: exists and is not empty (pass overwrite)")
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    from jaxinfer.runtime.quantization import quantization_spec
+    from jaxinfer.checkpoints.quantize import quantization_spec
 
     dtype = str(params.final_norm.dtype)  # the compute dtype (quantized leaves are int8 / fp8)
     qspec = quantization_spec(params)
@@ -79,7 +79,9 @@ def load_converted(path: str | Path, dtype=None, place=None, mesh=None
     any layout whatever the one saved (each device reads only its slice).
     Quantized params (manifest "quantization") are restored as saved, bit-exact, with no
     re-quantization; `place` (a quantizing hook) then applies only to unquantized params."""
-    from jaxinfer.runtime.quantization import QuantizedArray, abstract_quantized, path_str
+    from jaxinfer.checkpoints.quantize import abstract_quantized
+    from jaxinfer.runtime.quantization import QuantizedArray
+    from jaxinfer.runtime.tree_paths import path_str
 
     path = Path(path).absolute()
     m = read_manifest(path)

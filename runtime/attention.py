@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-BACKENDS = ("xla", "pallas", "pallas_interpret")
+from jaxinfer.runtime.config import ATTENTION_BACKENDS
 
 
 @struct.dataclass
@@ -62,8 +62,8 @@ def resolve_backend(name: str | None, platform: str | None = None) -> str:
     """EngineConfig.attention_backend -> the backend the model runs: "xla", "pallas_tpu",
     "pallas_gpu" or "pallas_interpret". None picks by platform (Pallas on TPU/GPU, XLA on CPU)."""
     platform = platform or jax.default_backend()
-    if name not in (None,) + BACKENDS:
-        raise ValueError(f"attention_backend must be one of {BACKENDS} or None, got {name!r}")
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
     accel = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu", "rocm": "pallas_gpu"}
     if name is None:
         return accel.get(platform, "xla")

@@ -24,11 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.runtime.attention import resolve_backend
-from jaxinfer.runtime.config import EngineConfig, ModelConfig, parse_speculative
+from jaxinfer.runtime.config import EngineConfig, ModelConfig
 from jaxinfer.runtime.requests import Limits, SamplingParams, check_request
 from jaxinfer.runtime.kv_cache import init_cache
 from jaxinfer.runtime.model import Params
-from jaxinfer.runtime.plan import empty_step_arrays
+from jaxinfer.runtime.plan import STEP_GROUPS, padding_arrays, pow_buckets, verify_inputs
 from jaxinfer.runtime.scheduler import Request, Scheduler
 from jaxinfer.runtime.steps import make_step, sampled_tokens
 from jaxinfer.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -121,11 +121,12 @@ class Engine:
         # ids the tokenizer can decode: a vocabulary padded past the tokenizer's (Qwen2.5: 151936
         # rows, 151665 tokens) never samples the padding rows
         self.text_vocab = min(tokenizer.vocab_size, cfg.vocab_size)
-        self.spec = parse_speculative(ecfg.speculative)
+        self.spec = ecfg.speculative
         k = self.spec.k if self.spec else 0
         # a full decode batch (with k proposals per row) always fits
         budget = max(ecfg.prefill_chunk, ecfg.max_slots * (1 + k))
-        tokens, pages = _buckets(1, budget, factor=2), _buckets(1, ecfg.pages_per_seq)
+        tokens = pow_buckets(1, budget, cap=True)
+        pages = pow_buckets(1, ecfg.pages_per_seq, 4, cap=True)
         self.scheduler = Scheduler(
             max_slots=ecfg.max_slots, num_pages=ecfg.total_pages, page_size=ecfg.page_size,
             max_model_len=ecfg.max_model_len, token_budget=budget, token_buckets=tokens,
@@ -256,17 +257,16 @@ class Engine:
         sch, s = self.scheduler, self.ecfg.max_slots
         decode_t = min(b for b in sch.token_buckets if b >= s)
         n_lp = LOGPROBS_BUCKET if logprobs else 0
+        groups = STEP_GROUPS + ("feed",) if self.async_scheduling else STEP_GROUPS
         for t in sch.token_buckets:
             qs = {min(b, t) for b in sch.q_buckets if b > 1} | ({1} if t <= decode_t else set())
             for p in sch.page_buckets:
-                plan = _padding_plan(t, s, p, feed=self.async_scheduling)
+                plan = padding_arrays(groups, T=t, S=s, P=p)
                 for q in sorted(qs):
                     self.cache = self._run(plan, q, logprobs, filtered, prev=self._prev())[1]
                     if self._verify is not None and q > 1:  # a verify row has 1 + d > 1 tokens
-                        k = self.spec.k
-                        arrays = plan | dict(logits_indices=np.zeros(s * (k + 1), np.int32),
-                                             num_draft=np.zeros(s, np.int32),
-                                             draft_ids=np.zeros((s, k), np.int32))
+                        arrays = verify_inputs(padding_arrays(
+                            STEP_GROUPS + ("speculative",), T=t, S=s, P=p, K=self.spec.k))
                         self.cache = self._verify(
                             self.params, self.cache, arrays, None, np.zeros(s, np.int32),
                             max_q_len=q, num_logprobs=n_lp, filtered=filtered)[1]
@@ -376,7 +376,7 @@ class Engine:
         plan = self.scheduler.schedule()
         launched = None
         if plan is not None:
-            arrays = plan.device_arrays() | {"feed_rows": plan.feed_rows}
+            arrays = plan.device_arrays(feed=True)
             packed, self.cache = self._run(arrays, plan.max_q_len, plan.num_logprobs > 0,
                                            _filtered(plan), prev=self._prev())
             packed.copy_to_host_async()
@@ -490,22 +490,6 @@ def _filtered(plan) -> bool:
         (plan.temperature[live] > 0)
         & ((plan.top_k[live] > 0) | (plan.top_p[live] < 1) | (plan.min_p[live] > 0))
     ))
-
-
-def _padding_plan(t: int, s: int, p: int, feed: bool = False) -> dict[str, np.ndarray]:
-    """Arrays of a step with no live sequence (every row padding) at the given bucket shape
-    (`feed`: with the feed_rows of asynchronous scheduling)."""
-    return empty_step_arrays(t, s, p) | ({"feed_rows": np.full(t, -1, np.int32)} if feed else {})
-
-
-def _buckets(lo: int, hi: int, factor: int = 4) -> tuple[int, ...]:
-    """Powers of `factor` from `lo`, capped by and ending at `hi`: few static shapes, each at
-    most `factor`x the work it stands for."""
-    out, b = [], lo
-    while b < hi:
-        out.append(b)
-        b *= factor
-    return tuple(out) + (hi,)
 
 
 def _max_len(stops) -> int:

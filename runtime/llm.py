@@ -8,10 +8,12 @@ from dataclasses import dataclass
 
 from jaxinfer.runtime.config import EngineConfig
 from jaxinfer.runtime.engine import Engine
+from jaxinfer.runtime.config import FORMATS
+from jaxinfer.runtime.quantization import default_mode
 from jaxinfer.runtime.requests import (Limits, RequestError, RequestOutput, SamplingParams, check_request,
                               parse_prompt)
 
-QUANTIZATIONS = (None, "int8", "fp8")
+QUANTIZATIONS = (None, *FORMATS)
 
 
 @dataclass
@@ -40,15 +42,11 @@ class LLM:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {q!r}")
         place = None
         if q is not None:  # quantize each weight as it streams in (peak ~ the int8 model)
-            from jaxinfer.runtime.quantization import placer
+            from jaxinfer.checkpoints.quantize import placer
 
             place = placer(q, options.get("dtype", "float32"), mode=options.get("quant_mode"),
                            quantize_embeddings=options.get("quantize_embeddings", True))
-        from jaxinfer.runtime.config import parse_speculative
-
-        speculative = parse_speculative(options.get("speculative"))  # errors before any loading
-        if speculative is not None:
-            options["speculative"] = dataclasses.asdict(speculative)
+        config = EngineConfig(**options)  # every option checked (and parsed) before any loading
         mesh = None
         if options.get("tensor_parallel", 1) != 1 or _multi_process():
             # tensor parallel: every tensor streams straight into its shards on the mesh
@@ -60,24 +58,25 @@ class LLM:
             place = shard_placer(mesh, jnp.dtype(options.get("dtype", "float32")), inner=place)
         self.model = load_model(model, dtype=options.get("dtype", "float32"), place=place,
                                 mesh=mesh)
-        from jaxinfer.runtime.quantization import default_mode, quantization_spec, with_mode
+        from jaxinfer.checkpoints.quantize import quantization_spec, with_mode
 
+        from_model = {}
         spec = quantization_spec(self.model.params)  # a converted dir may be quantized already
         if spec is not None:
             if q is not None and q != spec["fmt"]:
                 raise ValueError(f"{model}: holds {spec['fmt']} weights; cannot serve them as {q!r}")
-            options["quantization"] = spec["fmt"]
-            mode = options.get("quant_mode") or default_mode(spec["fmt"])
+            from_model["quantization"] = spec["fmt"]
+            mode = config.quant_mode or default_mode(spec["fmt"])
             if mode != spec["mode"]:
                 self.model.params = with_mode(self.model.params, mode)
-        options.setdefault(
-            "max_model_len", min(self.model.cfg.max_position_embeddings, 2048)
-        )
-        self.config = EngineConfig(**options)
+        if "max_model_len" not in options:
+            from_model["max_model_len"] = min(self.model.cfg.max_position_embeddings, 2048)
+        self.config = dataclasses.replace(config, **from_model)
         self.tokenizer = self.model.tokenizer
         draft = None
+        speculative = self.config.speculative
         if speculative is not None and speculative.method == "draft":
-            draft = self._load_draft(model, speculative, options.get("dtype", "float32"))
+            draft = self._load_draft(model, speculative, self.config.dtype)
         self.engine = Engine(self.model.cfg, self.model.params, self.tokenizer, self.config,
                              mesh=mesh, draft_model=draft)
 
@@ -95,7 +94,7 @@ class LLM:
             return self.model.cfg, self.model.params
         place = None
         if spec.quantization is not None:
-            from jaxinfer.runtime.quantization import placer
+            from jaxinfer.checkpoints.quantize import placer
 
             place = placer(spec.quantization, dtype)
         draft = load_model(spec.model, dtype=dtype, place=place)

@@ -1,87 +1,173 @@
-"""The step plan: what the host scheduler hands the device each step. Numpy only, no JAX.
+"""The step plan: what the host scheduler hands the device each step, and its static shapes.
+Numpy only, no JAX.
 
-T token rows (padded to a bucket) packed sequence after sequence; S sequence rows (padded to a
-bucket). Row s of the per-sequence arrays describes the s-th scheduled sequence; rows >= num_seqs
-are padding (q_len 0, kv_len 0, page row all 0 = the null page).
+Dimensions: T token rows (padded to a bucket) packed sequence after sequence; S sequence rows
+(the scheduler's slots); P page-table columns (a bucket); K proposals per row at most
+(speculative decoding; 0 without). Row s of the per-sequence arrays describes the s-th scheduled
+sequence; rows >= num_seqs are padding (q_len 0, kv_len 0, page row all 0 = the null page).
+
+`PLAN_FIELDS` is the one schema of the plan's arrays. StepPlan's array attributes, the padding
+arrays (`padding_arrays`, which the scheduler fills), the step's sampling inputs
+(`SAMPLING_FIELDS`) and the multi-host plan codec (runtime/sharding.py) derive from it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass, make_dataclass
 
 import numpy as np
 
 
-def empty_step_arrays(t: int, s: int, p: int, num_seqs: int = 0) -> dict[str, np.ndarray]:
-    """The step's device arrays at bucket shape (T=t, S=s, P=p) with every row padding: zero
-    tokens, q/kv lengths and page tables (the null page), greedy sampling. Builders fill them."""
-    i32 = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
-    return dict(
-        token_ids=i32(t), positions=i32(t), slot_mapping=i32(t), cu_q_lens=i32(s + 1),
-        kv_lens=i32(s), page_indices=i32(s, p), num_seqs=np.array([num_seqs], np.int32),
-        logits_indices=i32(s), temperature=np.zeros(s, np.float32), top_k=i32(s),
-        top_p=np.ones(s, np.float32), min_p=np.zeros(s, np.float32),
-        seeds=np.zeros(s, np.uint32), sample_positions=i32(s),
-    )
+@dataclass(frozen=True)
+class PlanField:
+    name: str
+    dtype: type
+    shape: str  # extents over the dims T, S, P, K, comma-separated: "S,P", "S+1", "S,K+1", "1"
+    group: str  # tokens | sequences | sampling (the step's inputs) | speculative | feed | host
+    pad: int | float = 0  # value of padding rows
+
+    @functools.cached_property
+    def _terms(self) -> tuple[tuple[str, int], ...]:  # "S,K+1" -> (("S", 0), ("K", 1))
+        out = []
+        for term in self.shape.split(","):
+            dim, _, add = term.partition("+")
+            out.append((dim, int(add or 0)) if dim.isalpha() else ("", int(dim)))
+        return tuple(out)
+
+    def extent(self, dims: dict[str, int]) -> tuple[int, ...]:
+        """The array's shape at the plan dims {"T": t, "S": s, ...}."""
+        return tuple(dims[d] + c if d else c for d, c in self._terms)
 
 
-@dataclass
-class StepPlan:
-    # token rows [T]
-    token_ids: np.ndarray  # int32 [T]
-    positions: np.ndarray  # int32 [T]
-    slot_mapping: np.ndarray  # int32 [T] page * page_size + offset; padding rows -> 0
-    # sequence rows [S]
-    cu_q_lens: np.ndarray  # int32 [S+1]
-    kv_lens: np.ndarray  # int32 [S] KV length after this step's tokens are written
-    page_indices: np.ndarray  # int32 [S, P]
-    num_seqs: np.ndarray  # int32 [1]
-    logits_indices: np.ndarray  # int32 [S] token row of each sequence's last token (padding -> 0)
-    max_q_len: int  # static bound on q_len (a bucket)
-    # sampling, per sequence row [S]
-    temperature: np.ndarray  # float32 [S] (0 = greedy)
-    top_k: np.ndarray  # int32 [S] (0 = off)
-    top_p: np.ndarray  # float32 [S]
-    min_p: np.ndarray  # float32 [S]
-    seeds: np.ndarray  # uint32 [S]
-    sample_positions: np.ndarray  # int32 [S] position of the token being sampled (PRNG key input)
-    # host bookkeeping (not sent to the device)
-    request_ids: list[str] = field(default_factory=list)  # per live sequence row
-    samples: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))  # [S] row yields a token
-    num_logprobs: int = 0  # top-n logprobs wanted by any row this step (static bucket: 0 or 20)
-    # speculative decoding (K = spec_k proposals at most per row; all zeros/empty when K = 0).
-    # A row with d proposals computes its last token + d proposals; sample_positions is then the
-    # position predicted by its first verify row, and verify_indices[s, j] (j = 0..K) the token row
-    # whose logits predict position sample_positions[s] + j (j > d repeats the last row).
-    spec_k: int = 0
-    num_draft: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # [S]
-    draft_ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int32))  # [S, K]
-    verify_indices: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int32))  # [S, K+1]
-    # asynchronous scheduling: token row t takes the token sampled at row feed_rows[t] of the
-    # previous step (on the device; its id is not known to the host yet); -1: token_ids[t]
-    feed_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # [T]
+PLAN_FIELDS = (
+    #         name                dtype       shape    group          pad
+    PlanField("token_ids",        np.int32,   "T",     "tokens"),
+    PlanField("positions",        np.int32,   "T",     "tokens"),
+    PlanField("slot_mapping",     np.int32,   "T",     "tokens"),  # page * page_size + offset
+    PlanField("cu_q_lens",        np.int32,   "S+1",   "sequences"),
+    PlanField("kv_lens",          np.int32,   "S",     "sequences"),  # after this step's tokens
+    PlanField("page_indices",     np.int32,   "S,P",   "sequences"),
+    PlanField("num_seqs",         np.int32,   "1",     "sequences"),
+    PlanField("logits_indices",   np.int32,   "S",     "sequences"),  # token row of each last token
+    PlanField("temperature",      np.float32, "S",     "sampling"),  # 0 = greedy
+    PlanField("top_k",            np.int32,   "S",     "sampling"),  # 0 = off
+    PlanField("top_p",            np.float32, "S",     "sampling",    1),  # 1 = off
+    PlanField("min_p",            np.float32, "S",     "sampling"),  # 0 = off
+    PlanField("seeds",            np.uint32,  "S",     "sampling"),
+    PlanField("sample_positions", np.int32,   "S",     "sampling"),  # PRNG key input
+    PlanField("num_draft",        np.int32,   "S",     "speculative"),
+    PlanField("draft_ids",        np.int32,   "S,K",   "speculative"),
+    PlanField("verify_indices",   np.int32,   "S,K+1", "speculative"),
+    PlanField("feed_rows",        np.int32,   "T",     "feed",        -1),
+    PlanField("samples",          np.bool_,   "S",     "host"),  # the row yields a token
+)
+# sample_positions: the position of the token sampled at the row (with proposals: the position
+# predicted by its first verify row). Speculative: a row with d <= K proposals computes its last
+# token + d proposals; verify_indices[s, j] is the token row whose logits predict position
+# sample_positions[s] + j (j > d repeats the last row). feed (asynchronous scheduling): token row
+# t takes the token sampled at row feed_rows[t] of the previous step, on the device; -1: token_ids[t].
+# host: bookkeeping never sent to the device.
 
+GROUPS = tuple(dict.fromkeys(f.group for f in PLAN_FIELDS))  # every field
+STEP_GROUPS = ("tokens", "sequences", "sampling")  # the jitted step's inputs (and the codec's)
+
+
+@functools.cache
+def fields_of(*groups: str) -> tuple[PlanField, ...]:
+    """The fields of `groups`, in table order."""
+    return tuple(f for f in PLAN_FIELDS if f.group in groups)
+
+
+SAMPLING_FIELDS = tuple(f.name for f in fields_of("sampling"))
+
+
+def padding_arrays(groups: Sequence[str], *, T: int, S: int, P: int, K: int = 0,
+                   num_seqs: int = 0) -> dict[str, np.ndarray]:
+    """The arrays of `groups` at the dims (T, S, P, K), every row padding (num_seqs rows live);
+    builders fill them."""
+    out = {name: np.full(shape, pad, dtype) if pad else np.zeros(shape, dtype)
+           for name, shape, dtype, pad in _layout(tuple(groups), T, S, P, K)}
+    if "num_seqs" in out:
+        out["num_seqs"][0] = num_seqs
+    return out
+
+
+@functools.lru_cache(maxsize=1024)  # one entry per bucket shape: the per-step cost is allocation
+def _layout(groups: tuple[str, ...], T: int, S: int, P: int, K: int):
+    dims = {"T": T, "S": S, "P": P, "K": K}
+    return tuple((f.name, f.extent(dims), f.dtype, f.pad) for f in fields_of(*groups))
+
+
+def plan_dims(arrays: dict[str, np.ndarray], fields: Sequence[PlanField]) -> dict[str, int]:
+    """The dims read off the arrays' shapes (each from the first field with it alone on an axis)."""
+    dims: dict[str, int] = {}
+    for f in fields:
+        for (d, c), n in zip(f._terms, np.shape(arrays[f.name])):
+            if d and not c:
+                dims.setdefault(d, n)
+    return dims
+
+
+def verify_inputs(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The verify step's arrays from a plan's step and speculative arrays: logits at every
+    verify row (logits_indices [S*(K+1)]), the proposals draft_ids [S, K] and num_draft [S]."""
+    out = {f.name: arrays[f.name] for f in fields_of(*STEP_GROUPS)}
+    out["logits_indices"] = arrays["verify_indices"].reshape(-1)
+    out["num_draft"], out["draft_ids"] = arrays["num_draft"], arrays["draft_ids"]
+    return out
+
+
+class _StepPlanViews:
     @property
     def num_tokens(self) -> int:
         return int(self.cu_q_lens[int(self.num_seqs[0])])
 
-    def device_arrays(self) -> dict[str, np.ndarray]:
-        """The arrays the jitted step consumes (shapes fixed by the buckets)."""
-        names = (
-            "token_ids", "positions", "slot_mapping", "cu_q_lens", "kv_lens", "page_indices",
-            "num_seqs", "logits_indices", "temperature", "top_k", "top_p", "min_p", "seeds",
-            "sample_positions",
-        )
-        return {n: getattr(self, n) for n in names}
-
     @property
     def has_drafts(self) -> bool:
-        return bool(self.num_draft.size and self.num_draft.any())
+        return bool(self.num_draft.any())
+
+    def device_arrays(self, feed: bool = False) -> dict[str, np.ndarray]:
+        """The jitted step's arrays (shapes fixed by the buckets); `feed`: with feed_rows."""
+        groups = STEP_GROUPS + ("feed",) if feed else STEP_GROUPS
+        return {f.name: getattr(self, f.name) for f in fields_of(*groups)}
 
     def verify_arrays(self) -> dict[str, np.ndarray]:
-        """The verify step's arrays: logits at every verify row ([S*(K+1)] logits_indices)."""
-        a = self.device_arrays()
-        a["logits_indices"] = self.verify_indices.reshape(-1)
-        a["num_draft"] = self.num_draft
-        a["draft_ids"] = self.draft_ids
-        return a
+        return verify_inputs({f.name: getattr(self, f.name) for f in PLAN_FIELDS})
+
+
+StepPlan = make_dataclass(
+    "StepPlan",
+    [(f.name, np.ndarray) for f in PLAN_FIELDS] + [
+        ("max_q_len", int),  # static bound on q_len (a bucket)
+        ("request_ids", list[str]),  # per live sequence row
+        ("num_logprobs", int),  # top-n logprobs wanted by any row (static: 0 or the bucket)
+        ("spec_k", int),  # K
+    ],
+    bases=(_StepPlanViews,),
+)
+StepPlan.__module__ = __name__
+StepPlan.__doc__ = "One step: an array per PLAN_FIELDS row (plan.token_ids, ...) and static values."
+
+
+# ------------------------------------------------------------------------------- buckets
+
+
+def pow_buckets(lo: int, hi: int, factor: int = 2, *, cap: bool = False) -> tuple[int, ...]:
+    """lo, lo * factor, lo * factor**2, ... up to the first >= hi (`cap`: that one is hi): few
+    static shapes, each at most `factor`x the work it stands for."""
+    out = [lo]
+    while out[-1] < hi:
+        out.append(out[-1] * factor)
+    if cap:
+        out[-1] = hi
+    return tuple(out)
+
+
+def bucket(buckets: Sequence[int], n: int) -> int:
+    """The smallest of the ascending `buckets` >= n."""
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")

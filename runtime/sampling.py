@@ -1,16 +1,18 @@
-"""Vectorized per-row sampling fused into the jitted step.
+"""Vectorized per-row sampling fused into the jitted step, and speculative acceptance.
 
 Each row's random key derives from (seed, position) only, so a seeded request draws the same
 tokens alone or inside any batch. Greedy rows (temperature 0) take the argmax. Sampling is
 Gumbel-max over the filtered, temperature-scaled logits.
+
+The token at position t uses key(seed, t) when drawn from the target's distribution (so a bonus
+token of `accept` equals what plain decoding draws), fold_in(key, 1) for the accept test,
+fold_in(key, 2) for the residual draw and fold_in(key, 3) for a draft model's own proposal draw.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-
-MAX_LOGPROBS = 20
 
 
 def mask_vocab(logits: jax.Array, vocab_limit: int | None) -> jax.Array:
@@ -82,3 +84,86 @@ def top_logprobs(logits: jax.Array, tokens: jax.Array, n: int):
     chosen = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
     vals, ids = jax.lax.top_k(lp, n)
     return chosen, vals, ids
+
+
+# ---------------------------------------------------------------------------------- acceptance
+
+
+def probs_of(logits, temperature, top_k, top_p, min_p, *, filtered: bool):
+    """Row distributions after temperature and filtering. logits [..., V] with row params [...]."""
+    shape = logits.shape
+    t = jnp.where(temperature > 0, temperature, 1.0)[..., None]
+    scaled = logits / t
+    if filtered:
+        flat = scaled.reshape(-1, shape[-1])
+        bc = lambda a: jnp.broadcast_to(a, shape[:-1]).reshape(-1)  # noqa: E731
+        scaled = filter_logits(flat, bc(top_k), bc(top_p), bc(min_p)).reshape(shape)
+    return jax.nn.softmax(scaled, axis=-1)
+
+
+def gumbel_pick(keys, log_dist):
+    """argmax(log_dist + Gumbel(key)) per row: one draw from the (unnormalized) distribution."""
+    g = jax.vmap(lambda k: jax.random.gumbel(k, (log_dist.shape[-1],), jnp.float32))(keys)
+    return jnp.argmax(log_dist + g, axis=-1).astype(jnp.int32)
+
+
+def accept(
+    logits: jax.Array,  # [S, K+1, V] f32 target logits at the last token and each proposal
+    draft: jax.Array,  # [S, K] int32 proposals (entries >= num_draft ignored)
+    num_draft: jax.Array,  # [S] int32 in 0..K
+    q: jax.Array | None,  # [S, K, V] proposer distributions; None = one-hot(draft)
+    temperature: jax.Array,  # [S]
+    top_k: jax.Array,
+    top_p: jax.Array,
+    min_p: jax.Array,
+    seeds: jax.Array,  # [S] uint32
+    positions: jax.Array,  # [S] position of the token predicted by logits[:, 0]
+    *,
+    filtered: bool,
+) -> tuple[jax.Array, jax.Array]:
+    """-> (num_accepted [S] int32, tokens [S, K+1] int32). Row s emits tokens[s, :num_accepted+1]
+    (accepted proposals, then the correction or bonus token); later entries are -1.
+
+    Leviathan et al. / Chen et al.: greedy rows keep the longest prefix agreeing with the
+    target's argmax, then emit the target's argmax. Sampled rows accept proposal x with
+    probability min(1, p(x)/q(x)) (p, q = the target's / proposer's distributions after the
+    row's temperature, top-k, top-p, min-p), on the first rejection sample from normalized
+    max(0, p - q), and if all d are accepted sample a bonus token from p. The emitted tokens are
+    then distributed exactly as the target's. A deterministic proposer (n-gram) has
+    q = one-hot(x): accept with probability p(x), on rejection sample from p without x."""
+    S, K1, V = logits.shape
+    K = K1 - 1
+    rows = jnp.arange(S)
+    greedy_row = temperature <= 0
+    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [S, K+1]
+    p = probs_of(logits, temperature[:, None], top_k[:, None], top_p[:, None], min_p[:, None],
+                 filtered=filtered)  # [S, K+1, V]
+    if q is None:
+        q = jax.nn.one_hot(draft, V, dtype=jnp.float32)  # [S, K, V]
+    pos = positions[:, None] + jnp.arange(K1)[None, :]  # [S, K+1]
+    keys = row_keys(jnp.repeat(seeds, K1), pos.reshape(-1)).reshape(S, K1)  # [S, K+1]
+
+    live = jnp.arange(K)[None, :] < num_draft[:, None]  # [S, K]
+    safe_draft = jnp.where(live, draft, 0)
+    px = jnp.take_along_axis(p[:, :K], safe_draft[..., None], axis=-1)[..., 0]  # [S, K]
+    qx = jnp.take_along_axis(q, safe_draft[..., None], axis=-1)[..., 0]
+    u = jax.vmap(jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1))))(keys[:, :K])
+    ok = jnp.where(greedy_row[:, None], safe_draft == argmax[:, :K], u * qx < px) & live
+    n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)  # [S]
+
+    # the token after the accepted run: residual draw after a rejection, else a bonus from p
+    rejected = n_acc < num_draft
+    p_j = p[rows, n_acc]  # [S, V]
+    q_j = jnp.concatenate([q, jnp.zeros((S, 1, V), q.dtype)], axis=1)[rows, n_acc]
+    resid = jnp.maximum(p_j - q_j, 0.0)
+    use_resid = rejected & (resid.sum(-1) > 0)  # (a rejection with zero residual has prob. 0)
+    dist = jnp.where(use_resid[:, None], resid, p_j)
+    key_j = keys[rows, n_acc]
+    key_j = jnp.where(use_resid, jax.vmap(lambda k: jax.random.fold_in(k, 2))(key_j), key_j)
+    drawn = gumbel_pick(key_j, jnp.log(dist))
+    final = jnp.where(greedy_row, argmax[rows, n_acc], drawn)
+
+    j = jnp.arange(K1)[None, :]
+    padded = jnp.concatenate([draft, jnp.zeros((S, 1), draft.dtype)], axis=1)
+    tokens = jnp.where(j < n_acc[:, None], padded, jnp.where(j == n_acc[:, None], final[:, None], -1))
+    return n_acc, tokens.astype(jnp.int32)

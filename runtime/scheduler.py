@@ -93,7 +93,7 @@ import numpy as np
 
 from jaxinfer.runtime.page_allocator import PageAllocator, page_hashes
 from jaxinfer.runtime.requests import SamplingParams
-from jaxinfer.runtime.plan import StepPlan
+from jaxinfer.runtime.plan import GROUPS, StepPlan, bucket, padding_arrays, pow_buckets
 
 LOGPROBS_BUCKET = 20  # static top-n logprobs width when any row asks for logprobs
 
@@ -162,21 +162,6 @@ class _Seq:
         return (self.req.arrival_time, self.order)
 
 
-def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
-    """Powers of two from lo up to the smallest power >= hi."""
-    out = [lo]
-    while out[-1] < hi:
-        out.append(out[-1] * 2)
-    return tuple(out)
-
-
-def _bucket(buckets: Sequence[int], n: int) -> int:
-    for b in buckets:
-        if b >= n:
-            return b
-    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
-
-
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -223,15 +208,14 @@ class Scheduler:
             raise ValueError(f"num_spec_tokens must be >= 0, got {num_spec_tokens}")
         self.num_spec_tokens = num_spec_tokens
 
-        self.token_buckets = tuple(sorted(token_buckets or _pow2_buckets(8, token_budget)))
+        self.token_buckets = tuple(sorted(token_buckets or pow_buckets(8, token_budget)))
         if self.token_buckets[-1] < token_budget:
             raise ValueError(
                 f"largest token bucket {self.token_buckets[-1]} < token_budget {token_budget}"
             )
-        self.q_buckets = tuple(sorted(q_buckets or _pow2_buckets(1, self.token_buckets[-1])))
+        self.q_buckets = tuple(sorted(q_buckets or pow_buckets(1, self.token_buckets[-1])))
         if page_buckets is None:
-            page_buckets = [b for b in _pow2_buckets(1, self.pages_per_seq) if b < self.pages_per_seq]
-            page_buckets.append(self.pages_per_seq)
+            page_buckets = pow_buckets(1, self.pages_per_seq, cap=True)
         self.page_buckets = tuple(sorted(page_buckets))
         if self.page_buckets[-1] < self.pages_per_seq:
             raise ValueError(
@@ -620,30 +604,19 @@ class Scheduler:
         ps = self.page_size
         num_seqs = len(rows)
         num_tokens = sum(n for _, n in rows)
-        T = _bucket(self.token_buckets, num_tokens)
+        T = bucket(self.token_buckets, num_tokens)
         S = self.max_slots
         K = self.num_spec_tokens
-        P = _bucket(self.page_buckets, max(len(s.pages) for s, _ in rows))
-        max_q_len = min(_bucket(self.q_buckets, max(n for _, n in rows)), T)
+        P = bucket(self.page_buckets, max(len(s.pages) for s, _ in rows))
+        max_q_len = min(bucket(self.q_buckets, max(n for _, n in rows)), T)
 
-        token_ids = np.zeros(T, np.int32)
-        positions = np.zeros(T, np.int32)
-        slot_mapping = np.zeros(T, np.int32)
-        cu_q_lens = np.zeros(S + 1, np.int32)
-        kv_lens = np.zeros(S, np.int32)
-        page_indices = np.zeros((S, P), np.int32)
-        logits_indices = np.zeros(S, np.int32)
-        temperature = np.zeros(S, np.float32)
-        top_k = np.zeros(S, np.int32)
-        top_p = np.ones(S, np.float32)
-        min_p = np.zeros(S, np.float32)
-        seeds = np.zeros(S, np.uint32)
-        sample_positions = np.zeros(S, np.int32)
-        samples = np.zeros(S, bool)
-        feed_rows = np.full(T, -1, np.int32)
-        num_draft = np.zeros(S if K else 0, np.int32)
-        draft_ids = np.zeros((S, K) if K else (0, 0), np.int32)
-        verify_indices = np.zeros((S, K + 1) if K else (0, 0), np.int32)
+        a = padding_arrays(GROUPS, T=T, S=S, P=P, K=K, num_seqs=num_seqs)
+        token_ids, positions, slot_mapping = a["token_ids"], a["positions"], a["slot_mapping"]
+        cu_q_lens, kv_lens, page_indices = a["cu_q_lens"], a["kv_lens"], a["page_indices"]
+        logits_indices, temperature, top_k = a["logits_indices"], a["temperature"], a["top_k"]
+        top_p, min_p, seeds = a["top_p"], a["min_p"], a["seeds"]
+        sample_positions, samples, feed_rows = a["sample_positions"], a["samples"], a["feed_rows"]
+        num_draft, draft_ids, verify_indices = a["num_draft"], a["draft_ids"], a["verify_indices"]
 
         t = 0
         for s, (seq, n) in enumerate(rows):
@@ -676,26 +649,9 @@ class Scheduler:
         cu_q_lens[num_seqs + 1 :] = t
 
         return StepPlan(
-            token_ids=token_ids,
-            positions=positions,
-            slot_mapping=slot_mapping,
-            cu_q_lens=cu_q_lens,
-            kv_lens=kv_lens,
-            page_indices=page_indices,
-            num_seqs=np.array([num_seqs], np.int32),
-            logits_indices=logits_indices,
-            max_q_len=max_q_len,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            seeds=seeds,
-            sample_positions=sample_positions,
-            request_ids=[seq.req.request_id for seq, _ in rows],
-            samples=samples,
+            **a, max_q_len=max_q_len, request_ids=[seq.req.request_id for seq, _ in rows],
             num_logprobs=LOGPROBS_BUCKET if any(s.req.params.logprobs is not None for s, _ in rows) else 0,
-            spec_k=K, num_draft=num_draft, draft_ids=draft_ids, verify_indices=verify_indices,
-            feed_rows=feed_rows,
+            spec_k=K,
         )
 
     def update(self, plan: StepPlan, sampled: np.ndarray,

@@ -34,6 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxinfer.runtime.plan import STEP_GROUPS, fields_of, plan_dims
+from jaxinfer.runtime.tree_paths import path_names
+
 MESH_AXES = ("data", "model")
 
 # logical axis -> mesh axis (None = replicated). Applied only where the size divides evenly.
@@ -125,20 +128,6 @@ def mesh_spec(axes: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh,
     return P(*out)
 
 
-def _path_names(kp) -> list[str]:
-    names = []
-    for k in kp:
-        if isinstance(k, jax.tree_util.GetAttrKey):
-            names.append(k.name)
-        elif isinstance(k, jax.tree_util.DictKey):
-            names.append(str(k.key))
-        elif isinstance(k, jax.tree_util.SequenceKey):
-            names.append(str(k.idx))
-        else:
-            names.append(str(k))
-    return names
-
-
 def param_axes(path: str | list[str]) -> tuple[str, ...] | None:
     """Logical axes of the parameter at `path` ("layers.3.wq", "layers.3.wq.values", ...): the
     last path component that names a weight decides (wrappers such as `.values` / `.scales`
@@ -154,7 +143,7 @@ def param_shardings(params, mesh: Mesh, rules: dict[str, str | None] = RULES):
     """A pytree of NamedSharding matching `params` (arrays or ShapeDtypeStructs, any leaf
     wrapper types such as QuantizedArray)."""
     def one(kp, leaf):
-        axes = param_axes(_path_names(kp))
+        axes = param_axes(path_names(kp))
         spec = P() if axes is None else mesh_spec(axes, tuple(leaf.shape), mesh, rules)
         return NamedSharding(mesh, spec)
 
@@ -212,7 +201,7 @@ def shard_placer(mesh: Mesh, dtype, inner: Callable | None = None) -> Callable:
         names = path.split(".")
 
         def one(kp, a):
-            axes = param_axes(names + _path_names(kp))
+            axes = param_axes(names + path_names(kp))
             spec = P() if axes is None else mesh_spec(axes, tuple(a.shape), mesh)
             cast = dtype if inner is None else None
             return put(a, NamedSharding(mesh, spec), cast)
@@ -269,13 +258,8 @@ def is_leader() -> bool:
     return jax.process_index() == 0
 
 
-PLAN_FIELDS = (  # (name, dtype, shape in terms of T tokens, S sequence rows, P page columns)
-    ("token_ids", np.int32, "T"), ("positions", np.int32, "T"), ("slot_mapping", np.int32, "T"),
-    ("cu_q_lens", np.int32, "S+1"), ("kv_lens", np.int32, "S"), ("page_indices", np.int32, "S,P"),
-    ("num_seqs", np.int32, "1"), ("logits_indices", np.int32, "S"),
-    ("temperature", np.float32, "S"), ("top_k", np.int32, "S"), ("top_p", np.float32, "S"),
-    ("min_p", np.float32, "S"), ("seeds", np.uint32, "S"), ("sample_positions", np.int32, "S"),
-)
+_FIELDS = fields_of(*STEP_GROUPS)  # 4-byte dtypes: bit-cast to int32 and back
+_DIMS = ("T", "S", "P")
 _MAGIC = 0x4A58504C  # "JXPL"
 _HEADER = 8  # magic, stop, T, S, P, max_q_len, num_logprobs, filtered
 
@@ -286,25 +270,23 @@ class PlanCodec:
     bit-cast, so the round trip is exact."""
 
     def __init__(self, max_tokens: int, max_seqs: int, max_pages: int):
-        self.max_tokens, self.max_seqs, self.max_pages = max_tokens, max_seqs, max_pages
-        self.size = _HEADER + sum(
-            int(np.prod(_shape(s, max_tokens, max_seqs, max_pages))) for _, _, s in PLAN_FIELDS)
+        self.capacity = dict(zip(_DIMS, (max_tokens, max_seqs, max_pages)))
+        self.size = _HEADER + sum(int(np.prod(f.extent(self.capacity))) for f in _FIELDS)
 
     def pack(self, arrays: dict, max_q_len: int, num_logprobs: int, filtered: bool) -> np.ndarray:
-        t, s = len(arrays["token_ids"]), len(arrays["kv_lens"])
-        p = arrays["page_indices"].shape[1]
-        if t > self.max_tokens or s > self.max_seqs or p > self.max_pages:
-            raise ValueError(f"plan (T={t}, S={s}, P={p}) exceeds the codec's capacity "
-                             f"({self.max_tokens}, {self.max_seqs}, {self.max_pages})")
+        dims = plan_dims(arrays, _FIELDS)
+        if any(dims[d] > self.capacity[d] for d in _DIMS):
+            raise ValueError(f"plan {dims} exceeds the codec's capacity {self.capacity}")
         buf = np.zeros(self.size, np.int32)
-        buf[:_HEADER] = (_MAGIC, 0, t, s, p, max_q_len, num_logprobs, int(filtered))
+        buf[:_HEADER] = (_MAGIC, 0, *(dims[d] for d in _DIMS), max_q_len, num_logprobs,
+                         int(filtered))
         off = _HEADER
-        for name, dtype, spec in PLAN_FIELDS:
-            a = np.asarray(arrays[name])
-            shape = _shape(spec, t, s, p)
-            if a.shape != shape or a.dtype != dtype:
-                raise ValueError(f"plan field {name}: {a.dtype}{list(a.shape)}, expected "
-                                 f"{np.dtype(dtype)}{list(shape)}")
+        for f in _FIELDS:
+            a = np.asarray(arrays[f.name])
+            shape = f.extent(dims)
+            if a.shape != shape or a.dtype != f.dtype:
+                raise ValueError(f"plan field {f.name}: {a.dtype}{list(a.shape)}, expected "
+                                 f"{np.dtype(f.dtype)}{list(shape)}")
             flat = np.ascontiguousarray(a).reshape(-1).view(np.int32)
             buf[off:off + flat.size] = flat
             off += flat.size
@@ -322,18 +304,15 @@ class PlanCodec:
             raise ValueError("not a plan buffer of this codec")
         if buf[1]:
             return None
-        t, s, p, max_q_len, num_logprobs, filtered = (int(x) for x in buf[2:_HEADER])
+        dims = dict(zip(_DIMS, (int(x) for x in buf[2:2 + len(_DIMS)])))
+        max_q_len, num_logprobs, filtered = (int(x) for x in buf[2 + len(_DIMS):_HEADER])
         arrays, off = {}, _HEADER
-        for name, dtype, spec in PLAN_FIELDS:
-            shape = _shape(spec, t, s, p)
+        for f in _FIELDS:
+            shape = f.extent(dims)
             n = int(np.prod(shape))
-            arrays[name] = buf[off:off + n].copy().view(dtype).reshape(shape)
+            arrays[f.name] = buf[off:off + n].copy().view(f.dtype).reshape(shape)
             off += n
         return arrays, max_q_len, num_logprobs, bool(filtered)
-
-
-def _shape(spec: str, t: int, s: int, p: int) -> tuple[int, ...]:
-    return {"T": (t,), "S": (s,), "S+1": (s + 1,), "S,P": (s, p), "1": (1,)}[spec]
 
 
 class PlanChannel:

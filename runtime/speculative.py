@@ -1,25 +1,15 @@
-"""Speculative decoding: proposers (draft model, n-gram prompt lookup) and the acceptance rule.
+"""Speculative decoding: the proposers (draft model, n-gram prompt lookup).
 
 One step of speculation for every decoding sequence at once:
   1. a proposer guesses up to k next tokens per sequence (`Proposer.propose`);
   2. the scheduler plans q_len = 1 + d rows for it (its last token + d proposals), the target runs
      one ragged forward with logits at all 1 + d positions (`steps.verify`);
-  3. `accept` decides on the device, for all rows at once, how many proposals stand and which
-     token follows them; the scheduler advances each sequence by its own count and rolls back
-     the KV of rejected tokens by lengths (`Scheduler.update(..., num_accepted=...)`).
+  3. `sampling.accept` decides on the device, for all rows at once, how many proposals stand and
+     which token follows them; the scheduler advances each sequence by its own count and rolls
+     back the KV of rejected tokens by lengths (`Scheduler.update(..., num_accepted=...)`).
 
-Acceptance (Leviathan et al. / Chen et al.): greedy rows keep the longest prefix agreeing with
-the target's argmax, then emit the target's argmax. Sampled rows accept proposal x with
-probability min(1, p(x)/q(x)) (p, q = the target's / proposer's distributions after the row's
-temperature, top-k, top-p, min-p), on the first rejection sample from normalized max(0, p - q),
-and if all d are accepted sample a bonus token from p. The emitted tokens are then distributed
-exactly as the target's. A deterministic proposer (n-gram) has q = one-hot(x): accept with
-probability p(x), on rejection sample from p without x.
-
-Randomness keeps the engine's rule: the key of a token derives from (seed, position) only. The
-token at position t uses key(seed, t) when drawn from p (so a bonus token equals what plain
-decoding draws), fold_in(key, 1) for the accept test, fold_in(key, 2) for the residual draw and
-fold_in(key, 3) for a draft model's own proposal draw.
+A draft model draws its own proposal for the token at position t with fold_in(key(seed, t), 3)
+(the other fold-ins of that key: runtime/sampling.py).
 
 The n-gram proposer is host numpy. The draft model keeps its own paged KV cache, page allocator
 and a per-request *shadow* (the token ids whose K/V its cache holds). Before proposing it cuts the
@@ -38,15 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.runtime.attention import AttentionMetadata
-from jaxinfer.runtime.config import SpecConfig, parse_speculative  # noqa: F401 (re-exported)
 from jaxinfer.runtime.kv_cache import init_cache
 from jaxinfer.runtime.model import forward
 from jaxinfer.runtime.page_allocator import PageAllocator
-from jaxinfer.runtime.plan import empty_step_arrays
-from jaxinfer.runtime.sampling import filter_logits, row_keys
-
-# config: runtime.config.SpecConfig / parse_speculative (pure Python, validated there)
-
+from jaxinfer.runtime.plan import STEP_GROUPS, padding_arrays, pow_buckets
+from jaxinfer.runtime.sampling import gumbel_pick, probs_of, row_keys
 
 # ---------------------------------------------------------------------------------- proposals
 
@@ -117,81 +103,6 @@ class NgramProposer(Proposer):
         return out
 
 
-# ---------------------------------------------------------------------------------- acceptance
-
-
-def probs_of(logits, temperature, top_k, top_p, min_p, *, filtered: bool):
-    """Row distributions after temperature and filtering. logits [..., V] with row params [...]."""
-    shape = logits.shape
-    t = jnp.where(temperature > 0, temperature, 1.0)[..., None]
-    scaled = logits / t
-    if filtered:
-        flat = scaled.reshape(-1, shape[-1])
-        bc = lambda a: jnp.broadcast_to(a, shape[:-1]).reshape(-1)  # noqa: E731
-        scaled = filter_logits(flat, bc(top_k), bc(top_p), bc(min_p)).reshape(shape)
-    return jax.nn.softmax(scaled, axis=-1)
-
-
-def _gumbel_pick(keys, log_dist):
-    """argmax(log_dist + Gumbel(key)) per row: one draw from the (unnormalized) distribution."""
-    g = jax.vmap(lambda k: jax.random.gumbel(k, (log_dist.shape[-1],), jnp.float32))(keys)
-    return jnp.argmax(log_dist + g, axis=-1).astype(jnp.int32)
-
-
-def accept(
-    logits: jax.Array,  # [S, K+1, V] f32 target logits at the last token and each proposal
-    draft: jax.Array,  # [S, K] int32 proposals (entries >= num_draft ignored)
-    num_draft: jax.Array,  # [S] int32 in 0..K
-    q: jax.Array | None,  # [S, K, V] proposer distributions; None = one-hot(draft)
-    temperature: jax.Array,  # [S]
-    top_k: jax.Array,
-    top_p: jax.Array,
-    min_p: jax.Array,
-    seeds: jax.Array,  # [S] uint32
-    positions: jax.Array,  # [S] position of the token predicted by logits[:, 0]
-    *,
-    filtered: bool,
-) -> tuple[jax.Array, jax.Array]:
-    """-> (num_accepted [S] int32, tokens [S, K+1] int32). Row s emits tokens[s, :num_accepted+1]
-    (accepted proposals, then the correction or bonus token); later entries are -1."""
-    S, K1, V = logits.shape
-    K = K1 - 1
-    rows = jnp.arange(S)
-    greedy_row = temperature <= 0
-    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [S, K+1]
-    p = probs_of(logits, temperature[:, None], top_k[:, None], top_p[:, None], min_p[:, None],
-                 filtered=filtered)  # [S, K+1, V]
-    if q is None:
-        q = jax.nn.one_hot(draft, V, dtype=jnp.float32)  # [S, K, V]
-    pos = positions[:, None] + jnp.arange(K1)[None, :]  # [S, K+1]
-    keys = row_keys(jnp.repeat(seeds, K1), pos.reshape(-1)).reshape(S, K1)  # [S, K+1]
-
-    live = jnp.arange(K)[None, :] < num_draft[:, None]  # [S, K]
-    safe_draft = jnp.where(live, draft, 0)
-    px = jnp.take_along_axis(p[:, :K], safe_draft[..., None], axis=-1)[..., 0]  # [S, K]
-    qx = jnp.take_along_axis(q, safe_draft[..., None], axis=-1)[..., 0]
-    u = jax.vmap(jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1))))(keys[:, :K])
-    ok = jnp.where(greedy_row[:, None], safe_draft == argmax[:, :K], u * qx < px) & live
-    n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)  # [S]
-
-    # the token after the accepted run: residual draw after a rejection, else a bonus from p
-    rejected = n_acc < num_draft
-    p_j = p[rows, n_acc]  # [S, V]
-    q_j = jnp.concatenate([q, jnp.zeros((S, 1, V), q.dtype)], axis=1)[rows, n_acc]
-    resid = jnp.maximum(p_j - q_j, 0.0)
-    use_resid = rejected & (resid.sum(-1) > 0)  # (a rejection with zero residual has prob. 0)
-    dist = jnp.where(use_resid[:, None], resid, p_j)
-    key_j = keys[rows, n_acc]
-    key_j = jnp.where(use_resid, jax.vmap(lambda k: jax.random.fold_in(k, 2))(key_j), key_j)
-    drawn = _gumbel_pick(key_j, jnp.log(dist))
-    final = jnp.where(greedy_row, argmax[rows, n_acc], drawn)
-
-    j = jnp.arange(K1)[None, :]
-    padded = jnp.concatenate([draft, jnp.zeros((S, 1), draft.dtype)], axis=1)
-    tokens = jnp.where(j < n_acc[:, None], padded, jnp.where(j == n_acc[:, None], final[:, None], -1))
-    return n_acc, tokens.astype(jnp.int32)
-
-
 # ---------------------------------------------------------------------------------- draft model
 
 
@@ -212,15 +123,8 @@ def draft_step(params, cache, arrays, *, cfg, backend, max_q_len, filtered, want
                  filtered=filtered)
     keys = row_keys(arrays["seeds"], arrays["sample_positions"])
     keys = jax.vmap(lambda k: jax.random.fold_in(k, 3))(keys)
-    drawn = _gumbel_pick(keys, jnp.log(q))
+    drawn = gumbel_pick(keys, jnp.log(q))
     return jnp.where(arrays["temperature"] > 0, drawn, greedy), q, cache
-
-
-def _pow2(lo: int, n: int) -> int:
-    b = lo
-    while b < n:
-        b *= 2
-    return b
 
 
 @dataclass
@@ -254,20 +158,13 @@ class DraftModelProposer(Proposer):
         """Every (T, P, max_q_len) shape `_run` can make, greedy (want_q False): T powers of two
         from 16 to the budget's, P powers of two capped at max_pages, max_q_len T, or 1 when T
         is small enough for one token per row."""
-        S, t_hi = self.S, _pow2(16, self.budget)
-        T = 16
-        while T <= t_hi:
-            P = 1
-            while True:
-                p = min(P, self.max_pages)
-                a = empty_step_arrays(T, S, p, num_seqs=S)
-                for q in sorted({T} | ({1} if T <= _pow2(16, S) else set())):
+        S = self.S
+        for T in pow_buckets(16, self.budget):
+            for P in pow_buckets(1, self.max_pages, cap=True):
+                a = padding_arrays(STEP_GROUPS, T=T, S=S, P=P, num_seqs=S)
+                for q in sorted({T} | ({1} if T <= pow_buckets(16, S)[-1] else set())):
                     self.cache = self._step(self.params, self.cache, a, max_q_len=q,
                                             filtered=False, want_q=False)[2]
-                if p == self.max_pages:
-                    break
-                P *= 2
-            T *= 2
 
     def release(self, request_id: str) -> None:
         sh = self.shadows.pop(request_id, None)
@@ -292,10 +189,10 @@ class DraftModelProposer(Proposer):
         """rows: [(row index, shadow, new tokens)] -> (tokens [S] host, q [S, V] device|None).
         Each row computes its new tokens after its shadow and samples at the last one."""
         ps = self.ps
-        T = _pow2(16, sum(len(t) for _, _, t in rows))
-        P = min(_pow2(1, max(len(sh.pages) for _, sh, _ in rows)), self.max_pages)
+        T = pow_buckets(16, sum(len(t) for _, _, t in rows))[-1]
+        P = min(pow_buckets(1, max(len(sh.pages) for _, sh, _ in rows))[-1], self.max_pages)
         S = self.S
-        a = empty_step_arrays(T, S, P, num_seqs=S)
+        a = padding_arrays(STEP_GROUPS, T=T, S=S, P=P, num_seqs=S)
         by_row = {i: (sh, t) for i, sh, t in rows}
         t0 = 0
         for i in range(S):  # rows in fixed order; absent rows get q_len 0

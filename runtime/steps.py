@@ -19,7 +19,8 @@ from jaxinfer.runtime.attention import AttentionMetadata
 from jaxinfer.runtime.config import ModelConfig
 from jaxinfer.runtime.kv_cache import KVCache
 from jaxinfer.runtime.model import Params, compute_logits, forward, forward_hidden
-from jaxinfer.runtime.sampling import mask_vocab, sample, top_logprobs
+from jaxinfer.runtime.plan import SAMPLING_FIELDS
+from jaxinfer.runtime.sampling import accept, mask_vocab, sample, top_logprobs
 
 
 def _metadata(a: dict, max_q_len: int) -> AttentionMetadata:
@@ -74,9 +75,6 @@ def step(
     return packed, cache
 
 
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seeds", "sample_positions")
-
-
 @jax.jit
 def sampled_tokens(packed: jax.Array) -> jax.Array:
     """int32 [S]: the token column of a step's packed output (the next step's `prev`)."""
@@ -102,8 +100,6 @@ def verify(
     Packed [S, 2 + K (+ 1 + 2n)]: [:, 0] proposals accepted a, [:, 1:K+2] the emitted tokens
     (a + 1 valid, then -1), then logprobs of the token drawn at the first verify row (rows that
     want logprobs get no proposals, so that is their one token)."""
-    from jaxinfer.runtime.speculative import accept
-
     S, K = arrays["draft_ids"].shape
     md = _metadata(arrays, max_q_len)
     logits, cache = forward(params, arrays["token_ids"], cache, md, cfg, backend)  # [S*(K+1), V]

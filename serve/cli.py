@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     import importlib
 
     from jaxinfer.runtime.config import COMPUTE_DTYPES
-    from jaxinfer.runtime.quantization import FORMATS
+    from jaxinfer.runtime.config import FORMATS
 
     p = argparse.ArgumentParser(prog="jaxinfer", description="LLM inference on JAX/XLA")
     sub = p.add_subparsers(dest="cmd", required=True)

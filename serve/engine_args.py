@@ -7,9 +7,8 @@ import argparse
 import json
 import sys
 
-from jaxinfer.checkpoints.loader import DEFAULT_MODEL
-from jaxinfer.runtime.config import ATTENTION_BACKENDS, COMPUTE_DTYPES
-from jaxinfer.runtime.quantization import FORMATS, KV_CACHE_DTYPES
+from jaxinfer.checkpoints.named import DEFAULT_MODEL
+from jaxinfer.runtime.config import ATTENTION_BACKENDS, COMPUTE_DTYPES, FORMATS, KV_CACHE_DTYPES
 
 
 def engine_args(p: argparse.ArgumentParser) -> None:

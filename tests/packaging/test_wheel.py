@@ -2,6 +2,7 @@
 public API importable from outside the repository by an interpreter that has only the wheel
 (plus the dependencies, reached through a path entry)."""
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -16,8 +17,12 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
+    src = out / "src"  # built from a copy: the checkout gains no build/ or egg-info
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+        ".git", ".venv", ".jax_cache", ".pytest_cache", ".hypothesis", "build", "*.egg-info",
+        "__pycache__", "tests", "notebooks"))
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                        "-q", "-w", str(out), str(ROOT)], capture_output=True, text=True,
+                        "-q", "-w", str(out), str(src)], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     (whl,) = out.glob("jaxinfer-*.whl")

@@ -13,15 +13,7 @@ import pytest
 import torch
 
 from jaxinfer.checkpoints.hf import load_hf
-from tests.gemma_fixtures import (  # noqa: F401  (session fixtures)
-    LOAD_STATS,
-    gemma_gguf_path,
-    gemma_hf,
-    gemma_ours,
-    gemma_reader,
-    gemma_tokenizer,
-    tiny_gemma3_hf,
-)
+from tests.gemma_fixtures import LOAD_STATS, tiny_gemma3_hf
 from tests.model_utils import run_sequence
 
 TINY_PROMPT = [2, 17, 250, 3, 99, 400, 7, 7, 7, 311, 42, 5, 128, 64, 200, 9, 10, 11, 300, 301,

@@ -26,15 +26,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxinfer.checkpoints.quantize import quantization_spec, quantize_params
 from jaxinfer.runtime.quantization import (
     QuantizationError,
     QuantizedArray,
     dequantize,
     einsum,
     param_bytes,
-    quantization_spec,
     quantize,
-    quantize_params,
     take_rows,
 )
 
@@ -198,7 +197,7 @@ def test_bad_formats_and_modes():
         quantize(w, "int8", (0,), mode="int4_awq")
     with pytest.raises(NotImplementedError, match="group_size"):
         quantize(w, "int8", (0,), group_size=32)
-    from jaxinfer.runtime.quantization import placer
+    from jaxinfer.checkpoints.quantize import placer
 
     with pytest.raises(QuantizationError, match="fp8 weights need float32 or bfloat16"):
         placer("fp8", jnp.float16)
@@ -369,7 +368,7 @@ class _StubTokenizer:
 
 @pytest.mark.parametrize("family", ["qwen2", "gemma3"])
 def test_smoothing_keeps_the_float_function(tiny_models, family):
-    from jaxinfer.runtime.smoothing import calibration_tokens, norm_input_maxima, smooth_layers
+    from jaxinfer.checkpoints.smoothing import calibration_tokens, norm_input_maxima, smooth_layers
     from tests.model_utils import run_sequence
 
     cfg, params = tiny_models[family]
@@ -390,7 +389,7 @@ def test_smoothing_keeps_the_float_function(tiny_models, family):
 
 def test_norm_input_maxima_is_the_first_norm_output(tiny_models):
     from jaxinfer.runtime.model import rms_norm
-    from jaxinfer.runtime.smoothing import norm_input_maxima
+    from jaxinfer.checkpoints.smoothing import norm_input_maxima
 
     cfg, params = tiny_models["gemma3"]
     toks = list(np.random.default_rng(4).integers(3, cfg.vocab_size, 40))
@@ -404,7 +403,7 @@ def test_norm_input_maxima_is_the_first_norm_output(tiny_models):
 
 
 def test_smoothing_scales_balance_activation_and_weight_ranges():
-    from jaxinfer.runtime.smoothing import smoothing_scales
+    from jaxinfer.checkpoints.smoothing import smoothing_scales
 
     rng = np.random.default_rng(5)
     x_max, w_max = np.exp(rng.uniform(-3, 4, 64)), np.exp(rng.uniform(-5, 0, 64))
@@ -420,7 +419,7 @@ def test_smoothing_lowers_w8a8_error_on_outlier_channels():
     """Activations with a few large channels (as after a norm in a real model): per-token int8
     activations lose the small channels; smoothed operands give the same product, quantized
     closer to the exact one."""
-    from jaxinfer.runtime.smoothing import _row_max, smoothing_scales
+    from jaxinfer.checkpoints.smoothing import _row_max, smoothing_scales
 
     rng = np.random.default_rng(6)
     x = rng.standard_normal((32, 256))
@@ -438,7 +437,7 @@ def test_smoothing_lowers_w8a8_error_on_outlier_channels():
 
 
 def test_quantize_params_smooths_int8_w8a8_only(tiny_models):
-    from jaxinfer.runtime.smoothing import SMOOTHED_WEIGHTS
+    from jaxinfer.checkpoints.smoothing import SMOOTHED_WEIGHTS
 
     cfg, params = tiny_models["gemma3"]
     tok = _StubTokenizer(cfg.vocab_size)

@@ -2,9 +2,10 @@
 per-device bytes, orbax restores onto another layout, no recompiles under the mesh; the
 multi-host plan codec and the leader/follower protocol on one machine.
 
-Tests marked `on_8_devices` re-run themselves in a subprocess with
+Tests marked `on_8_devices` run together in one child pytest with
 XLA_FLAGS=--xla_force_host_platform_device_count=8 (the device count is fixed when the backend
-starts, and 8 devices for the whole suite would slow every other test).
+starts, and 8 devices for the whole suite would slow every other test); each reports its own
+outcome from the child.
 """
 
 from __future__ import annotations
@@ -44,23 +45,59 @@ GEMMA = ModelConfig(  # Gemma 3 style: 4 q heads / 1 kv head, tied embeddings, q
 )
 
 
+EIGHT_DEVICE_TESTS: list[str] = []  # filled by @on_8_devices at import
+SELECTED: list[str] = []  # those of them this session runs (-k, node ids)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _selected_eight_device_tests(request):
+    SELECTED[:] = [i.originalname for i in request.session.items
+                   if i.module is sys.modules[__name__] and i.originalname in EIGHT_DEVICE_TESTS]
+
+
 def on_8_devices(fn):
-    """Run the test body in a child pytest with 8 host devices (here: in the child itself)."""
+    """Run the test body with 8 host devices: the first such test starts one child pytest that
+    runs every @on_8_devices test of this module (the child runs the bodies themselves); each
+    test then reports its own outcome from the child."""
+    EIGHT_DEVICE_TESTS.append(fn.__name__)
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         if os.environ.get(CHILD_ENV):
             assert len(jax.devices()) >= 8, jax.devices()
             return fn(*args, **kwargs)
-        env = dict(os.environ, JAX_PLATFORMS="cpu", **{CHILD_ENV: "1"})
-        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                            " --xla_force_host_platform_device_count=8").strip()
-        node = f"{Path(__file__).relative_to(ROOT)}::{fn.__name__}"
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                            node], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-        assert r.returncode == 0, f"{node} on 8 devices failed:\n{r.stdout[-6000:]}\n{r.stderr[-3000:]}"
-        assert " passed" in r.stdout, r.stdout[-2000:]
+        outcome, detail = _child_outcomes().get(fn.__name__, ("not run", "missing from the child"))
+        assert outcome == "passed", f"{fn.__name__} on 8 devices: {outcome}\n{detail}"
 
     return wrapper
+
+
+@functools.cache
+def _child_outcomes() -> dict[str, tuple[str, str]]:
+    """{test name: (passed | failed | error | skipped, message)} from one child pytest running
+    the selected @on_8_devices tests."""
+    import tempfile
+    import xml.etree.ElementTree as ET
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **{CHILD_ENV: "1"})
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                        " --xla_force_host_platform_device_count=8").strip()
+    here = Path(__file__).relative_to(ROOT)
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "child.xml"
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                            f"--junitxml={report}", *(f"{here}::{n}" for n in SELECTED)],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+        if not report.exists():
+            raise AssertionError(f"the 8-device child wrote no report:\n{r.stdout[-4000:]}\n"
+                                 f"{r.stderr[-3000:]}")
+        out = {}
+        for case in ET.parse(report).getroot().iter("testcase"):
+            bad = [c for c in case if c.tag in ("failure", "error", "skipped")]
+            out[case.get("name")] = ((bad[0].tag if bad[0].tag != "failure" else "failed",
+                                      (bad[0].get("message") or "") + "\n" + (bad[0].text or "")[-6000:])
+                                     if bad else ("passed", ""))
+    return out
 
 
 def _run_forward(params, cfg, mesh=None):
@@ -107,14 +144,15 @@ def test_rules_replicate_what_does_not_divide():
 
 
 def test_quantized_leaves_shard_values_and_scales_alike():
-    from jaxinfer.runtime.quantization import quantize_params
+    from jaxinfer.checkpoints.quantize import quantize_params
+    from jaxinfer.runtime.tree_paths import path_names
 
     mesh_like = type("M", (), {"shape": {"data": 1, "model": 4}})()
     qp = jax.eval_shape(lambda: quantize_params(init_params(LLAMA, jax.random.key(0)), "int8"))
     specs = {}
 
     def visit(kp, leaf):
-        path = ".".join(shd._path_names(kp))
+        path = ".".join(path_names(kp))
         specs[path] = shd.mesh_spec(shd.param_axes(path), tuple(leaf.shape), mesh_like)
         return leaf
 
@@ -243,7 +281,7 @@ def test_forward_logits_match_across_tp_and_gqa_replication():
 
 @on_8_devices
 def test_quantized_params_shard_and_match():
-    from jaxinfer.runtime.quantization import quantize_params
+    from jaxinfer.checkpoints.quantize import quantize_params
 
     qp = quantize_params(init_params(LLAMA, jax.random.key(2)), "int8")
     ref, _ = _run_forward(qp, LLAMA)

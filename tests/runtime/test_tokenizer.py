@@ -24,11 +24,6 @@ from jaxinfer.runtime.tokenizer import (
     load_tokenizer,
     tokenizer_from_gguf,
 )
-from tests.gemma_fixtures import (  # noqa: F401  (shared session fixtures: one GGUF reader)
-    gemma_gguf_path,
-    gemma_reader,
-    gemma_tokenizer,
-)
 
 spm = pytest.importorskip("sentencepiece")
 gguf = pytest.importorskip("gguf")

@@ -1,5 +1,5 @@
 """The fixed text that int8 calibration runs through the float model (activation ranges for
-SmoothQuant-style smoothing, see runtime/smoothing.py). Written for this project: a mix of
+SmoothQuant-style smoothing, see checkpoints/smoothing.py). Written for this project: a mix of
 narrative, dialogue, instructions, factual prose, code and numbers, so that the activation
 maxima are not those of one register. It shares nothing with the perplexity text of
 tools/bench_quality.py (Shakespeare)."""

@@ -13,7 +13,7 @@ w / s. That covers q/k/v (attn_norm) and gate/up (mlp_norm); all weights reading
 its s. The float function is unchanged (up to rounding); only the quantized one improves.
 
 max|X_j| comes from one forward pass of the float model over CALIBRATION_TEXT
-(runtime/calibration.py) at quantize time: deterministic, ~1k tokens, one jitted forward.
+(checkpoints/calibration.py) at quantize time: deterministic, ~1k tokens, one jitted forward.
 """
 
 from __future__ import annotations
@@ -25,9 +25,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxinfer.runtime.quantization import QuantizedArray, _parse, einsum
+from jaxinfer.checkpoints.calibration import CALIBRATION_TEXT
+from jaxinfer.runtime.attention import whole_sequence_metadata
+from jaxinfer.runtime.kv_cache import init_cache
+from jaxinfer.runtime.model import forward_hidden
+from jaxinfer.runtime.quantization import QuantizedArray, einsum, parse_einsum
 
-DEFAULT_ALPHA = 0.5
 # norm -> the weights that read its output (their row j multiplies the norm's channel j)
 NORM_CONSUMERS = {"attn_norm": ("wq", "wk", "wv"), "mlp_norm": ("w_gate", "w_up")}
 SMOOTHED_WEIGHTS = tuple(w for ws in NORM_CONSUMERS.values() for w in ws)
@@ -52,7 +55,7 @@ class Observed:
         return len(self.w.shape)
 
     def einsum(self, spec: str, x: jax.Array) -> jax.Array:
-        xs, ws, out = _parse(spec, x.ndim, self.ndim)
+        xs, ws, out = parse_einsum(spec, x.ndim, self.ndim)
         kept = tuple(i for i, c in enumerate(xs) if c not in ws or c in out)  # not contracted
         amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=kept)
         rec = _RECORDS[-1]
@@ -60,22 +63,15 @@ class Observed:
         return einsum(spec, x, self.w)
 
 
-def calibration_tokens(tokenizer, text: str | None = None,
-                       max_tokens: int = MAX_CALIBRATION_TOKENS) -> list[int]:
-    """BOS (when the tokenizer has one) + the calibration text's ids, at most max_tokens."""
-    if text is None:
-        from jaxinfer.runtime.calibration import CALIBRATION_TEXT as text
+def calibration_tokens(tokenizer, max_tokens: int = MAX_CALIBRATION_TOKENS) -> list[int]:
+    """BOS (when the tokenizer has one) + CALIBRATION_TEXT's ids, at most max_tokens."""
     bos = [tokenizer.bos_id] if getattr(tokenizer, "bos_id", None) is not None else []
-    return (bos + list(tokenizer.encode(text)))[:max_tokens]
+    return (bos + list(tokenizer.encode(CALIBRATION_TEXT)))[:max_tokens]
 
 
 def norm_input_maxima(params, cfg, tokens: list[int]) -> dict[str, np.ndarray]:
     """{"layers.i.attn_norm" | "layers.i.mlp_norm": max |norm output| per channel [D]} over one
     forward pass of `tokens` (one sequence) through `params` (dense or weight-only weights)."""
-    from jaxinfer.runtime.attention import whole_sequence_metadata
-    from jaxinfer.runtime.kv_cache import init_cache
-    from jaxinfer.runtime.model import forward_hidden
-
     layers = []
     for i, lp in enumerate(params.layers):
         layers.append(lp.replace(
@@ -145,9 +141,3 @@ def smooth_layers(params, maxima: dict[str, np.ndarray], alpha: float,
                 new[name] = make(p, sw) if make else sw.astype(getattr(lp, name).dtype)
         layers.append(lp.replace(**new))
     return params.replace(layers=tuple(layers))
-
-
-def smooth_params(params, cfg, tokenizer, alpha: float = DEFAULT_ALPHA, *, text: str | None = None):
-    """Smoothed float params (the same function): calibrate on `text`, fold s into the norms."""
-    maxima = norm_input_maxima(params, cfg, calibration_tokens(tokenizer, text))
-    return smooth_layers(params, maxima, alpha)

@@ -1,0 +1,148 @@
+"""An HF `config.json` dict -> ModelConfig: the supported model types and how their fields map."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from jaxinfer.runtime.config import ConfigError, ModelConfig, RopeScaling
+
+# HF `model_type` -> our family name. Families share one forward; differences are config fields.
+_FAMILIES = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "llama",
+    "gemma3_text": "gemma3",
+    "gemma3": "gemma3",
+}
+
+
+def from_hf_config(hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
+    """Build from an HF `config.json` dict. Raises ConfigError naming `source` on anything
+    we cannot serve."""
+    if "text_config" in hf and hf.get("model_type") == "gemma3":
+        hf = {**hf["text_config"], "model_type": "gemma3_text"}
+    model_type = hf.get("model_type")
+    family = _FAMILIES.get(model_type or "")
+    if family is None:
+        arch = hf.get("architectures") or [model_type]
+        raise ConfigError(
+            f"{source}: unsupported architecture {arch[0]!r} (model_type {model_type!r}); "
+            f"supported model_types: {sorted(_FAMILIES)}"
+        )
+    try:
+        return _from_hf(hf, family, model_type)
+    except KeyError as e:
+        raise ConfigError(f"{source}: missing required field {e.args[0]!r}") from None
+
+
+def _eos_ids(v) -> tuple[int, ...]:
+    if v is None:
+        return ()
+    return tuple(v) if isinstance(v, (list, tuple)) else (int(v),)
+
+
+def _rope_scaling(hf: dict[str, Any]) -> RopeScaling | None:
+    rs = hf.get("rope_scaling") or hf.get("rope_parameters")
+    if not rs:
+        return None
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind == "llama3":
+        return RopeScaling(
+            kind="llama3",
+            factor=float(rs["factor"]),
+            low_freq_factor=float(rs["low_freq_factor"]),
+            high_freq_factor=float(rs["high_freq_factor"]),
+            original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
+        )
+    if kind == "linear":
+        return RopeScaling(kind="linear", factor=float(rs["factor"]))
+    raise ConfigError(f"unsupported rope_scaling type {kind!r}")
+
+
+def _rope_theta(hf: dict[str, Any], default: float) -> float:
+    if "rope_theta" in hf:
+        return float(hf["rope_theta"])
+    rp = hf.get("rope_parameters")
+    if isinstance(rp, dict):
+        if "rope_theta" in rp:
+            return float(rp["rope_theta"])
+        if "full_attention" in rp:  # gemma3 style: per layer-type parameters
+            return float(rp["full_attention"].get("rope_theta", default))
+    return default
+
+
+def _from_hf(hf: dict[str, Any], family: str, model_type: str) -> ModelConfig:
+    num_heads = int(hf["num_attention_heads"])
+    hidden = int(hf["hidden_size"])
+    head_dim = int(hf.get("head_dim") or hidden // num_heads)
+    common = dict(
+        family=family,
+        architecture=(hf.get("architectures") or [model_type])[0],
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(hf["intermediate_size"]),
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+        head_dim=head_dim,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=_eos_ids(hf.get("eos_token_id")),
+    )
+    if family == "llama":
+        window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+        if model_type == "qwen2" and not hf.get("use_sliding_window", False):
+            window = None
+        return ModelConfig(
+            **common,
+            rope_theta=_rope_theta(hf, 10000.0),
+            rope_scaling=_rope_scaling(hf),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+            activation=_activation(hf.get("hidden_act", "silu")),
+            sliding_window=window,
+            layer_types=("local",) * common["num_layers"] if window else (),
+        )
+    # gemma3
+    n = common["num_layers"]
+    layer_types = hf.get("layer_types")
+    if layer_types:
+        layer_types = tuple("local" if t == "sliding_attention" else "global" for t in layer_types)
+    else:
+        pattern = int(hf.get("sliding_window_pattern", 6))
+        layer_types = tuple("global" if (i + 1) % pattern == 0 else "local" for i in range(n))
+    rp = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+    local_theta = hf.get("rope_local_base_freq") or (rp.get("sliding_attention") or {}).get(
+        "rope_theta", 10000.0
+    )
+    return ModelConfig(
+        **common,
+        rope_theta=_rope_theta(hf, 1_000_000.0),
+        rope_scaling=_rope_scaling(
+            {"rope_scaling": hf.get("rope_scaling") or rp.get("full_attention")}
+        ),
+        rope_local_theta=float(local_theta),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        qkv_bias=bool(hf.get("attention_bias", False)),
+        activation=_activation(hf.get("hidden_activation") or hf.get("hidden_act", "gelu_pytorch_tanh")),
+        qk_norm=True,
+        sandwich_norms=True,
+        embed_scale=math.sqrt(hidden),
+        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", head_dim)),
+        sliding_window=int(hf.get("sliding_window", 4096)),
+        layer_types=layer_types,
+        final_logit_softcap=hf.get("final_logit_softcapping"),
+        attn_logit_softcap=hf.get("attn_logit_softcapping"),
+    )
+
+
+def _activation(name: str) -> str:
+    if name in ("silu", "swish"):
+        return "silu"
+    if name in ("gelu_pytorch_tanh", "gelu_tanh", "gelu"):
+        return "gelu_tanh"
+    raise ConfigError(f"unsupported activation {name!r}")

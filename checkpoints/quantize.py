@@ -1,0 +1,167 @@
+"""Quantize while loading: which weights become QuantizedArrays (and along which axes), the
+loaders' `place` hook that quantizes each tensor as it is read (with SmoothQuant-style smoothing
+for int8 W8A8), whole-tree quantization, and the quantization spec saved with a converted model.
+The type and its matmuls live in runtime/quantization.py."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.checkpoints.smoothing import (SMOOTHED_WEIGHTS, calibration_tokens,
+                                            norm_input_maxima, smooth_layers)
+from jaxinfer.runtime.quantization import (STORAGE_DTYPES, QuantizationError, QuantizedArray,
+                                           check_compute_dtype, check_format, check_mode,
+                                           default_mode, quantize)
+from jaxinfer.runtime.tree_paths import path_str
+
+# Which weights are quantized, and the axes their einsum in runtime/model.py contracts.
+# embed / lm_head: "nd,vd->nv" contracts d (axis 1); take_rows reads whole rows, also per-row.
+WEIGHT_REDUCE_AXES: dict[str, tuple[int, ...]] = {
+    "wq": (0,), "wk": (0,), "wv": (0,),  # "td,dhk->thk"
+    "wo": (0, 1),  # "thk,hkd->td"
+    "w_gate": (0,), "w_up": (0,), "w_down": (0,),  # "td,df->tf", "tf,fd->td"
+    "embed": (1,), "lm_head": (1,),
+}
+EMBEDDING_WEIGHTS = ("embed", "lm_head")
+
+
+def weight_name(path: str) -> str:
+    """'layers.3.wq' -> 'wq'; 'embed' -> 'embed'."""
+    return path.rsplit(".", 1)[-1]
+
+
+def should_quantize(path: str, quantize_embeddings: bool = True) -> bool:
+    name = weight_name(path)
+    if name not in WEIGHT_REDUCE_AXES:
+        return False
+    return quantize_embeddings or name not in EMBEDDING_WEIGHTS
+
+
+# SmoothQuant-style smoothing (checkpoints/smoothing.py) of int8 W8A8 weights at quantize time:
+# the migration strength alpha, None to switch it off. Only the W8A8 path quantizes activations,
+# so only it is smoothed.
+SMOOTH_ALPHA: float | None = 0.5
+
+
+class Placer:
+    """The loaders' `place(path, f32_array)` hook: each weight is quantized the moment it is read,
+    everything else cast to `dtype`. With smoothing (int8 W8A8), the float copies of the weights
+    that read an RMSNorm (q/k/v, gate/up) are also kept until `finish(cfg, params, tokenizer)`,
+    which calibrates on a fixed text, folds the smoothing scales into the norms and re-quantizes
+    those weights from their float copies (then drops them). Without `finish` the params are a
+    plain (unsmoothed) int8 model, so a wrapper that does not forward `finish` stays correct."""
+
+    def __init__(self, fmt: str, dtype, *, mode: str | None = None,
+                 quantize_embeddings: bool = True, smooth_alpha: float | None | str = "default"):
+        self.fmt = check_format(fmt)
+        self.mode = mode or default_mode(fmt)
+        check_mode(self.fmt, self.mode)
+        check_compute_dtype(self.fmt, dtype)
+        self.dtype = dtype
+        self.quantize_embeddings = quantize_embeddings
+        if smooth_alpha == "default":
+            smooth_alpha = SMOOTH_ALPHA if (self.fmt, self.mode) == ("int8", "w8a8") else None
+        self.smooth_alpha = smooth_alpha
+        self.pending: dict[str, jax.Array] = {}  # float copies of the weights to smooth
+
+    def quantize(self, path: str, arr) -> QuantizedArray:
+        q = quantize(arr, self.fmt, WEIGHT_REDUCE_AXES[weight_name(path)], mode=self.mode,
+                     dtype=self.dtype)
+        return jax.block_until_ready(q)
+
+    def __call__(self, path: str, arr):
+        if should_quantize(path, self.quantize_embeddings):
+            if self.smooth_alpha is not None and weight_name(path) in SMOOTHED_WEIGHTS:
+                self.pending[path] = jnp.asarray(arr, jnp.float32)
+            return self.quantize(path, arr)
+        return jnp.asarray(arr, self.dtype)
+
+    def finish(self, cfg, params, tokenizer):
+        """Smooth and re-quantize the weights kept by __call__ (no-op when none were)."""
+        if not self.pending:
+            return params
+        pending, self.pending = self.pending, {}
+        float_params = _with_leaves(with_mode(params, "weight_only"), pending)
+        maxima = norm_input_maxima(float_params, cfg, calibration_tokens(tokenizer))
+        del float_params
+        return smooth_layers(params, maxima, self.smooth_alpha, weights=pending,
+                             make=self.quantize)
+
+
+def _with_leaves(params, leaves: dict):
+    """`params` with the leaves at the given paths replaced."""
+    def one(kp, a):
+        return leaves.get(path_str(kp), a)
+
+    return jax.tree_util.tree_map_with_path(
+        one, params, is_leaf=lambda a: isinstance(a, QuantizedArray))
+
+
+def placer(fmt: str, dtype, *, mode: str | None = None, quantize_embeddings: bool = True,
+           smooth_alpha: float | None | str = "default") -> Placer:
+    """A `place(path, f32_array)` hook for the checkpoint loaders (see Placer); the loaders call
+    its `finish` once all tensors are in. `smooth_alpha`: "default" = SMOOTH_ALPHA for int8
+    W8A8 and no smoothing otherwise; None = off."""
+    return Placer(fmt, dtype, mode=mode, quantize_embeddings=quantize_embeddings,
+                  smooth_alpha=smooth_alpha)
+
+
+def quantize_params(params, fmt: str, dtype=jnp.float32, *, mode: str | None = None,
+                    quantize_embeddings: bool = True, cfg=None, tokenizer=None,
+                    smooth_alpha: float | None | str = "default"):
+    """Quantize a loaded Params tree (weights per WEIGHT_REDUCE_AXES); other leaves -> dtype.
+    Smoothing (int8 W8A8) needs the model's `cfg` and `tokenizer` for its calibration pass;
+    without them the weights are quantized as they are."""
+    place = placer(fmt, dtype, mode=mode, quantize_embeddings=quantize_embeddings,
+                   smooth_alpha=smooth_alpha if cfg is not None and tokenizer is not None else None)
+
+    def one(kp, a):
+        if isinstance(a, QuantizedArray):
+            return a
+        return place(path_str(kp), a)
+
+    out = jax.tree_util.tree_map_with_path(
+        one, params, is_leaf=lambda a: isinstance(a, QuantizedArray))
+    return place.finish(cfg, out, tokenizer) if place.pending else out
+
+
+def quantization_spec(params) -> dict | None:
+    """What is quantized in a Params tree: {"fmt", "mode", "weights": [paths]} or None."""
+    found = []
+
+    def visit(kp, a):
+        if isinstance(a, QuantizedArray):
+            found.append((path_str(kp), a))
+        return a
+
+    jax.tree_util.tree_map_with_path(visit, params, is_leaf=lambda a: isinstance(a, QuantizedArray))
+    if not found:
+        return None
+    fmts = {a.fmt for _, a in found}
+    modes = {a.mode for _, a in found}
+    if len(fmts) != 1 or len(modes) != 1:
+        raise QuantizationError(f"mixed quantization formats/modes {fmts} {modes} in one model")
+    return {"fmt": fmts.pop(), "mode": modes.pop(), "weights": [p for p, _ in found]}
+
+
+def with_mode(params, mode: str):
+    """The same quantized values under another matmul mode (no re-quantization)."""
+    def one(a):
+        if isinstance(a, QuantizedArray):
+            check_mode(a.fmt, mode)
+            return a.replace(mode=mode)
+        return a
+
+    return jax.tree.map(one, params, is_leaf=lambda a: isinstance(a, QuantizedArray))
+
+
+def abstract_quantized(path: str, leaf, fmt: str, mode: str, dtype) -> QuantizedArray:
+    """The ShapeDtypeStruct form of the QuantizedArray that `placer` makes for weight `path`
+    from a leaf of shape `leaf.shape` (an orbax restore target; nothing is computed)."""
+    axes = WEIGHT_REDUCE_AXES[weight_name(path)]
+    scale_shape = tuple(1 if i in axes else n for i, n in enumerate(leaf.shape))
+    return QuantizedArray(
+        values=jax.ShapeDtypeStruct(tuple(leaf.shape), STORAGE_DTYPES[fmt]),
+        scales=jax.ShapeDtypeStruct(scale_shape, jnp.float32),
+        fmt=fmt, mode=mode, reduce_axes=axes, dtype=jnp.dtype(dtype).name)
