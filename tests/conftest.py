@@ -10,7 +10,7 @@ _CACHE = os.environ.get(
     os.path.join(os.path.dirname(os.path.dirname(__file__)), ".jax_cache"),
 )
 jax.config.update("jax_compilation_cache_dir", _CACHE)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", float(os.environ.get("JAXINFER_TEST_CACHE_MIN_S", "0.5")))
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 # Child processes (the CLI, the notebook's kernel, the 8-device child, pytest-xdist workers) share
 # the same cache: a step one process compiled, the others load.
@@ -84,3 +84,27 @@ def gemma_hf(gemma_gguf_path):
     ).eval()
     LOAD_STATS["hf_load_s"] = time.perf_counter() - t
     return model
+
+
+# --------------------------------------------------------------------------- compile accounting
+# Where the suite's time goes: tracing, lowering and XLA compilation, summed over the session
+# (this process; children report their own) and printed after the test results.
+_COMPILE_EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace",
+                   "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+                   "/jax/core/compile/backend_compile_duration": "compile"}
+_COMPILE_TOTALS = {k: [0, 0.0] for k in _COMPILE_EVENTS.values()}
+
+
+def _on_duration(name, secs, **_):
+    kind = _COMPILE_EVENTS.get(name)
+    if kind is not None:
+        _COMPILE_TOTALS[kind][0] += 1
+        _COMPILE_TOTALS[kind][1] += secs
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_duration)
+
+
+def pytest_terminal_summary(terminalreporter):
+    terminalreporter.write_line("jax in this process: " + ", ".join(
+        f"{kind} {n} x = {s:.0f} s" for kind, (n, s) in _COMPILE_TOTALS.items()))

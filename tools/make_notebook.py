@@ -24,7 +24,7 @@ latency and throughput, and tries int8 quantization, speculative decoding and a 
 - Colab TPU: `pip install -e '.[notebook,tpu]'`
 - GPU (CUDA 13): `pip install -e '.[notebook,cuda]'`"""),
     ("code", """import os, time, json, tempfile
-# QUICK keeps CI short (smaller workloads, same code path).
+# QUICK keeps CI short (smaller workloads, same code path; no warm-up of every step shape).
 QUICK = os.environ.get("JAXINFER_QUICK", "0") == "1"
 N_TOKENS = 16 if QUICK else 64
 N_REQUESTS = 6 if QUICK else 32"""),
@@ -52,7 +52,8 @@ print()"""),
 A burst of requests with mixed lengths: every step admits new requests into free slots.
 TTFT grows with queueing and prompt length; inter-token latency with batch size."""),
     ("code", """import numpy as np
-llm.engine.warmup()  # compile every step shape once, so the figures below are steady state
+if not QUICK:  # compile every step shape once, so the figures below are steady state
+    llm.engine.warmup()
 rng = np.random.default_rng(0)
 words = "the quick brown fox jumps over the lazy dog while seven wizards quietly judge".split()
 prompts = [" ".join(rng.choice(words, size=int(rng.integers(4, 60)))) for _ in range(N_REQUESTS)]
