@@ -17,7 +17,7 @@ _CACHE = os.environ.get(
     os.path.join(os.path.dirname(os.path.dirname(__file__)), ".jax_cache"),
 )
 jax.config.update("jax_compilation_cache_dir", _CACHE)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", float(os.environ.get("JAXINFER_TEST_CACHE_MIN_S", "0.5")))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 # Child processes (the CLI, the notebook's kernel, the 8-device child, pytest-xdist workers) share
 # the same cache: a step one process compiled, the others load.
