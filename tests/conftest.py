@@ -2,13 +2,6 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# The suite compiles hundreds of small programs and runs few large ones; XLA:CPU with LLVM at -O0
-# and without its expensive passes compiles them about a third faster (tests/runtime/test_llm.py
-# + test_prefix_cache.py: 206 -> 135 s of compilation, 281 -> 210 s wall). Children (the CLI,
-# the 8-device child, the notebook's kernel) inherit it.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
-                               " --xla_llvm_disable_expensive_passes=true").strip()
 
 import jax  # noqa: E402
 
