@@ -239,11 +239,10 @@ class Engine:
 
     @property
     def compile_count(self) -> int:
-        """Programs compiled so far: the step, and under speculation the verify step and the
-        draft model's step."""
-        n = self._step._cache_size()
-        if self._verify is not None:
-            n += self._verify._cache_size()
+        """Distinct programs this engine has launched (steps.Launches): the step, and under
+        speculation the verify step and the draft model's step. Engines of one model in one
+        process share their compiled programs, so a program may have been compiled by another."""
+        n = self._step.count + (self._verify.count if self._verify is not None else 0)
         return n + (self.proposer.compile_count if self.proposer is not None else 0)
 
     def warmup(self, logprobs: bool = False, filtered: bool = False) -> int:

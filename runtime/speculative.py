@@ -20,7 +20,6 @@ accepted, rejected, or recomputed after preemption, the draft recomputes exactly
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import jax
@@ -33,6 +32,7 @@ from jaxinfer.runtime.model import forward
 from jaxinfer.runtime.page_allocator import PageAllocator
 from jaxinfer.runtime.plan import STEP_GROUPS, padding_arrays, pow_buckets
 from jaxinfer.runtime.sampling import gumbel_pick, probs_of, row_keys
+from jaxinfer.runtime.steps import Launches, shared_jit
 
 # ---------------------------------------------------------------------------------- proposals
 
@@ -145,14 +145,12 @@ class DraftModelProposer(Proposer):
         self.allocator = PageAllocator(num_pages)
         self.cache = init_cache(cfg, num_pages, page_size, dtype)
         self.shadows: dict[str, _Shadow] = {}
-        self._step = jax.jit(
-            functools.partial(draft_step, cfg=cfg, backend=backend),
-            static_argnames=("max_q_len", "filtered", "want_q"), donate_argnames=("cache",),
-        )
+        self._step = Launches(shared_jit(draft_step, cfg, backend, None,
+                                   ("max_q_len", "filtered", "want_q")))
 
     @property
     def compile_count(self) -> int:
-        return self._step._cache_size()
+        return self._step.count
 
     def warmup(self) -> None:
         """Every (T, P, max_q_len) shape `_run` can make, greedy (want_q False): T powers of two

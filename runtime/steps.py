@@ -117,30 +117,60 @@ def verify(
     return jnp.concatenate(cols, axis=1), cache
 
 
-def make_verify(cfg: ModelConfig, backend: str, vocab_limit: int | None = None):
-    """The jitted verify step (static: q bucket, logprob count, filter flag; q_probs None or
-    not retraces once)."""
-    return jax.jit(
-        functools.partial(verify, cfg=cfg, backend=backend, vocab_limit=vocab_limit),
-        static_argnames=("max_q_len", "num_logprobs", "filtered"),
-        donate_argnames=("cache",),
-    )
+class Launches:
+    """A jitted step shared by every engine of one model in the process (same config, backend
+    and vocabulary limit: one trace and compile per shape however many engines run it), and
+    the distinct programs this one engine has launched through it: `count` is what
+    `Engine.compile_count` reports, so "no new programs after warm-up" holds per engine.
+    A program is its abstract signature: the tree, shapes and dtypes of every argument after
+    params and cache (those two are fixed for an engine) and the static values."""
+
+    def __init__(self, jitted):
+        self.jitted, self._seen = jitted, set()
+
+    def __call__(self, params, cache, *args, **kwargs):
+        leaves, tree = jax.tree.flatten((args, kwargs))
+        self._seen.add((tree, tuple((x.shape, x.dtype) if hasattr(x, "shape") else x
+                                    for x in leaves)))
+        return self.jitted(params, cache, *args, **kwargs)
+
+    @property
+    def count(self) -> int:
+        return len(self._seen)
 
 
-def make_step(cfg: ModelConfig, backend: str, shardings=None, vocab_limit: int | None = None):
-    """The jitted step for one model; static: q bucket, logprob count, filter flag.
+def make_verify(cfg: ModelConfig, backend: str, vocab_limit: int | None = None) -> Launches:
+    """The verify step (static: q bucket, logprob count, filter flag; q_probs None or not
+    retraces once)."""
+    return Launches(shared_jit(verify, cfg, backend, vocab_limit, _STEP_STATICS))
+
+
+def make_step(cfg: ModelConfig, backend: str, shardings=None,
+              vocab_limit: int | None = None) -> Launches:
+    """The step for one model; static: q bucket, logprob count, filter flag.
     `shardings` (tensor parallel): (params, cache, replicated) NamedSharding trees from
     runtime.sharding. Inputs arrive laid out (params and cache committed to their shardings;
     host plan arrays are replicated); the packed output is replicated and the new cache keeps
     the donated cache's layout, so steady-state steps never reshard or recompile. (jit takes
     no in_shardings together with keyword static args.)"""
-    kw = {}
-    if shardings is not None:
-        _, cache_sh, rep = shardings
-        kw = dict(out_shardings=(rep, cache_sh))
-    return jax.jit(
+    if shardings is None:
+        return Launches(shared_jit(step, cfg, backend, vocab_limit, _STEP_STATICS))
+    _, cache_sh, rep = shardings
+    return Launches(jax.jit(
         functools.partial(step, cfg=cfg, backend=backend, vocab_limit=vocab_limit),
-        static_argnames=("max_q_len", "num_logprobs", "filtered"),
-        donate_argnames=("cache",),
-        **kw,
-    )
+        static_argnames=_STEP_STATICS, donate_argnames=("cache",),
+        out_shardings=(rep, cache_sh),
+    ))
+
+
+_STEP_STATICS = ("max_q_len", "num_logprobs", "filtered")
+
+
+@functools.lru_cache(maxsize=16)
+def shared_jit(fn, cfg: ModelConfig, backend: str, vocab_limit: int | None,
+               statics: tuple[str, ...]):
+    """One jitted `fn` per (model config, backend, vocabulary limit) in the process; the cache
+    argument is donated."""
+    kw = {} if vocab_limit is None else {"vocab_limit": vocab_limit}
+    return jax.jit(functools.partial(fn, cfg=cfg, backend=backend, **kw),
+                   static_argnames=statics, donate_argnames=("cache",))
