@@ -80,10 +80,10 @@ int8 x int8 -> int32 matmul is the fast path."""),
     ("code", """def param_mb(m):
     return sum(x.nbytes for x in jax.tree.leaves(m.model.params)) / 2**20
 
-def decode_tok_s(m, n=N_TOKENS):
+def decode_tok_s(m, n=N_TOKENS, prompt="Tell me about the sea."):
     sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-    m.generate(["warm up"], SamplingParams(max_tokens=2, temperature=0.0))
-    o = m.generate(["Tell me about the sea."], sp)[0]
+    m.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0))  # compiles its shapes
+    o = m.generate([prompt], sp)[0]
     return 1.0 / float(np.median(o.metrics["itl_s"]))
 
 llm8 = LLM("gemma3-270m", quantization="int8", max_slots=8, max_model_len=512)
