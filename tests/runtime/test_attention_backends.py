@@ -28,6 +28,13 @@ MIXED = lambda ps: [(1, 1), (0, 0), (1, ps - 1), (5, ps), (1, ps + 1), (12, 4 * 
                     (1, 6 * ps), (5, ps + 1)]
 
 
+# Jitted: one program per case instead of one per primitive and shape (eager dispatch).
+_xla_jit = jax.jit(xla_ragged_paged_attention,
+                   static_argnames=("sm_scale", "sliding_window", "soft_cap", "max_q_len"))
+_reference_jit = jax.jit(ragged_paged_attention_reference,
+                         static_argnames=("sm_scale", "sliding_window", "soft_cap"))
+
+
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (8, 1)], ids=["g1", "g4", "g8"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("page_size", [8, 16, 32])
@@ -38,8 +45,8 @@ def test_xla_path_matches_reference(heads, head_dim, page_size, window, dtype):
     case = make_case(MIXED(page_size), num_q_heads=hq, num_kv_heads=hkv, head_dim=head_dim,
                      page_size=page_size, dtype=dtype, seed=head_dim + page_size)
     kw = dict(sm_scale=head_dim ** -0.5, sliding_window=window)
-    out = xla_ragged_paged_attention(*case.args, **kw, max_q_len=16)
-    ref = ragged_paged_attention_reference(*case.args, **kw)
+    out = _xla_jit(*case.args, **kw, max_q_len=16)
+    ref = _reference_jit(*case.args, **kw)
     out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
     assert not np.isnan(out).any(), "an unused (NaN) page leaked into the output"
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
