@@ -145,8 +145,8 @@ class DraftModelProposer(Proposer):
         self.allocator = PageAllocator(num_pages)
         self.cache = init_cache(cfg, num_pages, page_size, dtype)
         self.shadows: dict[str, _Shadow] = {}
-        self._step = Launches(shared_jit(draft_step, cfg, backend, None,
-                                   ("max_q_len", "filtered", "want_q")))
+        self._step = Launches(shared_jit(draft_step, ("max_q_len", "filtered", "want_q"),
+                                         cfg=cfg, backend=backend))
 
     @property
     def compile_count(self) -> int:

@@ -118,10 +118,9 @@ def verify(
 
 
 class Launches:
-    """A jitted step shared by every engine of one model in the process (same config, backend
-    and vocabulary limit: one trace and compile per shape however many engines run it), and
-    the distinct programs this one engine has launched through it: `count` is what
-    `Engine.compile_count` reports, so "no new programs after warm-up" holds per engine.
+    """A jitted step and the distinct programs one engine has launched through it: `count` is
+    what `Engine.compile_count` reports, so "no new programs after warm-up" holds per engine
+    even when the jitted function is shared (`shared_jit`) and another engine compiled first.
     A program is its abstract signature: the tree, shapes and dtypes of every argument after
     params and cache (those two are fixed for an engine) and the static values."""
 
@@ -139,10 +138,14 @@ class Launches:
         return len(self._seen)
 
 
+_STEP_STATICS = ("max_q_len", "num_logprobs", "filtered")
+
+
 def make_verify(cfg: ModelConfig, backend: str, vocab_limit: int | None = None) -> Launches:
     """The verify step (static: q bucket, logprob count, filter flag; q_probs None or not
     retraces once)."""
-    return Launches(shared_jit(verify, cfg, backend, vocab_limit, _STEP_STATICS))
+    return Launches(shared_jit(verify, _STEP_STATICS, cfg=cfg, backend=backend,
+                               vocab_limit=vocab_limit))
 
 
 def make_step(cfg: ModelConfig, backend: str, shardings=None,
@@ -154,7 +157,8 @@ def make_step(cfg: ModelConfig, backend: str, shardings=None,
     the donated cache's layout, so steady-state steps never reshard or recompile. (jit takes
     no in_shardings together with keyword static args.)"""
     if shardings is None:
-        return Launches(shared_jit(step, cfg, backend, vocab_limit, _STEP_STATICS))
+        return Launches(shared_jit(step, _STEP_STATICS, cfg=cfg, backend=backend,
+                                   vocab_limit=vocab_limit))
     _, cache_sh, rep = shardings
     return Launches(jax.jit(
         functools.partial(step, cfg=cfg, backend=backend, vocab_limit=vocab_limit),
@@ -163,14 +167,10 @@ def make_step(cfg: ModelConfig, backend: str, shardings=None,
     ))
 
 
-_STEP_STATICS = ("max_q_len", "num_logprobs", "filtered")
-
-
 @functools.lru_cache(maxsize=16)
-def shared_jit(fn, cfg: ModelConfig, backend: str, vocab_limit: int | None,
-               statics: tuple[str, ...]):
-    """One jitted `fn` per (model config, backend, vocabulary limit) in the process; the cache
-    argument is donated."""
-    kw = {} if vocab_limit is None else {"vocab_limit": vocab_limit}
-    return jax.jit(functools.partial(fn, cfg=cfg, backend=backend, **kw),
-                   static_argnames=statics, donate_argnames=("cache",))
+def shared_jit(fn, statics: tuple[str, ...], **bound):
+    """One jitted `fn` per set of bound keyword values (model config, backend, ...) in the
+    process, so engines of one model trace and compile each shape once; `statics` are its
+    static argument names and the cache argument is donated."""
+    return jax.jit(functools.partial(fn, **bound), static_argnames=statics,
+                   donate_argnames=("cache",))
