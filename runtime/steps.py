@@ -31,6 +31,12 @@ def _metadata(a: dict, max_q_len: int) -> AttentionMetadata:
     )
 
 
+# Vocabulary x hidden at and above which a step with one live sequence projects that row only
+# (a `lax.cond`): below it (test-sized models) the head is cheap and the second branch, which
+# XLA compiles in full, costs more than it saves.
+ONE_ROW_HEAD_MIN = 1 << 23
+
+
 def step(
     params: Params,
     cache: KVCache,
@@ -66,8 +72,8 @@ def step(
             cols += [chosen[:, None], vals, ids.astype(jnp.float32)]
         return jnp.pad(jnp.concatenate(cols, axis=1), ((0, s - rows), (0, 0)))
 
-    if s == 1:
-        return head_and_sample(1), cache
+    if s == 1 or cfg.vocab_size * cfg.hidden_size < ONE_ROW_HEAD_MIN:
+        return head_and_sample(s), cache
     # One live sequence (batch-1 decode, a lone prefill): the vocabulary projection, the
     # largest matmul of a small model, runs on that row only. Both branches are one program.
     packed = jax.lax.cond(arrays["num_seqs"][0] <= 1, lambda: head_and_sample(1),

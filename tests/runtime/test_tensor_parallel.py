@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,11 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-
 from jaxinfer.runtime import sharding as shd
 from jaxinfer.runtime.config import ModelConfig
 from jaxinfer.runtime.kv_cache import init_cache
 from jaxinfer.runtime.model import init_params
+
+from tests import background
 from tests.model_utils import _fwd, single_sequence_metadata
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,22 +45,10 @@ GEMMA = ModelConfig(  # Gemma 3 style: 4 q heads / 1 kv head, tied embeddings, q
 )
 
 
-EIGHT_DEVICE_TESTS: list[str] = []  # filled by @on_8_devices at import
-SELECTED: list[str] = []  # those of them this session runs (-k, node ids)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _selected_eight_device_tests(request):
-    SELECTED[:] = [i.originalname for i in request.session.items
-                   if i.module is sys.modules[__name__] and i.originalname in EIGHT_DEVICE_TESTS]
-
-
 def on_8_devices(fn):
-    """Run the test body with 8 host devices: the first such test starts one child pytest that
-    runs every @on_8_devices test of this module (the child runs the bodies themselves); each
-    test then reports its own outcome from the child."""
-    EIGHT_DEVICE_TESTS.append(fn.__name__)
-
+    """Run the test body with 8 host devices: one child pytest, started when collection ends
+    (tests/background.py), runs every selected @on_8_devices test of this module (the child runs
+    the bodies themselves); each test then reports its own outcome from the child."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         if os.environ.get(CHILD_ENV):
@@ -69,41 +57,46 @@ def on_8_devices(fn):
         outcome, detail = _child_outcomes().get(fn.__name__, ("not run", "missing from the child"))
         assert outcome == "passed", f"{fn.__name__} on 8 devices: {outcome}\n{detail}"
 
-    return wrapper
+    return wrapper if os.environ.get(CHILD_ENV) else pytest.mark.background("tp8")(wrapper)
 
 
-@functools.cache
-def _child_outcomes() -> dict[str, tuple[str, str]]:
-    """{test name: (passed | failed | error | skipped, message)} from one child pytest running
-    the selected @on_8_devices tests."""
-    import tempfile
-    import xml.etree.ElementTree as ET
-
+def _start_child(items, workdir: Path) -> background.Job:
     env = dict(os.environ, JAX_PLATFORMS="cpu", **{CHILD_ENV: "1"})
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
                         " --xla_force_host_platform_device_count=8").strip()
     here = Path(__file__).relative_to(ROOT)
-    with tempfile.TemporaryDirectory() as tmp:
-        report = Path(tmp) / "child.xml"
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                            f"--junitxml={report}", *(f"{here}::{n}" for n in SELECTED)],
-                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-        if not report.exists():
-            raise AssertionError(f"the 8-device child wrote no report:\n{r.stdout[-4000:]}\n"
-                                 f"{r.stderr[-3000:]}")
-        out = {}
-        for case in ET.parse(report).getroot().iter("testcase"):
-            bad = [c for c in case if c.tag in ("failure", "error", "skipped")]
-            out[case.get("name")] = ((bad[0].tag if bad[0].tag != "failure" else "failed",
-                                      (bad[0].get("message") or "") + "\n" + (bad[0].text or "")[-6000:])
-                                     if bad else ("passed", ""))
+    names = sorted({i.originalname for i in items})
+    return background.Job([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           f"--junitxml={workdir / 'child.xml'}", *(f"{here}::{n}" for n in names)],
+                          env, workdir, timeout_s=1800)
+
+
+background.register("tp8", _start_child)
+
+
+@functools.cache
+def _child_outcomes() -> dict[str, tuple[str, str]]:
+    """{test name: (passed | failed | error | skipped, message)} from the child pytest."""
+    import xml.etree.ElementTree as ET
+
+    r = background.result("tp8")
+    report = background.workdir("tp8") / "child.xml"
+    if not report.exists():
+        raise AssertionError(f"the 8-device child (exit {r.returncode}) wrote no report:\n"
+                             f"{r.stdout[-4000:]}\n{r.stderr[-3000:]}")
+    out = {}
+    for case in ET.parse(report).getroot().iter("testcase"):
+        bad = [c for c in case if c.tag in ("failure", "error", "skipped")]
+        out[case.get("name")] = ((bad[0].tag if bad[0].tag != "failure" else "failed",
+                                  (bad[0].get("message") or "") + "\n" + (bad[0].text or "")[-6000:])
+                                 if bad else ("passed", ""))
     return out
 
 
 def _run_forward(params, cfg, mesh=None):
     """Prefill 19 tokens (all logits) then decode 2 more (a page boundary crossed)."""
     toks = np.arange(3, 22, dtype=np.int32) * 7 % cfg.vocab_size
-    make = lambda: init_cache(cfg, 5, 8)  # noqa: E731
+    make = lambda: init_cache(cfg, 5, 8)
     if mesh is not None:
         params = shd.shard_params(params, mesh)
         cache = shd.init_sharded_cache(make, mesh)
@@ -171,7 +164,7 @@ def test_quantized_leaves_shard_values_and_scales_alike():
 
 def _plan(t=16, s=4, p=3, seed=0):
     rng = np.random.default_rng(seed)
-    i32 = lambda *sh: rng.integers(-5, 1 << 20, sh, dtype=np.int32)  # noqa: E731
+    i32 = lambda *sh: rng.integers(-5, 1 << 20, sh, dtype=np.int32)
     return dict(
         token_ids=i32(t), positions=i32(t), slot_mapping=i32(t), cu_q_lens=i32(s + 1),
         kv_lens=i32(s), page_indices=i32(s, p), num_seqs=i32(1), logits_indices=i32(s),
@@ -356,7 +349,6 @@ def _write_model(out: Path, family: str) -> Path:
     sentencepiece tokenizer."""
     import torch
     import transformers
-
     from jaxinfer.tools.make_test_model import train_tokenizer
 
     out.mkdir(parents=True)
