@@ -9,14 +9,11 @@ _CACHE = os.environ.get(
     "JAXINFER_TEST_COMPILATION_CACHE",
     os.path.join(os.path.dirname(os.path.dirname(__file__)), ".jax_cache"),
 )
-# Child processes (the CLI, the notebook's kernel) share one persistent cache: a step one of them
-# compiled, the next loads. The suite's own processes (this one, the 8-device child) keep theirs
-# in memory only: jaxlib 0.10.2 segfaults serializing one of the tiny model's step executables
-# into the cache late in a full run (put_executable_and_time, test_prefix_cache, reproduced
-# twice), and within a process the jit caches and `steps.shared_jit` already reuse programs.
-# The directory stays configured (LLM() then leaves the setting alone) with the cache off.
 jax.config.update("jax_compilation_cache_dir", _CACHE)
-jax.config.update("jax_enable_compilation_cache", False)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+# Child processes (the CLI, the notebook's kernel, the 8-device child) share the same cache: a
+# step one process compiled, the others load.
 os.environ.setdefault("JAXINFER_COMPILATION_CACHE", _CACHE)
 os.environ.setdefault("JAXINFER_TEST_COMPILATION_CACHE", _CACHE)
 
@@ -115,10 +112,42 @@ def _peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
+def _memory_maps() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
+_MAPS = {"peak": 0, "releases": 0}
+_RELEASE_AT_MAPS = 30_000
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_programs():
+    """XLA:CPU maps every kernel of a program into memory on its own (~240 mappings for one
+    tiny-model step, ~420 for an 18-layer one), and Linux stops a process at vm.max_map_count
+    (65530): keeping every program of the suite alive crashed it inside XLA. After a test that
+    leaves more than _RELEASE_AT_MAPS mappings, every compiled program is dropped; the tests
+    after it load what they need from the persistent cache."""
+    yield
+    n = _memory_maps()
+    _MAPS["peak"] = max(_MAPS["peak"], n)
+    if n > _RELEASE_AT_MAPS:
+        import gc
+
+        from jaxinfer.runtime.steps import shared_jit
+
+        shared_jit.cache_clear()
+        jax.clear_caches()
+        gc.collect()
+        _MAPS["releases"] += 1
+
+
 def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line("jax in this process: " + ", ".join(
         f"{kind} {n} x = {s:.0f} s" for kind, (n, s) in _COMPILE_TOTALS.items())
-        + f"; peak RSS {_peak_rss_gib():.1f} GiB")
+        + f"; peak RSS {_peak_rss_gib():.1f} GiB; memory maps after a test: peak {_MAPS['peak']}"
+        f" (vm.max_map_count {Path('/proc/sys/vm/max_map_count').read_text().strip()}),"
+        f" programs released {_MAPS['releases']} x")
 
 
 # --------------------------------------------------------------------------- background children
