@@ -27,7 +27,6 @@ class Done:
     returncode: int
     stdout: str
     stderr: str
-    wall_s: float  # from start to exit
 
 
 class Job:
@@ -50,9 +49,8 @@ class Job:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 rc = self.proc.wait()
-            wall = time.perf_counter() - self.t0
             self._out.seek(0), self._err.seek(0)
-            self._done = Done(rc, self._out.read(), self._err.read(), wall)
+            self._done = Done(rc, self._out.read(), self._err.read())
             self._out.close(), self._err.close()
         return self._done
 
