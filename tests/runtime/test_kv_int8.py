@@ -148,11 +148,10 @@ def test_model_logits_with_int8_kv_close_to_f32_kv(tiny_llama):
     assert np.abs(q_pre - f_pre).max() > 0  # the int8 cache was really used
 
 
-def test_engine_int8_kv_generate(tiny_llama):
+def test_engine_int8_kv_generate(tiny_dir):
     from jaxinfer import LLM, SamplingParams
-    from jaxinfer.tools.make_test_model import make
 
-    d = make(tiny_llama[0].parent / "kv8_sp", "tiny", seed=0)
+    d = tiny_dir
     sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     prompts = ["To be, or not to be", "Now is the winter of our discontent"]
     f = LLM(str(d), max_slots=2, page_size=8, max_model_len=128).generate(prompts, sp)

@@ -24,9 +24,9 @@ OPTS = dict(page_size=8, max_model_len=256)
 
 
 @pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("spec")
-    return make(root / "target", "tiny", seed=0), make(root / "draft", "tiny", seed=1)
+def dirs(tiny_dir, tmp_path_factory):
+    """(target: the session's tiny Llama, draft: an unrelated one with the same tokenizer)"""
+    return tiny_dir, make(tmp_path_factory.mktemp("spec") / "draft", "tiny", seed=1)
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import shutil
 import ssl
 import threading
 import time
@@ -21,7 +22,6 @@ from jaxinfer.serve.chat_template import GEMMA_TEMPLATE, ChatTemplate, ChatTempl
 from jaxinfer.serve.grpc_server import ServerConfig, ServerThread, banner  # noqa: E402
 from jaxinfer.serve.metrics import parse_text  # noqa: E402
 from jaxinfer.serve.proto import jaxinfer_pb2, jaxinfer_pb2_grpc  # noqa: E402
-from jaxinfer.tools.make_test_model import make  # noqa: E402
 
 ENGINE = dict(max_slots=4, page_size=8, max_model_len=1024)
 TOKEN = "test-token"
@@ -44,8 +44,10 @@ CHAT_TEMPLATE = (
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    d = make(tmp_path_factory.mktemp("tiny_openai"), "tiny", seed=0)
+def tiny_dir(tiny_dir, tmp_path_factory):
+    """The session's tiny Llama, copied: this one gets a chat template."""
+    d = tmp_path_factory.mktemp("tiny_openai") / "tiny"
+    shutil.copytree(tiny_dir, d)
     cfg = json.loads((d / "tokenizer_config.json").read_text())
     cfg["chat_template"] = CHAT_TEMPLATE
     (d / "tokenizer_config.json").write_text(json.dumps(cfg))

@@ -10,13 +10,12 @@ from pathlib import Path
 
 import jax
 
-from jaxinfer.tools.make_test_model import make
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_report_counts_and_no_compiles_after_warmup(tmp_path):
-    model = make(tmp_path / "tiny", "tiny", seed=0)
+def test_report_counts_and_no_compiles_after_warmup(tiny_dir, tmp_path):
+    model = tiny_dir
     out = tmp_path / "report.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                JAXINFER_COMPILATION_CACHE=jax.config.jax_compilation_cache_dir or "0")
