@@ -177,6 +177,8 @@ def make_step(cfg: ModelConfig, backend: str, shardings=None,
 def shared_jit(fn, statics: tuple[str, ...], **bound):
     """One jitted `fn` per set of bound keyword values (model config, backend, ...) in the
     process, so engines of one model trace and compile each shape once; `statics` are its
-    static argument names and the cache argument is donated."""
+    static argument names and the cache argument is donated. Its programs outlive the engines
+    that launched them (until evicted, or `jax.clear_caches()`); on XLA:CPU each holds a few
+    hundred memory mappings, of the process's vm.max_map_count."""
     return jax.jit(functools.partial(fn, **bound), static_argnames=statics,
                    donate_argnames=("cache",))
