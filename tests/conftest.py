@@ -119,16 +119,23 @@ def _memory_maps() -> int:
 
 _MAPS = {"peak": 0, "releases": 0}
 _RELEASE_AT_MAPS = 30_000
+# Per test file: [wall s, XLA compiles, compile s] (fixture set-up lands on the first user).
+_PER_FILE: dict[str, list[float]] = {}
 
 
 @pytest.fixture(autouse=True)
-def _release_compiled_programs():
+def _release_compiled_programs(request):
     """XLA:CPU maps every kernel of a program into memory on its own (~240 mappings for one
     tiny-model step, ~420 for an 18-layer one), and Linux stops a process at vm.max_map_count
     (65530): keeping every program of the suite alive crashed it inside XLA. After a test that
     leaves more than _RELEASE_AT_MAPS mappings, every compiled program is dropped; the tests
     after it load what they need from the persistent cache."""
+    t0, (c0, s0) = time.perf_counter(), _COMPILE_TOTALS["compile"]
     yield
+    row = _PER_FILE.setdefault(request.node.nodeid.split("::")[0], [0.0, 0, 0.0])
+    row[0] += time.perf_counter() - t0
+    row[1] += _COMPILE_TOTALS["compile"][0] - c0
+    row[2] += _COMPILE_TOTALS["compile"][1] - s0
     n = _memory_maps()
     _MAPS["peak"] = max(_MAPS["peak"], n)
     if n > _RELEASE_AT_MAPS:
@@ -148,6 +155,9 @@ def pytest_terminal_summary(terminalreporter):
         + f"; peak RSS {_peak_rss_gib():.1f} GiB; memory maps after a test: peak {_MAPS['peak']}"
         f" (vm.max_map_count {Path('/proc/sys/vm/max_map_count').read_text().strip()}),"
         f" programs released {_MAPS['releases']} x")
+    terminalreporter.write_line("slowest files (wall s, XLA compiles, compile s):")
+    for name, (wall, n, secs) in sorted(_PER_FILE.items(), key=lambda kv: -kv[1][0])[:15]:
+        terminalreporter.write_line(f"  {wall:7.1f} {n:5d} {secs:7.1f}  {name}")
 
 
 # --------------------------------------------------------------------------- background children
