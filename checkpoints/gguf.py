@@ -23,6 +23,7 @@ import math
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +40,8 @@ try:  # the import is cheap, but keep a clear message if the package is absent
 except ImportError:  # pragma: no cover - gguf is a declared dependency
     gguf = None
     QT = None
+if TYPE_CHECKING:
+    from jaxinfer.checkpoints.gguf_header import GGUFFile
 
 ARCHITECTURES = ("gemma3", "llama", "qwen2")
 
@@ -48,7 +51,7 @@ def _require_gguf() -> None:
         raise CheckpointError("reading GGUF files needs the `gguf` package (pip install gguf)")
 
 
-def open_gguf(path: str | os.PathLike) -> "gguf.GGUFReader":
+def open_gguf(path: str | os.PathLike) -> GGUFFile:
     """Open and parse a GGUF file's header (memory-mapped; tensor data is read lazily).
     Raises CheckpointError naming the file if it is missing, truncated or not GGUF."""
     _require_gguf()
@@ -62,21 +65,12 @@ def open_gguf(path: str | os.PathLike) -> "gguf.GGUFReader":
         magic = f.read(4)
     if magic != b"GGUF":
         raise CheckpointError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
+    from jaxinfer.checkpoints.gguf_header import GGUFFile
+
     try:
-        reader = gguf.GGUFReader(path)
-    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as e:
-        # The reader slices a memmap; a file cut short surfaces as a reshape/index error.
-        raise CheckpointError(
-            f"{path}: corrupt or truncated GGUF file ({size} bytes): {type(e).__name__}: {e}"
-        ) from None
-    for t in reader.tensors:
-        end = int(t.data_offset) + int(t.n_bytes)
-        if end > size:
-            raise CheckpointError(
-                f"{path}: truncated GGUF file: tensor {t.name!r} needs bytes up to {end}, "
-                f"file has {size}"
-            )
-    return reader
+        return GGUFFile(path)  # every offset, length and tensor extent checked against the size
+    except (ValueError, OverflowError, MemoryError) as e:
+        raise CheckpointError(f"{path}: corrupt GGUF file ({size} bytes): {e}") from None
 
 
 # ----------------------------------------------------------------------------- metadata
@@ -112,9 +106,8 @@ def architecture(reader, source: str) -> str:
 
 def _token_text(reader, i: int) -> str | None:
     f = reader.fields.get("tokenizer.ggml.tokens")
-    if f is None or i >= len(f.data):
-        return None
-    return bytes(f.parts[f.data[i]]).decode("utf-8", errors="replace")
+    tokens = [] if f is None else f.contents()
+    return tokens[i] if i < len(tokens) else None
 
 
 def gguf_config(reader, source: str) -> ModelConfig:
