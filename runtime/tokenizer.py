@@ -642,7 +642,8 @@ def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
 
 
 def tokenizer_from_gguf(reader: Any, source: str) -> Tokenizer:
-    """The tokenizer stored in a GGUF file's metadata (`reader`: checkpoints.gguf_header.GGUFFile, or a `gguf.GGUFReader`).
+    """The tokenizer stored in a GGUF file's metadata (`reader`: a checkpoints.gguf_header
+    GGUFFile, or a `gguf.GGUFReader`).
 
     BOS is `tokenizer.ggml.bos_token_id`; `add_bos` is `tokenizer.ggml.add_bos_token` (default
     True for the sentencepiece kind, as llama.cpp does); `eos_ids` unions `eos_token_id`,
