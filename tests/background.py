@@ -40,6 +40,7 @@ class Job:
         self.proc = subprocess.Popen(list(args), cwd=ROOT, env=env, stdout=self._out,
                                      stderr=self._err, text=True)
         self._done: Done | None = None
+        self.wall_s: float | None = None  # start to exit, as first seen by poll()
 
     def wait(self) -> Done:
         if self._done is None:
@@ -51,8 +52,13 @@ class Job:
                 rc = self.proc.wait()
             self._out.seek(0), self._err.seek(0)
             self._done = Done(rc, self._out.read(), self._err.read())
+            self.poll()
             self._out.close(), self._err.close()
         return self._done
+
+    def poll(self) -> None:
+        if self.wall_s is None and self.proc.poll() is not None:
+            self.wall_s = time.perf_counter() - self.t0
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -94,6 +100,13 @@ def result(name: str) -> Done:
 
 def workdir(name: str) -> Path:
     return _JOBS[name].workdir
+
+
+def walls() -> dict[str, float | None]:
+    """Seconds from each job's start to its exit (seen between tests; None: still running)."""
+    for job in _JOBS.values():
+        job.poll()
+    return {name: job.wall_s for name, job in _JOBS.items()}
 
 
 def stop_all() -> None:

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import background
+
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
@@ -143,6 +145,7 @@ def _release_compiled_programs(request):
     row[0] += time.perf_counter() - t0
     row[1] += _COMPILE_TOTALS["compile"][0] - c0
     row[2] += _COMPILE_TOTALS["compile"][1] - s0
+    background.walls()  # notes when a child has exited
     n = _memory_maps()
     _MAPS["peak"] = max(_MAPS["peak"], n)
     if n > _RELEASE_AT_MAPS:
@@ -162,6 +165,13 @@ def pytest_terminal_summary(terminalreporter):
         + f"; peak RSS {_peak_rss_gib():.1f} GiB; memory maps after a test: peak {_MAPS['peak']}"
         f" (vm.max_map_count {Path('/proc/sys/vm/max_map_count').read_text().strip()}),"
         f" programs released {_MAPS['releases']} x")
+    import resource
+
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    terminalreporter.write_line(
+        f"child processes: CPU {kids.ru_utime + kids.ru_stime:.0f} s; background jobs (s from "
+        "start to exit): " + ", ".join(f"{k} {v:.0f}" if v else f"{k} -"
+                                       for k, v in background.walls().items()))
     terminalreporter.write_line("slowest files (wall s, XLA compiles, compile s):")
     for name, (wall, n, secs) in sorted(_PER_FILE.items(), key=lambda kv: -kv[1][0])[:15]:
         terminalreporter.write_line(f"  {wall:7.1f} {n:5d} {secs:7.1f}  {name}")
@@ -178,19 +188,13 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(session, config, items):
-    from tests import background
-
     items.sort(key=lambda it: bool(background.names_of(it)))  # stable: order kept within each
 
 
 def pytest_collection_finish(session):
     if not session.config.option.collectonly:
-        from tests import background
-
         background.start_all(session.items)
 
 
 def pytest_sessionfinish(session):
-    from tests import background
-
     background.stop_all()
