@@ -19,13 +19,11 @@ import pytest
 
 from tests import background
 
-# Heavy self-contained files (no background tests of their own, no Gemma): ~650 of the suite's
-# ~2300 s in one process, which with the notebook and 8-device children roughly evens the cores;
-# see the per-file table the suite prints.
+# The heaviest self-contained files (no background tests of their own), about half the suite's
+# compile work; see the per-file table the suite prints.
 FILES = (
     "tests/runtime/test_speculative.py",
     "tests/runtime/test_speculative_distribution.py",
-    "tests/runtime/test_attention_backends.py",
 )
 CHILD_ENV = "JAXINFER_SHARD_CHILD"
 REPORT_ENV = "JAXINFER_TEST_REPORT"  # a child writes {nodeid: [outcome, message, seconds]} there
