@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import background, shard
+from tests import background
 
 
 @pytest.fixture(scope="session")
@@ -188,8 +188,6 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(session, config, items):
-    if shard.active(config):
-        items[:] = shard.split(items)
     items.sort(key=lambda it: bool(background.names_of(it)))  # stable: order kept within each
 
 
@@ -198,17 +196,5 @@ def pytest_collection_finish(session):
         background.start_all(session.items)
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    report = (yield).get_result()
-    if isinstance(item, shard.ChildOutcome) and call.when == "call":
-        report.duration = item.child_seconds  # the test's own time, not the wait for the child
-
-
-def pytest_runtest_logreport(report):
-    shard.record(report)
-
-
 def pytest_sessionfinish(session):
-    shard.write_report()
     background.stop_all()
