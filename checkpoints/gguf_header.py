@@ -37,6 +37,7 @@ _PLAIN_TENSORS = {  # ggml types stored as plain numpy items; every other type a
     GGMLQuantizationType.I64: "<i8",
 }
 _U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
+_MAX_NESTING = 8  # arrays of arrays: llama.cpp writes none; a hostile file must not recurse deep
 
 
 @dataclass(frozen=True)
@@ -87,15 +88,17 @@ class _Cursor:
         dt = np.dtype(dtype)
         return np.frombuffer(self.buf, dt, count, self.take(count * dt.itemsize))
 
-    def value(self, vtype: int, key: str) -> Any:
+    def value(self, vtype: int, key: str, depth: int = 0) -> Any:
         if vtype == _STRING:
             return self.string()
         if vtype == _ARRAY:
+            if depth >= _MAX_NESTING:
+                raise ValueError(f"metadata key {key!r} nests arrays deeper than {_MAX_NESTING}")
             item, count = self.u32(), self.u64()
             if item == _STRING:
                 return [self.string() for _ in range(count)]
             if item == _ARRAY:
-                return [self.value(_ARRAY, key) for _ in range(count)]
+                return [self.value(_ARRAY, key, depth + 1) for _ in range(count)]
             return self.array(self._dtype(item, key), count).tolist()
         return self.array(self._dtype(vtype, key), 1).tolist()[0]
 

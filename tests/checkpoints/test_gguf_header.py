@@ -84,7 +84,10 @@ def _header_only(n_fields_bytes: bytes, n_tensors=0, n_fields=1) -> bytes:
     # key "k", a string value that is not UTF-8
     ((1).to_bytes(8, "little") + b"k" + (8).to_bytes(4, "little") + (2).to_bytes(8, "little")
      + b"\xff\xfe", "'k': text is not UTF-8"),
-], ids=["key-past-end", "unknown-type", "not-utf8"])
+    # key "k", arrays of arrays nested 10 000 deep
+    ((1).to_bytes(8, "little") + b"k" + (9).to_bytes(4, "little")
+     + ((9).to_bytes(4, "little") + (1).to_bytes(8, "little")) * 10_000, "deeper than 8"),
+], ids=["key-past-end", "unknown-type", "not-utf8", "nested-10000"])
 def test_damaged_headers_name_what_is_wrong(tmp_path, body, match):
     path = tmp_path / "bad.gguf"
     path.write_bytes(_header_only(body))
