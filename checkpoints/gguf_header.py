@@ -11,6 +11,7 @@ Any inconsistency raises ValueError naming the byte offset, key or tensor.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import struct
@@ -154,7 +155,7 @@ class GGUFFile:
                 qtype = GGMLQuantizationType(raw_type)
             except ValueError:
                 raise ValueError(f"tensor {name!r} has unknown ggml type {raw_type}") from None
-            n = int(np.prod(dims))
+            n = math.prod(int(d) for d in dims)  # exact: a uint64 product could wrap to 0
             block, type_size = GGML_QUANT_SIZES[qtype]
             n_bytes = n * type_size // block
             start = self.data_offset + rel

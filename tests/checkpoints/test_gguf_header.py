@@ -107,3 +107,14 @@ def test_version_and_tensor_extent(tmp_path):
     cut.write_bytes(good.read_bytes()[: last.data_offset + last.n_bytes - 1])  # one byte short
     with pytest.raises(CheckpointError, match=r"truncated GGUF file: tensor 'q4k'"):
         open_gguf(cut)
+
+
+def test_tensor_dims_whose_product_wraps_name_the_tensor(tmp_path):
+    """2**32 x 2**32 elements wrap a uint64 product to 0; the extent check must still see them."""
+    name = (1).to_bytes(8, "little") + b"t"
+    info = (name + (2).to_bytes(4, "little") + (2**32).to_bytes(8, "little") * 2
+            + (0).to_bytes(4, "little") + (0).to_bytes(8, "little"))  # F32 at offset 0
+    path = tmp_path / "wrap.gguf"
+    path.write_bytes(_header_only(info, n_tensors=1, n_fields=0) + bytes(64))
+    with pytest.raises(CheckpointError, match=r"tensor 't' needs bytes up to"):
+        open_gguf(path)
