@@ -519,7 +519,7 @@ def gemma_tok(gemma_tokenizer) -> Tokenizer:
 
 
 @pytest.fixture(scope="session")
-def gemma_hf_tok(gemma_gguf_path, request):
+def gemma_hf_tok(gemma_gguf_path, hf_parses_gemma_once, request):
     """transformers' tokenizer converted from the same GGUF (cached: the conversion takes ~17 s)."""
     transformers = pytest.importorskip("transformers")
     from tokenizers import Tokenizer as TkTokenizer
