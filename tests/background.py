@@ -1,17 +1,20 @@
-"""Child processes that run beside the suite.
+"""Child processes that run beside the suite, one at a time.
 
 The suite's own process keeps one core busy (XLA compiles on one thread); the machine has two.
-A test whose work is a whole child process (the notebook's kernel, the 8-device pytest) marks
-itself `@pytest.mark.background(NAME)`; the module registers how to start NAME with
-`register(NAME, start)`. When collection finishes, conftest starts every job a selected test
-names, and moves those tests to the end of the run, so the child works on the idle core while
-the other tests run, and the tests then read its result.
+A test whose work is a whole child process (the notebook's kernel, the 8-device pytest, the
+shard of heavy test files) marks itself `@pytest.mark.background(NAME)`; the module registers
+how to start NAME with `register(NAME, start)`. When collection finishes, conftest queues every
+job a selected test names and moves those tests to the end of the run. The jobs run one after
+another on a thread (a lane): the second core stays busy while the suite's process keeps the
+first, and no third process competes with them (three processes on two cores slowed each child
+~3x). The tests at the end then read each job's result.
 """
 
 from __future__ import annotations
 
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -66,9 +69,11 @@ class Job:
             self.proc.wait()
 
 
-# name -> start(selected items that name it, a fresh work dir) -> Job
+# name -> start(selected items that name it, a fresh work dir) -> Job; run in registration order
 _STARTERS: dict[str, Callable[[list[pytest.Item], Path], Job]] = {}
 _JOBS: dict[str, Job] = {}
+_QUEUED: dict[str, threading.Event] = {}  # set once the job has started (or will never start)
+_STOP = threading.Event()
 
 
 def register(name: str, start: Callable[[list[pytest.Item], Path], Job]) -> None:
@@ -80,35 +85,60 @@ def names_of(item: pytest.Item) -> list[str]:
 
 
 def start_all(items: list[pytest.Item]) -> None:
-    """Start one job per name the selected items carry (conftest, after collection)."""
+    """Queue one job per name the selected items carry (conftest, after collection) and start
+    the lane that runs them one after another."""
     wanted: dict[str, list[pytest.Item]] = {}
     for it in items:
         for name in names_of(it):
             wanted.setdefault(name, []).append(it)
-    for name, its in wanted.items():
+    for name in wanted:
         if name not in _STARTERS:
             raise pytest.UsageError(f"@pytest.mark.background({name!r}): no job registered")
-        _JOBS[name] = _STARTERS[name](its, Path(tempfile.mkdtemp(prefix=f"bg_{name}_")))
+    order = [n for n in _STARTERS if n in wanted]
+    _QUEUED.update({n: threading.Event() for n in order})
+
+    def lane():
+        for name in order:
+            try:
+                if not _STOP.is_set():
+                    _JOBS[name] = _STARTERS[name](
+                        wanted[name], Path(tempfile.mkdtemp(prefix=f"bg_{name}_")))
+            finally:
+                _QUEUED[name].set()
+            if name in _JOBS:
+                job = _JOBS[name]
+                try:
+                    job.proc.wait(timeout=job.timeout_s)
+                except subprocess.TimeoutExpired:
+                    job.kill()  # its tests report the timeout; the next job starts
+
+    threading.Thread(target=lane, name="background-lane", daemon=True).start()
+
+
+def _job(name: str) -> Job:
+    assert name in _QUEUED, f"background job {name!r} was not queued"
+    _QUEUED[name].wait()
+    assert name in _JOBS, f"background job {name!r} did not start"
+    return _JOBS[name]
 
 
 def result(name: str) -> Done:
-    """The finished job NAME (waits for it); a test that names it was started at collection."""
-    job = _JOBS.get(name)
-    assert job is not None, f"background job {name!r} was not started"
-    return job.wait()
+    """The finished job NAME (waits for it); a test that names it was queued at collection."""
+    return _job(name).wait()
 
 
 def workdir(name: str) -> Path:
-    return _JOBS[name].workdir
+    return _job(name).workdir
 
 
 def walls() -> dict[str, float | None]:
-    """Seconds from each job's start to its exit (seen between tests; None: still running)."""
-    for job in _JOBS.values():
+    """Seconds from each job's start to its exit (seen between tests; None: not done yet)."""
+    for job in list(_JOBS.values()):
         job.poll()
-    return {name: job.wall_s for name, job in _JOBS.items()}
+    return {name: (_JOBS[name].wall_s if name in _JOBS else None) for name in _QUEUED}
 
 
 def stop_all() -> None:
-    for job in _JOBS.values():
+    _STOP.set()
+    for job in list(_JOBS.values()):
         job.kill()

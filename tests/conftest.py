@@ -38,7 +38,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import background
+from tests import background, shard
 
 
 @pytest.fixture(scope="session")
@@ -160,8 +160,10 @@ def _memory_maps() -> int:
 
 _MAPS = {"peak": 0, "releases": 0}
 _RELEASE_AT_MAPS = 30_000
-# Per test file: [wall s, XLA compiles, compile s] (fixture set-up lands on the first user).
+# Per test file: [wall s, XLA compiles, compile s, first start s] (fixture set-up lands on the
+# first user).
 _PER_FILE: dict[str, list[float]] = {}
+_SESSION_T0 = time.perf_counter()
 
 
 @pytest.fixture(autouse=True)
@@ -173,10 +175,12 @@ def _release_compiled_programs(request):
     after it load what they need from the persistent cache."""
     t0, (c0, s0) = time.perf_counter(), _COMPILE_TOTALS["compile"]
     yield
-    row = _PER_FILE.setdefault(request.node.nodeid.split("::")[0], [0.0, 0, 0.0])
-    row[0] += time.perf_counter() - t0
-    row[1] += _COMPILE_TOTALS["compile"][0] - c0
-    row[2] += _COMPILE_TOTALS["compile"][1] - s0
+    if not background.names_of(request.node):  # (a test reading a child: the child reports)
+        row = _PER_FILE.setdefault(request.node.nodeid.split("::")[0],
+                                   [0.0, 0, 0.0, t0 - _SESSION_T0])
+        row[0] += time.perf_counter() - t0
+        row[1] += _COMPILE_TOTALS["compile"][0] - c0
+        row[2] += _COMPILE_TOTALS["compile"][1] - s0
     background.walls()  # notes when a child has exited
     n = _memory_maps()
     _MAPS["peak"] = max(_MAPS["peak"], n)
@@ -204,9 +208,15 @@ def pytest_terminal_summary(terminalreporter):
         f"child processes: CPU {kids.ru_utime + kids.ru_stime:.0f} s; background jobs (s from "
         "start to exit): " + ", ".join(f"{k} {v:.0f}" if v else f"{k} -"
                                        for k, v in background.walls().items()))
-    terminalreporter.write_line("slowest files (wall s, XLA compiles, compile s):")
-    for name, (wall, n, secs) in sorted(_PER_FILE.items(), key=lambda kv: -kv[1][0])[:15]:
-        terminalreporter.write_line(f"  {wall:7.1f} {n:5d} {secs:7.1f}  {name}")
+    terminalreporter.write_line(
+        "test files over 5 s (wall s, XLA compiles, compile s, started at s; [shard]: in the "
+        "shard child):")
+    rows = [(k, v, "") for k, v in _PER_FILE.items()]
+    rows += [(k, v, " [shard]") for k, v in shard.child_files().items()]
+    for name, (wall, n, secs, start), where in sorted(rows, key=lambda r: -r[1][0]):
+        if wall >= 5:
+            terminalreporter.write_line(
+                f"  {wall:7.1f} {n:5d} {secs:7.1f} {start:7.0f}  {name}{where}")
 
 
 # --------------------------------------------------------------------------- background children
@@ -220,6 +230,8 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(session, config, items):
+    if shard.active(config):
+        items[:] = shard.split(items)
     items.sort(key=lambda it: bool(background.names_of(it)))  # stable: order kept within each
 
 
@@ -228,5 +240,17 @@ def pytest_collection_finish(session):
         background.start_all(session.items)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if isinstance(item, shard.ChildOutcome) and call.when == "call":
+        report.duration = item.child_seconds  # the test's own time, not the wait for the child
+
+
+def pytest_runtest_logreport(report):
+    shard.record(report)
+
+
 def pytest_sessionfinish(session):
+    shard.write_report(_PER_FILE)
     background.stop_all()

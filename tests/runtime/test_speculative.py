@@ -30,15 +30,35 @@ def dirs(tiny_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(dirs):
-    plain = LLM(str(dirs[0]), max_slots=4, **OPTS)
+def plain(dirs):
+    return LLM(str(dirs[0]), max_slots=4, **OPTS)
+
+
+@pytest.fixture(scope="module")
+def reference(plain):
     return [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
 
 
 def _specs(dirs):
     # one k for every method: engines with equal slots share their compiled verify programs
     return {"ngram": {"method": "ngram", "k": 4, "n": 3},
-            "draft": {"method": "draft", "model": str(dirs[1]), "k": 4}}
+            "draft": {"method": "draft", "model": str(dirs[1]), "k": 4},
+            "self": {"method": "draft", "model": str(dirs[0]), "k": 4}}  # draft = target
+
+
+@pytest.fixture(scope="module")
+def spec(dirs):
+    """spec(method): the module's speculative engine for a method (4 slots, OPTS: the shapes
+    of `plain`), built once; every test leaves it empty (_no_leaks)."""
+    engines = {}
+
+    def get(method):
+        if method not in engines:
+            engines[method] = LLM(str(dirs[0]), max_slots=4, speculative=_specs(dirs)[method],
+                                  **OPTS)
+        return engines[method]
+
+    return get
 
 
 def _no_leaks(llm):
@@ -53,9 +73,9 @@ def _no_leaks(llm):
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_greedy_identical_batch1(dirs, reference, method):
-    llm = LLM(str(dirs[0]), max_slots=1, speculative=_specs(dirs)[method], **OPTS)
-    outs = llm.generate(PROMPTS, GREEDY)
+def test_greedy_identical_one_request_at_a_time(spec, reference, method):
+    llm = spec(method)
+    outs = [llm.generate([p], GREEDY)[0] for p in PROMPTS]
     assert [o.token_ids for o in outs] == reference
     proposed = sum(o.metrics["spec_proposed"] for o in outs)
     accepted = sum(o.metrics["spec_accepted"] for o in outs)
@@ -81,9 +101,8 @@ def test_greedy_identical_continuous_batching_under_page_pressure(dirs, referenc
     _no_leaks(llm)
 
 
-def test_draft_equal_to_target_accepts_every_proposal(dirs, reference):
-    llm = LLM(str(dirs[0]), max_slots=4, speculative={"method": "draft", "model": str(dirs[0]),
-                                                      "k": 4}, **OPTS)
+def test_draft_equal_to_target_accepts_every_proposal(spec, reference):
+    llm = spec("self")
     assert llm.engine.proposer.params is llm.engine.params  # the target's own weights, shared
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == reference
@@ -94,10 +113,8 @@ def test_draft_equal_to_target_accepts_every_proposal(dirs, reference):
     _no_leaks(llm)
 
 
-def test_stops_and_max_tokens_with_several_tokens_per_step(dirs):
-    target = str(dirs[0])
-    plain = LLM(target, max_slots=2, **OPTS)
-    spec = LLM(target, max_slots=2, speculative={"method": "draft", "model": target, "k": 4}, **OPTS)
+def test_stops_and_max_tokens_with_several_tokens_per_step(plain, spec):
+    spec = spec("self")
     prompt = PROMPTS[2]
     free = plain.generate([prompt], GREEDY)[0].token_ids
     # a stop token in the middle of a step's accepted run: output ends at it, nothing after
@@ -132,8 +149,8 @@ def test_stops_and_max_tokens_with_several_tokens_per_step(dirs):
     _no_leaks(spec)
 
 
-def test_seeded_sampling_reproducible_and_rejected_tokens_never_emitted(dirs):
-    llm = LLM(str(dirs[0]), max_slots=4, speculative=_specs(dirs)["draft"], **OPTS)
+def test_seeded_sampling_reproducible_and_rejected_tokens_never_emitted(spec):
+    llm = spec("draft")
     sp = SamplingParams(max_tokens=20, temperature=0.8, top_k=40, seed=5, ignore_eos=True)
     a = llm.generate(PROMPTS[:6], sp)
     b = llm.generate(PROMPTS[:6], sp)
@@ -190,7 +207,8 @@ def test_served_acceptance_rate_is_the_engines(dirs):
     from jaxinfer.serve.engine_loop import EngineLoop
     from jaxinfer.serve.metrics import ServingMetrics, parse_text
 
-    llm = LLM(str(dirs[0]), max_slots=2, speculative=_specs(dirs)["ngram"], **OPTS)
+    # its own engine (the loop's thread owns it), at the shapes of `spec`
+    llm = LLM(str(dirs[0]), max_slots=4, speculative=_specs(dirs)["ngram"], **OPTS)
     loop = EngineLoop(llm.engine)
     metrics = ServingMetrics(loop)
     try:
