@@ -168,7 +168,9 @@ class LLM:
 
 def enable_compilation_cache() -> None:
     """Persist compiled steps across processes (first run compiles, later runs load) unless the
-    caller configured a cache already. JAXINFER_COMPILATION_CACHE=DIR overrides, =0 disables."""
+    caller configured a cache already. JAXINFER_COMPILATION_CACHE=DIR overrides, =0 disables.
+    Programs that compiled in under a second are not kept, unless jax's own
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS says otherwise."""
     import os
 
     import jax
@@ -178,7 +180,8 @@ def enable_compilation_cache() -> None:
     if where == "0" or jax.config.jax_compilation_cache_dir:
         return
     jax.config.update("jax_compilation_cache_dir", where)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
 def _multi_process() -> bool:

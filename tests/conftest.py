@@ -25,11 +25,15 @@ _CACHE = os.environ.get(
     "JAXINFER_TEST_COMPILATION_CACHE",
     os.path.join(os.path.dirname(os.path.dirname(__file__)), ".jax_cache"),
 )
+# Every program is kept, however fast it compiled: child processes (the CLI, the notebook's
+# kernel, the 8-device child, the shard) share the cache, so a step one process compiled, the
+# others load.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+                      os.environ.get("JAXINFER_TEST_CACHE_MIN_COMPILE_S", "0"))
 jax.config.update("jax_compilation_cache_dir", _CACHE)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                  float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-# Child processes (the CLI, the notebook's kernel, the 8-device child) share the same cache: a
-# step one process compiled, the others load.
 os.environ.setdefault("JAXINFER_COMPILATION_CACHE", _CACHE)
 os.environ.setdefault("JAXINFER_TEST_COMPILATION_CACHE", _CACHE)
 
