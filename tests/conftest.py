@@ -3,8 +3,8 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The suite compiles ~2800 XLA programs and runs each a few times, so XLA:CPU's compile time is
-# most of its cost. Three flags trade run speed for compile speed; what every program computes is
-# unchanged (XLA's HLO passes are the same):
+# most of its cost. Three flags cut compile time, the first two at some cost in run speed; what
+# every program computes is unchanged (XLA's HLO passes are the same):
 # - LLVM at -O0: standalone, a tiny-model generate compiles 5.6 -> 2.9 s and Gemma 3 270M's six
 #   programs 23 -> 15 s; Gemma decode runs 1.6x slower.
 # - fusions emitted by the elemental emitters, not the MLIR fusion emitters: test_prefix_cache +
