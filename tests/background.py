@@ -74,6 +74,7 @@ _STARTERS: dict[str, Callable[[list[pytest.Item], Path], Job]] = {}
 _JOBS: dict[str, Job] = {}
 _QUEUED: dict[str, threading.Event] = {}  # set once the job has started (or will never start)
 _STOP = threading.Event()
+_FAILED: dict[str, str] = {}  # jobs whose start raised: the error
 
 
 def register(name: str, start: Callable[[list[pytest.Item], Path], Job]) -> None:
@@ -103,6 +104,8 @@ def start_all(items: list[pytest.Item]) -> None:
                 if not _STOP.is_set():
                     _JOBS[name] = _STARTERS[name](
                         wanted[name], Path(tempfile.mkdtemp(prefix=f"bg_{name}_")))
+            except Exception as e:  # noqa: BLE001 - its tests report it; the next job starts
+                _FAILED[name] = f"{type(e).__name__}: {e}"
             finally:
                 _QUEUED[name].set()
             if name in _JOBS:
@@ -118,7 +121,7 @@ def start_all(items: list[pytest.Item]) -> None:
 def _job(name: str) -> Job:
     assert name in _QUEUED, f"background job {name!r} was not queued"
     _QUEUED[name].wait()
-    assert name in _JOBS, f"background job {name!r} did not start"
+    assert name in _JOBS, f"background job {name!r} did not start: {_FAILED.get(name, 'stopped')}"
     return _JOBS[name]
 
 
