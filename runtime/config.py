@@ -111,6 +111,10 @@ class ModelConfig:
 
 ATTENTION_BACKENDS = (None, "xla", "pallas", "pallas_interpret")
 COMPUTE_DTYPES = ("float32", "bfloat16")
+# Smallest token-row bucket of a step, by platform. TPU/GPU: 16, one row tile (a bf16 TPU
+# sublane tile, a GPU MMA tile), so rows below it cost nothing and steps of 1-16 rows share one
+# program (vLLM's TPU runner pads to 16 as well). CPU: 1; every padded row costs a matmul row there.
+MIN_TOKEN_BUCKET = {"cpu": 1, "tpu": 16, "gpu": 16}
 
 
 SPEC_METHODS = ("draft", "ngram")
@@ -171,6 +175,9 @@ class EngineConfig:
     max_model_len: int = 2048  # longest prompt + output a sequence may reach
     attention_backend: str | None = None  # None = by platform
     prefill_chunk: int = 256  # per-step prompt token budget
+    # a step's token rows are padded to a power-of-two bucket from this one up. None: the
+    # platform's (MIN_TOKEN_BUCKET; env JAXINFER_MIN_TOKEN_BUCKET overrides it)
+    min_token_bucket: int | None = None
     enable_prefix_caching: bool = True  # share KV pages of common full-page prompt prefixes
     # a dict like {"method": "ngram", "k": 4} is parsed into a SpecConfig on construction
     speculative: SpecConfig | None = None
@@ -195,6 +202,8 @@ class EngineConfig:
         if self.quant_mode is not None and self.quant_mode not in MODES:
             raise ValueError(f"quant_mode must be None or one of {MODES}, got {self.quant_mode!r}")
         object.__setattr__(self, "speculative", _parse_speculative(self.speculative))
+        if self.min_token_bucket is not None and self.min_token_bucket < 1:
+            raise ValueError(f"min_token_bucket must be >= 1, got {self.min_token_bucket}")
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is the null page), got {self.num_pages}")
 

@@ -15,6 +15,7 @@ is dropped.
 from __future__ import annotations
 
 import itertools
+import os
 import logging
 import time
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.runtime.attention import resolve_backend
-from jaxinfer.runtime.config import EngineConfig, ModelConfig
+from jaxinfer.runtime.config import MIN_TOKEN_BUCKET, EngineConfig, ModelConfig
 from jaxinfer.runtime.requests import Limits, SamplingParams, check_request
 from jaxinfer.runtime.kv_cache import init_cache
 from jaxinfer.runtime.model import Params
@@ -96,6 +97,18 @@ class Delta:
     finish_reason: str | None
 
 
+def min_token_bucket(ecfg: EngineConfig) -> int:
+    """ecfg.min_token_bucket, else env JAXINFER_MIN_TOKEN_BUCKET, else the platform's."""
+    if ecfg.min_token_bucket is not None:
+        return ecfg.min_token_bucket
+    env = os.environ.get("JAXINFER_MIN_TOKEN_BUCKET")
+    if env:
+        if not env.isdigit() or int(env) < 1:
+            raise ValueError(f"JAXINFER_MIN_TOKEN_BUCKET must be an integer >= 1, got {env!r}")
+        return int(env)
+    return MIN_TOKEN_BUCKET.get(jax.default_backend(), 1)
+
+
 class Engine:
     def __init__(self, cfg: ModelConfig, params: Params, tokenizer: Tokenizer, ecfg: EngineConfig,
                  mesh=None, draft_model=None):
@@ -125,7 +138,7 @@ class Engine:
         k = self.spec.k if self.spec else 0
         # a full decode batch (with k proposals per row) always fits
         budget = max(ecfg.prefill_chunk, ecfg.max_slots * (1 + k))
-        tokens = pow_buckets(1, budget, cap=True)
+        tokens = pow_buckets(min(min_token_bucket(ecfg), budget), budget, cap=True)
         pages = pow_buckets(1, ecfg.pages_per_seq, 4, cap=True)
         self.scheduler = Scheduler(
             max_slots=ecfg.max_slots, num_pages=ecfg.total_pages, page_size=ecfg.page_size,

@@ -28,6 +28,9 @@ def engine_args(p: argparse.ArgumentParser) -> None:
                    help="int8 KV pages with per-token-per-head scales (XLA attention path)")
     p.add_argument("--prefill-chunk", type=int, default=256,
                    help="per-step prompt token budget (chunked prefill)")
+    p.add_argument("--min-token-bucket", type=int, default=None,
+                   help="smallest token-row bucket a step pads to (default: 16 on TPU/GPU, 1 "
+                        "on CPU; env JAXINFER_MIN_TOKEN_BUCKET)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="do not share KV pages of common prompt prefixes")
     p.add_argument("--no-async-scheduling", action="store_true",
@@ -50,7 +53,7 @@ def llm_from_args(args):
     opts = dict(dtype=args.dtype, max_slots=args.max_slots, page_size=args.page_size,
                 num_pages=args.num_pages, attention_backend=args.attention_backend,
                 quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-                prefill_chunk=args.prefill_chunk,
+                prefill_chunk=args.prefill_chunk, min_token_bucket=args.min_token_bucket,
                 enable_prefix_caching=not args.no_prefix_caching,
                 async_scheduling=not getattr(args, "no_async_scheduling", False),
                 speculative=args.speculative)

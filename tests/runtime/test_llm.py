@@ -165,6 +165,33 @@ def test_no_new_compilations_after_warmup(tiny_dir):
     assert llm.engine.compile_count == warm
 
 
+def test_min_token_bucket_sets_the_smallest_step_and_changes_no_output(tiny_dir, monkeypatch):
+    from jaxinfer.runtime.config import EngineConfig
+    from jaxinfer.runtime.engine import min_token_bucket
+
+    kw = dict(max_slots=4, page_size=8, max_model_len=64, prefill_chunk=16)
+    small = LLM(str(tiny_dir), min_token_bucket=1, **kw)
+    big = LLM(str(tiny_dir), min_token_bucket=16, **kw)
+    assert small.engine.scheduler.token_buckets == (1, 2, 4, 8, 16)
+    assert big.engine.scheduler.token_buckets == (16,)
+    prompts = ["To be, or not to be", "Hello", "Now is the winter of our discontent"]
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    assert ([o.token_ids for o in small.generate(prompts, sp)]
+            == [o.token_ids for o in big.generate(prompts, sp)])
+    # the field, then env JAXINFER_MIN_TOKEN_BUCKET, then the platform's (CPU: 1)
+    monkeypatch.setenv("JAXINFER_MIN_TOKEN_BUCKET", "8")
+    assert min_token_bucket(EngineConfig(min_token_bucket=2)) == 2
+    assert min_token_bucket(EngineConfig()) == 8
+    monkeypatch.delenv("JAXINFER_MIN_TOKEN_BUCKET")
+    assert min_token_bucket(EngineConfig()) == 1
+    for bad in ("0", "x"):
+        monkeypatch.setenv("JAXINFER_MIN_TOKEN_BUCKET", bad)
+        with pytest.raises(ValueError, match="JAXINFER_MIN_TOKEN_BUCKET"):
+            min_token_bucket(EngineConfig())
+    with pytest.raises(ValueError, match="min_token_bucket"):
+        EngineConfig(min_token_bucket=0)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(max_tokens=0), "max_tokens"),
     (dict(max_tokens=-3), "max_tokens"),
