@@ -7,6 +7,17 @@ jaxinfer.serve (CLI, gRPC, HTTP, JSONL batch) and jaxinfer.tools (benchmarks, te
 Names resolve lazily, so `import jaxinfer` does not import JAX.
 """
 
+import os as _os
+
+# A source checkout that was never installed (an accelerator host with its own jax, no package
+# index): the subpackages are the folders beside this one, so `python -m jaxinfer.tools.X` runs
+# from the repository root. Installed, they sit inside this package and this adds nothing.
+_ROOT = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if (_os.path.isfile(_os.path.join(_ROOT, "pyproject.toml"))
+        and _os.path.isfile(_os.path.join(_ROOT, "pallas_kernels", "ragged_paged_attention.py"))
+        and _ROOT not in __path__):
+    __path__.append(_ROOT)
+
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "RequestError", "EngineConfig", "ModelConfig"]
 
 _HOMES = {
