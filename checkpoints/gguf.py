@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,10 +30,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.checkpoints import gguf_blocks
 from jaxinfer.checkpoints.errors import CheckpointError
 from jaxinfer.checkpoints.hf import assemble_params
+from jaxinfer.checkpoints.quantize import WEIGHT_REDUCE_AXES, weight_name
 from jaxinfer.runtime.config import ConfigError, ModelConfig, RopeScaling
 from jaxinfer.runtime.model import Params, init_params
+from jaxinfer.runtime.quantization import QuantizedArray
 
 try:  # the import is cheap, but keep a clear message if the package is absent
     import gguf
@@ -253,6 +257,11 @@ def _dequantize(t, source: str) -> np.ndarray:
     """One tensor as an f32 numpy array in numpy (reversed-ne) shape."""
     shape = tuple(int(x) for x in reversed(t.shape.tolist()))
     qtype = t.tensor_type
+    if qtype.name in gguf_blocks.GROUP_SIZES:  # ~10x faster than gguf.quants, same values
+        try:
+            return gguf_blocks.dequantize(t.data, qtype.name, shape)
+        except ValueError as e:
+            raise CheckpointError(f"{source}: tensor {t.name!r}: {e}") from None
     if qtype in (QT.F32, QT.F16, QT.BF16) or qtype in _dequantizable():
         try:
             return _dequantize_rows(t.data, qtype, shape)
@@ -343,10 +352,11 @@ def gguf_tensor_plan(cfg: ModelConfig, arch: str) -> dict[str, tuple[str, Callab
     for i in range(cfg.num_layers):
         layer = {
             "attn_norm.weight": ("attn_norm", ident),
-            "attn_q.weight": ("wq", lambda w, p=perm_q: p(w).T.reshape(d, hq, dh)),
-            "attn_k.weight": ("wk", lambda w, p=perm_k: p(w).T.reshape(d, hkv, dh)),
-            "attn_v.weight": ("wv", lambda w: w.T.reshape(d, hkv, dh)),
-            "attn_output.weight": ("wo", lambda w: w.T.reshape(hq, dh, d)),
+            # -1 on the input axis: the same transform lays out per-group scales (in / g)
+            "attn_q.weight": ("wq", lambda w, p=perm_q: p(w).T.reshape(-1, hq, dh)),
+            "attn_k.weight": ("wk", lambda w, p=perm_k: p(w).T.reshape(-1, hkv, dh)),
+            "attn_v.weight": ("wv", lambda w: w.T.reshape(-1, hkv, dh)),
+            "attn_output.weight": ("wo", lambda w: w.T.reshape(hq, -1, d)),
             "ffn_norm.weight": ("mlp_norm", ident),
             "ffn_gate.weight": ("w_gate", lambda w: w.T),
             "ffn_up.weight": ("w_up", lambda w: w.T),
@@ -377,12 +387,62 @@ def gguf_tensor_plan(cfg: ModelConfig, arch: str) -> dict[str, tuple[str, Callab
 _IGNORED = ("rope_freqs.weight",)
 
 
-def iter_gguf_tensors(reader, source: str) -> Iterator[tuple[str, np.ndarray, str]]:
-    """Yield (name, f32 numpy array, source), dequantizing one tensor at a time."""
+@dataclass
+class KeptBlocks:
+    """One tensor's GGUF blocks as int8 values with per-group f32 scales (and offsets), numpy
+    [out, in] layout (checkpoints/gguf_blocks.py). `layout` makes the runtime's weight."""
+
+    name: str
+    kind: str  # the GGUF type, e.g. "Q4_K"
+    q: np.ndarray  # int8 [out, in]
+    scale: np.ndarray  # f32 [out, in / g]
+    offset: np.ndarray | None
+
+    def layout(self, fn: Callable, target: str) -> QuantizedArray | None:
+        """The QuantizedArray of param `target`: `fn` (the plan's [out, in] -> param layout
+        transform) applied to values, scales and offsets alike. None when a group spans
+        several param axes (e.g. 32-weight groups over heads of 16 in o_proj's input)."""
+        q = fn(self.q)
+        try:
+            scale = fn(self.scale)
+        except ValueError:
+            return None
+        axes = [i for i, (a, b) in enumerate(zip(q.shape, scale.shape)) if a != b]
+        reduce_axes = WEIGHT_REDUCE_AXES[weight_name(target)]
+        if len(axes) != 1 or axes[0] not in reduce_axes or q.ndim != scale.ndim:
+            return None
+        offset = None if self.offset is None else jnp.asarray(fn(self.offset))
+        return QuantizedArray(
+            values=jnp.asarray(q), scales=jnp.asarray(scale), offsets=offset, fmt="gguf",
+            mode="weight_only", reduce_axes=reduce_axes,
+            group_size=q.shape[axes[0]] // scale.shape[axes[0]], group_axis=axes[0])
+
+    def dense(self) -> np.ndarray:
+        """f32 [out, in], equal to gguf's dequantizer."""
+        g = gguf_blocks.GROUP_SIZES[self.kind]
+        w = self.q.reshape(*self.scale.shape, g).astype(np.float32) * self.scale[..., None]
+        if self.offset is not None:
+            w += self.offset[..., None]
+        return w.reshape(self.q.shape)
+
+
+def iter_gguf_tensors(reader, source: str, keep: frozenset[str] = frozenset()
+                      ) -> Iterator[tuple[str, np.ndarray | KeptBlocks, str]]:
+    """Yield (name, array, source) one tensor at a time: tensors named in `keep` whose type
+    gguf_blocks reads as KeptBlocks, the rest dequantized to f32 numpy."""
     for t in reader.tensors:
         if t.name in _IGNORED or t.name.endswith(".attn_rot_embd"):
             continue
-        yield t.name, _dequantize(t, source), source
+        kind = t.tensor_type.name
+        if t.name in keep and kind in gguf_blocks.GROUP_SIZES:
+            shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+            try:
+                q, scale, offset = gguf_blocks.decode(t.data, kind, shape)
+            except ValueError as e:
+                raise CheckpointError(f"{source}: tensor {t.name!r}: {e}") from None
+            yield t.name, KeptBlocks(t.name, kind, q, scale, offset), source
+        else:
+            yield t.name, _dequantize(t, source), source
 
 
 def _check_unsupported_types(reader, source: str) -> None:
@@ -414,12 +474,15 @@ def _check_shapes(cfg: ModelConfig, params: Params, source: str) -> None:
             )
 
 
-def load_gguf(path: str | os.PathLike, dtype=jnp.float32, *, reader=None, place=None
-              ) -> tuple[ModelConfig, Params]:
-    """Read a GGUF file into (ModelConfig, Params) with weights dequantized to `dtype`.
+def load_gguf(path: str | os.PathLike, dtype=jnp.float32, *, reader=None, place=None,
+              keep_quantized: bool = False) -> tuple[ModelConfig, Params]:
+    """Read a GGUF file into (ModelConfig, Params) with weights dequantized to `dtype`, or with
+    `keep_quantized` the matmul weights stored in a block format gguf_blocks reads kept as
+    QuantizedArray (fmt "gguf": no f32 copy is made); other tensors are dequantized.
 
     `reader`: an already open `open_gguf(path)` (parsing the header of a 262k-token vocabulary
-    takes seconds; the tokenizer needs the same reader)."""
+    takes seconds; the tokenizer needs the same reader). `place(path, leaf)`: see
+    hf.assemble_params; it receives the QuantizedArray of a kept tensor."""
     source = str(path)
     if reader is None:
         reader = open_gguf(path)
@@ -427,8 +490,11 @@ def load_gguf(path: str | os.PathLike, dtype=jnp.float32, *, reader=None, place=
     arch = architecture(reader, source)
     _check_unsupported_types(reader, source)
     plan = gguf_tensor_plan(cfg, arch)
+    keep = frozenset(name for name, (target, _) in plan.items()
+                     if keep_quantized and weight_name(target) in WEIGHT_REDUCE_AXES)
     try:
-        params = assemble_params(cfg, iter_gguf_tensors(reader, source), plan, dtype, place)
+        params = assemble_params(cfg, iter_gguf_tensors(reader, source, keep), plan, dtype,
+                                 place)
     except ValueError as e:
         if isinstance(e, CheckpointError):
             if source not in str(e):

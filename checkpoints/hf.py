@@ -131,7 +131,9 @@ def assemble_params(
 ) -> Params:
     """Place streamed (name, array, source) tensors into Params via `plan`. Unknown names are
     ignored only when they are known extras (rotary caches); missing ones are an error.
-    `place(path, f32_array)`, if given, makes each leaf (e.g. quantizes it as it streams in)."""
+    `place(path, f32_array)`, if given, makes each leaf (e.g. quantizes it as it streams in);
+    a tensor kept quantized (an object with `layout(fn, target)` and `dense()`) arrives as its
+    QuantizedArray."""
     got: dict[str, object] = {}
     for name, arr, src in tensors:
         key = _strip(name)
@@ -140,6 +142,12 @@ def assemble_params(
                 continue
             raise CheckpointError(f"{src}: unexpected tensor {name!r} for {cfg.architecture}")
         target, fn = plan[key]
+        if hasattr(arr, "layout"):  # blocks kept quantized (checkpoints.gguf.KeptBlocks)
+            value = arr.layout(fn, target)
+            if value is not None:
+                got[target] = place(target, value) if place else value
+                continue
+            arr = arr.dense()  # its groups do not fit the param's layout: dequantized
         value = fn(jnp.asarray(arr, jnp.float32))
         got[target] = place(target, value) if place else jnp.asarray(value, dtype)
     missing = [name for name, (target, _) in plan.items() if target not in got]

@@ -25,7 +25,9 @@ class LoadedModel:
     source: Path
 
 
-def _is_gguf(path: Path) -> bool:
+def is_gguf_file(path: Path) -> bool:
+    if not path.is_file():
+        return False
     with open(path, "rb") as f:
         return f.read(4) == b"GGUF"
 
@@ -43,9 +45,11 @@ def resolve(model: str | Path) -> Path:
     return path
 
 
-def load_model(model: str | Path, dtype: str = "float32", place=None, mesh=None) -> LoadedModel:
+def load_model(model: str | Path, dtype: str = "float32", place=None, mesh=None,
+               keep_quantized: bool = False) -> LoadedModel:
     """`place(path, f32_array)`: optional per-leaf hook (quantization while streaming); a
-    converted dir that is already quantized is restored as saved. A hook with a
+    converted dir that is already quantized is restored as saved. `keep_quantized`: a GGUF's
+    block-quantized matmul weights stay in their blocks (QuantizedArray fmt "gguf"). A hook with a
     `finish(cfg, params, tokenizer)` method (checkpoints.quantize.Placer) gets the assembled
     params once everything is read (int8 smoothing calibrates there) and returns the final ones."""
     from jaxinfer.checkpoints.orbax_io import is_converted, load_converted
@@ -55,12 +59,13 @@ def load_model(model: str | Path, dtype: str = "float32", place=None, mesh=None)
     jdtype = getattr(jnp, dtype)
     path = resolve(model)
     if path.is_file():
-        if not _is_gguf(path):
+        if not is_gguf_file(path):
             raise CheckpointError(f"{path}: not a GGUF file (bad magic) and not a checkpoint dir")
         from jaxinfer.checkpoints.gguf import load_gguf, load_gguf_tokenizer, open_gguf
 
         reader = open_gguf(path)  # the header (262k-entry vocab) is parsed once
-        cfg, params = load_gguf(path, dtype=jdtype, reader=reader, place=place)
+        cfg, params = load_gguf(path, dtype=jdtype, reader=reader, place=place,
+                                keep_quantized=keep_quantized)
         tok = load_gguf_tokenizer(path, reader=reader)
     elif is_converted(path):
         cfg, params = load_converted(path, dtype=jdtype, place=place, mesh=mesh)

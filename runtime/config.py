@@ -15,7 +15,12 @@ from typing import Any
 
 # Allowed values of the quantization options (runtime/quantization.py implements them); kept
 # here, JAX-free, so the CLI and the request door check options without importing JAX.
-FORMATS = ("int8", "fp8")
+FORMATS = ("int8", "fp8")  # what weights can be quantized to as they load
+# EngineConfig.quantization: None = the weights as the checkpoint stores them (on TPU/GPU a
+# GGUF's block formats stay quantized, recorded as "gguf"; on CPU they are dequantized:
+# quantization.keeps_gguf_blocks); a FORMAT; "gguf" = keep a GGUF's blocks on any platform;
+# "dequantize" = every weight in the compute dtype.
+QUANTIZATIONS = (None, *FORMATS, "gguf", "dequantize")
 MODES = ("w8a8", "weight_only")
 KV_CACHE_DTYPES = ("auto", "int8")
 
@@ -165,7 +170,7 @@ class EngineConfig:
     """Runtime switches. `LLM(...)` keyword arguments mirror these field names."""
 
     dtype: str = "float32"  # activation/weight compute dtype: float32 | bfloat16
-    quantization: str | None = None  # None | "int8" | "fp8"
+    quantization: str | None = None  # one of QUANTIZATIONS
     quant_mode: str | None = None  # None = by platform | "w8a8" (int8 only) | "weight_only"
     quantize_embeddings: bool = True  # False keeps embed / lm_head in the compute dtype
     kv_cache_dtype: str = "auto"  # "auto" = the compute dtype | "int8" (per-token-head scales)
@@ -199,6 +204,9 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.quant_mode is not None and self.quant_mode not in MODES:
             raise ValueError(f"quant_mode must be None or one of {MODES}, got {self.quant_mode!r}")
         object.__setattr__(self, "speculative", _parse_speculative(self.speculative))

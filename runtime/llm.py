@@ -6,14 +6,11 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from jaxinfer.runtime.config import EngineConfig
+from jaxinfer.runtime.config import FORMATS, QUANTIZATIONS, EngineConfig
 from jaxinfer.runtime.engine import Engine
-from jaxinfer.runtime.config import FORMATS
-from jaxinfer.runtime.quantization import default_mode
+from jaxinfer.runtime.quantization import default_mode, keeps_gguf_blocks
 from jaxinfer.runtime.requests import (Limits, RequestError, RequestOutput, SamplingParams, check_request,
                               parse_prompt)
-
-QUANTIZATIONS = (None, *FORMATS)
 
 
 @dataclass
@@ -41,12 +38,18 @@ class LLM:
         if q not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {q!r}")
         place = None
-        if q is not None:  # quantize each weight as it streams in (peak ~ the int8 model)
+        if q in FORMATS:  # quantize each weight as it streams in (peak ~ the int8 model)
             from jaxinfer.checkpoints.quantize import placer
 
             place = placer(q, options.get("dtype", "float32"), mode=options.get("quant_mode"),
                            quantize_embeddings=options.get("quantize_embeddings", True))
         config = EngineConfig(**options)  # every option checked (and parsed) before any loading
+        if q == "gguf":
+            from jaxinfer.checkpoints.loader import is_gguf_file, resolve
+
+            if not is_gguf_file(resolve(model)):
+                raise ValueError(f"{model}: quantization='gguf' keeps a GGUF file's quantized "
+                                 "blocks; this model is not a GGUF file (use quantization=None)")
         mesh = None
         if options.get("tensor_parallel", 1) != 1 or _multi_process():
             # tensor parallel: every tensor streams straight into its shards on the mesh
@@ -57,11 +60,15 @@ class LLM:
             mesh = make_mesh(options.get("tensor_parallel", 1))
             place = shard_placer(mesh, jnp.dtype(options.get("dtype", "float32")), inner=place)
         self.model = load_model(model, dtype=options.get("dtype", "float32"), place=place,
-                                mesh=mesh)
+                                mesh=mesh,
+                                keep_quantized=q == "gguf" or (q is None and keeps_gguf_blocks()))
         from jaxinfer.checkpoints.quantize import quantization_spec, with_mode
 
         from_model = {}
         spec = quantization_spec(self.model.params)  # a converted dir may be quantized already
+        if q == "gguf" and spec is None:
+            raise ValueError(f"{model}: quantization='gguf': the file holds no block-quantized "
+                             "matmul weights (use quantization=None)")
         if spec is not None:
             if q is not None and q != spec["fmt"]:
                 raise ValueError(f"{model}: holds {spec['fmt']} weights; cannot serve them as {q!r}")
@@ -90,14 +97,16 @@ class LLM:
 
         same = spec.model == target or (os.path.exists(spec.model) and os.path.exists(target)
                                         and os.path.samefile(spec.model, target))
-        if same and spec.quantization == self.config.quantization:
+        kept = spec.quantization is None and self.config.quantization == "gguf"
+        if same and (spec.quantization == self.config.quantization or kept):
             return self.model.cfg, self.model.params
         place = None
         if spec.quantization is not None:
             from jaxinfer.checkpoints.quantize import placer
 
             place = placer(spec.quantization, dtype)
-        draft = load_model(spec.model, dtype=dtype, place=place)
+        draft = load_model(spec.model, dtype=dtype, place=place,
+                           keep_quantized=spec.quantization is None and keeps_gguf_blocks())
         check_vocab(self.model.cfg, draft.cfg, repr(spec.model))
         return draft.cfg, draft.params
 

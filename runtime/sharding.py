@@ -203,7 +203,7 @@ def shard_placer(mesh: Mesh, dtype, inner: Callable | None = None) -> Callable:
         def one(kp, a):
             axes = param_axes(names + path_names(kp))
             spec = P() if axes is None else mesh_spec(axes, tuple(a.shape), mesh)
-            cast = dtype if inner is None else None
+            cast = dtype if inner is None and not hasattr(leaf, "dequantize") else None
             return put(a, NamedSharding(mesh, spec), cast)
 
         return jax.tree_util.tree_map_with_path(one, leaf)

@@ -8,7 +8,8 @@ import json
 import sys
 
 from jaxinfer.checkpoints.named import DEFAULT_MODEL
-from jaxinfer.runtime.config import ATTENTION_BACKENDS, COMPUTE_DTYPES, FORMATS, KV_CACHE_DTYPES
+from jaxinfer.runtime.config import (ATTENTION_BACKENDS, COMPUTE_DTYPES, KV_CACHE_DTYPES,
+                                     QUANTIZATIONS)
 
 
 def engine_args(p: argparse.ArgumentParser) -> None:
@@ -22,8 +23,10 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--attention-backend", default=None,
                    choices=[b for b in ATTENTION_BACKENDS if b])
-    p.add_argument("--quantization", default=None, choices=FORMATS,
-                   help="quantize weights at load (per-channel scales)")
+    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS[1:],
+                   help="int8 / fp8: quantize weights at load (per-channel scales); gguf: keep a "
+                        "GGUF file's quantized blocks (the default for GGUF files); dequantize: "
+                        "every weight in --dtype")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="int8 KV pages with per-token-per-head scales (XLA attention path)")
     p.add_argument("--prefill-chunk", type=int, default=256,

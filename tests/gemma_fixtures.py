@@ -84,9 +84,11 @@ def gguf_name(hf_name: str, arch: str) -> str:
 
 
 def write_gguf_like_llama_cpp(model, path: Path, arch: str, *, qtype=None, extra_kv=None,
-                              skip=()):
+                              skip=(), sp_model: Path | None = None):
     """Write `model` (HF, torch) as a GGUF file. 2-D weights use `qtype` (a
-    GGMLQuantizationType; None = F32) when their row length allows; norms stay F32."""
+    GGMLQuantizationType; None = F32) when their row length allows; norms stay F32.
+    `sp_model`: a sentencepiece tokenizer.model whose vocabulary goes into the metadata (as
+    llama.cpp's converter writes it), so the file loads as a whole model."""
     import gguf
     from gguf import GGMLQuantizationType as QT
 
@@ -108,8 +110,20 @@ def write_gguf_like_llama_cpp(model, path: Path, arch: str, *, qtype=None, extra
     w.add_rope_freq_base(float(theta))
     if arch == "gemma3":
         w.add_sliding_window(c.sliding_window)
-    w.add_uint32("tokenizer.ggml.bos_token_id", 2)
-    w.add_uint32("tokenizer.ggml.eos_token_id", 1)
+    if sp_model is not None:
+        from sentencepiece import sentencepiece_model_pb2 as sp_pb2
+
+        proto = sp_pb2.ModelProto()
+        proto.ParseFromString(Path(sp_model).read_bytes())
+        w.add_tokenizer_model("llama")
+        w.add_token_list([p.piece for p in proto.pieces])
+        w.add_token_scores([p.score for p in proto.pieces])
+        w.add_token_types([int(p.type) for p in proto.pieces])
+        w.add_uint32("tokenizer.ggml.bos_token_id", c.bos_token_id)
+        w.add_uint32("tokenizer.ggml.eos_token_id", c.eos_token_id)
+    else:
+        w.add_uint32("tokenizer.ggml.bos_token_id", 2)
+        w.add_uint32("tokenizer.ggml.eos_token_id", 1)
     for k, v in (extra_kv or {}).items():
         if isinstance(v, str):
             w.add_string(k, v)

@@ -236,12 +236,11 @@ def format_table(r: dict) -> str:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from jaxinfer.runtime.config import COMPUTE_DTYPES
-    from jaxinfer.runtime.config import FORMATS
+    from jaxinfer.runtime.config import COMPUTE_DTYPES, QUANTIZATIONS
 
     p.add_argument("--model", default="gemma3-270m")
     p.add_argument("--dtype", default="float32", choices=COMPUTE_DTYPES)
-    p.add_argument("--quantization", default=None, choices=FORMATS)
+    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS[1:])
     p.add_argument("--max-slots", type=int, default=8)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--num-pages", type=int, default=None)

@@ -11,6 +11,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
+import jax.numpy as jnp
+
 from jaxinfer.checkpoints.errors import CheckpointError
 from jaxinfer.checkpoints.gguf import load_gguf, open_gguf
 from tests.gemma_fixtures import tiny_gemma3_hf, write_gguf_like_llama_cpp
@@ -111,6 +113,39 @@ def test_quantized_tensors_dequantize_exactly(tmp_path, qtype):
     # and it is a faithful copy of the original weight up to the format's error
     orig = hf.model.layers[1].mlp.gate_proj.weight.detach().numpy().T
     assert np.abs(want - orig).max() <= 0.1 * np.abs(orig).max()
+
+
+@pytest.mark.parametrize("arch,qtype", [("gemma3", QT.Q8_0), ("llama", QT.Q4_1)])
+def test_kept_quantized_equals_dequantized(tmp_path, arch, qtype):
+    """keep_quantized: every matmul weight stays in its blocks (int8 values, per-group scales
+    and offsets laid out like the weight, llama's q/k rows un-permuted alike), dequantizes to
+    exactly the dequantizing loader's weight, and the model's logits agree."""
+    import jax
+
+    from jaxinfer.runtime.quantization import QuantizedArray, param_bytes
+
+    if arch == "gemma3":
+        hf = tiny_gemma3_hf(tmp_path / "hf", layer_types=PATTERN6)
+    else:
+        hf = make_hf_model("llama", tmp_path / "hf", hidden=128, layers=2)
+    path = write_gguf_like_llama_cpp(hf, tmp_path / "q.gguf", arch, qtype=qtype)
+    cfg, dense = load_gguf(path)
+    _, kept = load_gguf(path, keep_quantized=True)
+    is_q = lambda a: isinstance(a, QuantizedArray)  # noqa: E731
+    pairs = zip(jax.tree_util.tree_flatten_with_path(kept, is_leaf=is_q)[0],
+                jax.tree_util.tree_flatten_with_path(dense)[0])
+    names = set()
+    for (kp, a), (_, b) in pairs:
+        if is_q(a):
+            names.add(jax.tree_util.keystr(kp).split(".")[-1])
+            assert a.fmt == "gguf" and a.values.dtype == jnp.int8 and a.group_size == 32
+            assert (a.offsets is not None) == (qtype == QT.Q4_1)
+            np.testing.assert_array_equal(np.asarray(a.dequantize()), np.asarray(b))
+    assert names >= {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "embed"}, names
+    assert param_bytes(kept) < 0.45 * param_bytes(dense)
+    pk, dk, _ = run_sequence(kept, cfg, PROMPT, page_size=8, decode_steps=6)
+    pd, dd, _ = run_sequence(dense, cfg, PROMPT, page_size=8, decode_steps=6)
+    assert np.abs(pk - pd).max() <= 1e-4 and dk == dd
 
 
 def test_bfloat16_runtime_dtype(tiny_gemma_gguf):

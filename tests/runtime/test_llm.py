@@ -243,7 +243,35 @@ def test_bad_prompts(llm):
 
 
 def test_unknown_options(tiny_dir):
-    with pytest.raises(ValueError, match="quantization"):
+    with pytest.raises(ValueError, match="quantization must be one of .*'gguf', 'dequantize'"):
         LLM(str(tiny_dir), quantization="int4")
+    # "gguf" keeps a GGUF file's blocks: refused for an HF dir before anything loads
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        LLM(str(tiny_dir), quantization="gguf")
     with pytest.raises(TypeError, match="unknown LLM option"):
         LLM(str(tiny_dir), max_slot=3)
+
+
+def test_gguf_blocks_kept_serve_the_same_tokens(tiny_dir, hf, tmp_path):
+    """The tiny model as a Q8_0 GGUF: quantization="gguf" keeps its blocks, the CPU default
+    dequantizes them at load; both serve the same greedy tokens. Block weights run weight-only."""
+    from gguf import GGMLQuantizationType as QT
+
+    from jaxinfer.runtime.quantization import QuantizationError, QuantizedArray
+    from tests.gemma_fixtures import write_gguf_like_llama_cpp
+
+    path = write_gguf_like_llama_cpp(hf, tmp_path / "tiny.gguf", "llama", qtype=QT.Q8_0,
+                                     sp_model=tiny_dir / "tokenizer.model")
+    kw = dict(max_slots=2, page_size=8, max_model_len=128)
+    kept, dense = LLM(str(path), quantization="gguf", **kw), LLM(str(path), **kw)
+    assert kept.config.quantization == "gguf" and dense.config.quantization is None
+    wq = kept.model.params.layers[0].wq
+    assert isinstance(wq, QuantizedArray) and wq.fmt == "gguf" and wq.group_size == 32
+    assert not isinstance(dense.model.params.layers[0].wq, QuantizedArray)
+    # o_proj's 32-weight groups span two 16-wide heads: that weight alone is dequantized
+    assert not isinstance(kept.model.params.layers[0].wo, QuantizedArray)
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    assert [o.token_ids for o in kept.generate(PROMPTS[:3], sp)] == \
+        [o.token_ids for o in dense.generate(PROMPTS[:3], sp)]
+    with pytest.raises(QuantizationError, match="weight-only"):
+        LLM(str(path), quantization="gguf", quant_mode="w8a8", **kw)

@@ -195,8 +195,6 @@ def test_bad_formats_and_modes():
         quantize(w, "fp8", (0,), mode="w8a8")
     with pytest.raises(QuantizationError, match="mode must be one of"):
         quantize(w, "int8", (0,), mode="int4_awq")
-    with pytest.raises(NotImplementedError, match="group_size"):
-        quantize(w, "int8", (0,), group_size=32)
     from jaxinfer.checkpoints.quantize import placer
 
     with pytest.raises(QuantizationError, match="fp8 weights need float32 or bfloat16"):
