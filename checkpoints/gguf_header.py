@@ -85,6 +85,25 @@ class _Cursor:
         off = self.take(n)
         return str(self.buf[off: off + n], "utf-8")
 
+    def strings(self, count: int) -> list[str]:
+        """`count` strings in one loop (Gemma 3's header: 0.33 s, 0.46 s one call per string)."""
+        buf, size, off, unpack = self.buf, self.size, self.off, _U64.unpack_from
+        out = []
+        append = out.append
+        for _ in range(count):
+            if off + 8 > size:
+                self.off = off
+                self.take(8)  # raises the truncation error
+            n = unpack(buf, off)[0]
+            end = off + 8 + n
+            if end > size:
+                self.off = off + 8
+                self.take(n)
+            append(str(buf[off + 8:end], "utf-8"))
+            off = end
+        self.off = off
+        return out
+
     def array(self, dtype: str, count: int) -> np.ndarray:
         dt = np.dtype(dtype)
         return np.frombuffer(self.buf, dt, count, self.take(count * dt.itemsize))
@@ -97,7 +116,7 @@ class _Cursor:
                 raise ValueError(f"metadata key {key!r} nests arrays deeper than {_MAX_NESTING}")
             item, count = self.u32(), self.u64()
             if item == _STRING:
-                return [self.string() for _ in range(count)]
+                return self.strings(count)
             if item == _ARRAY:
                 return [self.value(_ARRAY, key, depth + 1) for _ in range(count)]
             return self.array(self._dtype(item, key), count).tolist()

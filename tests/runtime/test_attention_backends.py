@@ -168,3 +168,46 @@ def test_step_exports_with_pallas(platform, model, dtype, shape):
     assert packed.shape == (8, 1 + 1 + 2 * 20) and packed.dtype == jnp.float32
     text = exported.mlir_module()
     assert ("tpu_custom_call" if platform == "tpu" else "__gpu$xla.gpu.triton") in text
+
+
+def _gguf_kept(params, group: int = 32):
+    """Abstract params with every matmul weight as GGUF blocks kept quantized (int8 values,
+    f32 per-group scales and offsets along the axis the weight's einsum contracts)."""
+    from jaxinfer.checkpoints.quantize import WEIGHT_REDUCE_AXES
+    from jaxinfer.runtime.quantization import QuantizedArray
+    from jaxinfer.runtime.tree_paths import path_str
+
+    group_axis = {"wq": 0, "wk": 0, "wv": 0, "wo": 1, "w_gate": 0, "w_up": 0, "w_down": 0,
+                  "embed": 1, "lm_head": 1}
+
+    def one(kp, a):
+        name = path_str(kp).rsplit(".", 1)[-1]
+        if name not in group_axis:
+            return a
+        ax = group_axis[name]
+        groups = tuple(n // group if i == ax else n for i, n in enumerate(a.shape))
+        f32 = jax.ShapeDtypeStruct(groups, jnp.float32)
+        return QuantizedArray(values=jax.ShapeDtypeStruct(a.shape, jnp.int8), scales=f32,
+                              offsets=f32, fmt="gguf", mode="weight_only",
+                              reduce_axes=WEIGHT_REDUCE_AXES[name], group_size=group,
+                              group_axis=ax, dtype=a.dtype.name)
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_step_with_gguf_blocks_kept_exports(platform):
+    """The default model's step with its GGUF blocks kept (what TPU/GPU load by default) lowers
+    for both targets, the int8 block values reaching the program as they are."""
+    cfg = GEMMA3_270M
+    backend = "pallas_tpu" if platform == "tpu" else "pallas_gpu"
+    f = functools.partial(step, cfg=cfg, backend=backend, max_q_len=1, num_logprobs=20,
+                          filtered=True)
+    params, cache, arrays = _step_args(cfg, jnp.bfloat16, 16, s=8, p=8)
+    exported = jax.export.export(jax.jit(f), platforms=[platform],
+                                 disabled_checks=TRITON_OK if platform == "cuda" else ())(
+        _gguf_kept(params), cache, arrays)
+    assert exported.out_avals[0].shape == (8, 1 + 1 + 2 * 20)
+    text = exported.mlir_module()
+    assert f"tensor<{cfg.vocab_size}x{cfg.hidden_size}xi8>" in text
+    assert f"tensor<{cfg.vocab_size}x{cfg.hidden_size // 32}xf32>" in text
