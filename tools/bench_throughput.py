@@ -146,7 +146,9 @@ def run(args) -> dict:
         opts["quantization"] = args.quantization
     if getattr(args, "speculative", None):
         opts["speculative"] = json.loads(args.speculative)
+    t0 = time.perf_counter()
     llm = LLM(args.model, **opts)
+    load_s = time.perf_counter() - t0
     cfg = llm.model.cfg
     special = set(llm.tokenizer.eos_ids) | {llm.tokenizer.bos_id or 0}
     reqs = workload(args.num_requests, cfg.vocab_size, _range(args.input_len),
@@ -155,6 +157,7 @@ def run(args) -> dict:
     compiles = llm.engine.warmup()
     report = {
         "model": str(llm.model.source), "dtype": args.dtype, "max_slots": args.max_slots,
+        "quantization": llm.config.quantization, "load_s": load_s,
         "platform": jax.default_backend(), "warmup_compiles": compiles,
         "warmup_s": time.perf_counter() - t0,
         "workload": {"num_requests": args.num_requests, "input_len": args.input_len,
@@ -227,6 +230,8 @@ def format_table(r: dict) -> str:
     for k in ("continuous_vs_static", "async_vs_sync", "speedup_vs_hf", "batch1_vs_floor"):
         if k in r:
             out.append(f"{k}: {r[k]:.2f}x")
+    out.append(f"load {r['load_s']:.1f} s (quantization {r['quantization']}); warm-up "
+               f"{r['warmup_s']:.1f} s, {r['warmup_compiles']} programs")
     out.append(f"batch-1 decode step {r['batch1_decode_step_s'] * 1e3:.2f} ms; floor "
                f"{r['bandwidth_floor_s'] * 1e3:.2f} ms ({r['param_bytes'] / 1e6:.0f} MB of params "
                f"at {r['copy_bandwidth_GBps']:.1f} GB/s)")

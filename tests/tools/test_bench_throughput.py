@@ -37,3 +37,4 @@ def test_report_counts_and_no_compiles_after_warmup(tiny_dir, tmp_path):
     assert rep["continuous_vs_static"] == (rep["output_tokens_per_s"]
                                            / rep["static"]["output_tokens_per_s"])
     assert rep["batch1_decode_step_s"] > 0 and rep["param_bytes"] > 0
+    assert rep["load_s"] > 0 and rep["quantization"] is None and "load " in r.stdout
