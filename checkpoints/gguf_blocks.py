@@ -120,7 +120,6 @@ _SLAB_ROWS_BYTES = 16 << 20  # dequantize a slab of rows at a time: small tempor
 def dequantize(data: np.ndarray, kind: str, shape: tuple[int, ...]) -> np.ndarray:
     """The tensor as f32 `shape`, equal bit for bit to gguf.quants.dequantize (q*scale+offset
     in f32), written slab by slab into one preallocated array."""
-    per, nbytes = _BLOCK[kind]
     out = np.empty(shape, np.float32)
     rows_out = out.reshape(-1, shape[-1])
     rows_in = np.asarray(data, np.uint8).reshape(rows_out.shape[0], -1)

@@ -150,7 +150,7 @@ def test_real_blocks_kept_quantized_equal_the_dequantized_model(gemma_ours, gemm
                                                               gemma_reader, gemma_tokenizer):
     """The default model's Q8_0 / Q5_0 / Q4_K / Q6_K blocks kept as they are: no f32 copy,
     under 0.3x the f32 bytes, logits within 1e-4 of the dequantized model over 64 tokens and the
-    same greedy continuation."""
+    same greedy choice after every prefix."""
     from jaxinfer.checkpoints.gguf import load_gguf
     from jaxinfer.runtime.quantization import QuantizedArray, param_bytes
 
@@ -163,9 +163,11 @@ def test_real_blocks_kept_quantized_equal_the_dequantized_model(gemma_ours, gemm
     assert {a.group_size for a in leaves if isinstance(a, QuantizedArray)} == {16, 32}
     assert param_bytes(kept) < 0.3 * param_bytes(dense)
     ids = gemma_tokenizer.encode(LONG_TEXT)[:64]
-    pk, dk, _ = run_sequence(kept, cfg, ids, page_size=16, decode_steps=4)
-    pd, dd, _ = run_sequence(dense, cfg, ids, page_size=16, decode_steps=4)
-    assert np.abs(pk - pd).max() <= 1e-4 and dk == dd
+    pk, _, _ = run_sequence(kept, cfg, ids, page_size=16)
+    pd, _, _ = run_sequence(dense, cfg, ids, page_size=16)
+    # the greedy choice after every prefix agrees (the engine-level greedy equality of kept
+    # blocks is tests/runtime/test_llm.py::test_gguf_blocks_kept_serve_the_same_tokens)
+    assert np.abs(pk - pd).max() <= 1e-4 and (pk.argmax(-1) == pd.argmax(-1)).all()
 
 
 def test_real_greedy_continuations(gemma_ours, gemma_hf, gemma_tokenizer):
