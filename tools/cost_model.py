@@ -4,15 +4,20 @@ and GPUs, from XLA's cost analysis of that step and the chips' published peaks.
     python -m jaxinfer.tools.cost_model --out docs/cost_model.md   # ~2 min on 2 CPU cores
 
 For each model shape (Llama-3-8B, -70B), tensor parallel degree and batch, the decode step
-(one token per sequence, every sequence at `--context` tokens, bf16 weights and KV, the XLA
-attention path) is compiled for CPU devices standing in for the chips, sharded as the engine
-shards it, and `compiled.cost_analysis()` gives one device's FLOPs and bytes accessed. Layers
-are identical, so the step is compiled at 1 and 2 layers and the per-layer cost extrapolated
-(exact for a linear stack; `layers_linear` in the tests checks it at 3). The roofline
-prediction on a chip is max(FLOPs / peak FLOP/s, bytes / HBM bandwidth): the larger term names
-the bound. Collectives are not in it (tensor parallel adds two all-reduces of [batch, hidden]
-per layer) and XLA:CPU fuses differently from XLA:TPU/GPU, so bytes are those of CPU fusions:
-the analytic floor (weights + the KV the step reads, per device) is printed beside them.
+(one token per sequence, every sequence at `--context` tokens, the XLA attention path) is
+compiled for CPU devices standing in for the chips, sharded as the engine shards it, and
+`compiled.cost_analysis()` gives one device's FLOPs and bytes accessed. Layers are identical,
+so the step is compiled at 1 and 2 layers and the per-layer cost extrapolated (exact: the
+tests check it at 3). It is compiled in f32 and its bytes halved for bf16: XLA:CPU widens a
+bf16 dot's weights to f32 first, which would count every weight five times (measured: 79.7 GB
+for Llama-3-8B batch 1, whose bf16 weights are 16.1 GB).
+
+Two byte counts per step: XLA's (the XLA attention path gathers each sequence's pages before
+attending, so it reads and writes the KV about three times) and the floor (weights + KV read
+once: the Pallas kernels' goal, whose custom calls XLA's cost analysis cannot see into). The
+prediction on a chip is the roofline max(FLOPs / peak FLOP/s, floor bytes / HBM bandwidth);
+the larger term names the bound. Not modelled: tensor-parallel all-reduces (two of
+[batch, hidden] per layer), launch and host overheads.
 """
 
 from __future__ import annotations
@@ -44,9 +49,9 @@ BATCHES = (1, 64, 256)
 
 
 def step_cost(shape: dict, layers: int, batch: int, context: int, tp: int,
-              page_size: int = 16, dtype: str = "bfloat16") -> dict[str, float]:
-    """One device's {"flops", "bytes"} of the decode step at `layers` layers (compiled, not
-    run: every input is abstract)."""
+              page_size: int = 16) -> dict[str, float]:
+    """One device's {"flops", "bytes"} of the f32 decode step at `layers` layers (compiled,
+    not run: every input is abstract)."""
     import jax
     import jax.numpy as jnp
 
@@ -59,10 +64,9 @@ def step_cost(shape: dict, layers: int, batch: int, context: int, tp: int,
     from jaxinfer.runtime.steps import step
 
     cfg = ModelConfig(family="llama", **(shape | {"num_layers": layers}))
-    dt = jnp.dtype(dtype)
     pages = -(-context // page_size)
-    params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), dtype=dt))
-    cache = jax.eval_shape(lambda: init_cache(cfg, batch * pages + 1, page_size, dt))
+    params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), dtype=jnp.float32))
+    cache = jax.eval_shape(lambda: init_cache(cfg, batch * pages + 1, page_size, jnp.float32))
     dims = {"T": batch, "S": batch, "P": pages, "K": 0}
     arrays = {f.name: jax.ShapeDtypeStruct(f.extent(dims), f.dtype)
               for f in fields_of(*STEP_GROUPS)}
@@ -84,27 +88,35 @@ def extrapolated(shape: dict, batch: int, context: int, tp: int) -> dict[str, fl
     return {k: one[k] + (n - 1) * (two[k] - one[k]) for k in one}
 
 
-def floor_bytes(shape: dict, batch: int, context: int, tp: int, itemsize: int = 2) -> float:
-    """Bytes one device must read per decode step: its weight shard + its KV heads' pages."""
+def matmul_params(shape: dict) -> int:
+    """Weights a token multiplies: every layer's projections and the vocabulary projection."""
     d, f, v, n = (shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"],
                   shape["num_layers"])
     hq, hkv, dh = shape["num_heads"], shape["num_kv_heads"], shape["head_dim"]
-    per_layer = d * (hq + 2 * hkv) * dh + hq * dh * d + 3 * d * f
-    weights = (n * per_layer + 2 * v * d) * itemsize / tp
+    return n * (d * (hq + 2 * hkv) * dh + hq * dh * d + 3 * d * f) + v * d
+
+
+def floor_bytes(shape: dict, batch: int, context: int, tp: int, itemsize: int = 2) -> float:
+    """Bytes one device must read per decode step: its shard of the weights (the embedding
+    table's rows are a gather: not counted) and its KV heads' pages."""
+    n, hkv, dh = shape["num_layers"], shape["num_kv_heads"], shape["head_dim"]
+    weights = matmul_params(shape) * itemsize / tp
     kv = 2 * n * batch * context * hkv * dh * itemsize / min(tp, hkv)
     return weights + kv
 
 
-def predict(cost: dict, chip: str, batch: int) -> dict:
+def predict(flops: float, nbytes: float, chip: str, batch: int) -> dict:
     peak, bw, _ = CHIPS[chip]
-    t_flops, t_bytes = cost["flops"] / peak, cost["bytes"] / bw
+    t_flops, t_bytes = flops / peak, nbytes / bw
     step_s = max(t_flops, t_bytes)
     return {"step_ms": step_s * 1e3, "tok_s": batch / step_s,
             "bound": "compute" if t_flops > t_bytes else "bandwidth"}
 
 
 def fits(shape: dict, chip: str, batch: int, context: int, tp: int) -> bool:
-    return floor_bytes(shape, batch, context, tp) < 0.9 * CHIPS[chip][2]
+    """Weights (the embedding table too) and KV fit in 90 % of one chip's HBM."""
+    table = shape["vocab_size"] * shape["hidden_size"] * 2 / tp
+    return floor_bytes(shape, batch, context, tp) + table < 0.9 * CHIPS[chip][2]
 
 
 def build(models=MODELS, tps=TP, batches=BATCHES, context: int = 2048, log=print) -> list[dict]:
@@ -114,15 +126,18 @@ def build(models=MODELS, tps=TP, batches=BATCHES, context: int = 2048, log=print
             for batch in batches:
                 t0 = time.perf_counter()
                 cost = extrapolated(shape, batch, context, tp)
+                xla_bytes = cost["bytes"] / 2  # f32 -> bf16
+                floor = floor_bytes(shape, batch, context, tp)
                 row = {"model": name, "tp": tp, "batch": batch, "context": context,
-                       "gflops": cost["flops"] / 1e9, "gbytes": cost["bytes"] / 1e9,
-                       "floor_gbytes": floor_bytes(shape, batch, context, tp) / 1e9}
+                       "gflops": cost["flops"] / 1e9, "xla_gbytes": xla_bytes / 1e9,
+                       "floor_gbytes": floor / 1e9}
                 for chip in CHIPS:
-                    p = predict(cost, chip, batch)
-                    row[chip] = p if fits(shape, chip, batch, context, tp) else None
+                    ok = fits(shape, chip, batch, context, tp)
+                    row[chip] = predict(cost["flops"], floor, chip, batch) if ok else None
                 rows.append(row)
                 log(f"{name} tp{tp} batch {batch}: {row['gflops']:.0f} GFLOP, "
-                    f"{row['gbytes']:.1f} GB ({time.perf_counter() - t0:.1f} s)")
+                    f"{row['xla_gbytes']:.1f} GB XLA, {row['floor_gbytes']:.1f} GB floor "
+                    f"({time.perf_counter() - t0:.1f} s)")
     return rows
 
 
@@ -141,12 +156,13 @@ def markdown(rows: list[dict], command: str) -> str:
         out.append(f"| {c} | {f / 1e12:.0f} T | {b / 1e9:.0f} GB/s | {m / 1e9:.0f} GB |")
     out += [
         "",
-        ("Each cell: predicted ms per step / tokens/s, and the bound (B = HBM bandwidth, C = "
-         "compute); `-` = the weights + KV do not fit the chips. Context "
-         f"{rows[0]['context']} tokens per sequence, bf16 weights and KV. GFLOP and GB are per "
-         "device; \"floor\" = weight shard + KV read per step."),
+        ("Each cell: predicted ms per step / tokens/s at the floor bytes, and the bound (B = HBM "
+         "bandwidth, C = compute); `-` = weights + KV do not fit the chips' HBM. Context "
+         f"{rows[0]['context']} tokens per sequence, bf16 weights and KV. GFLOP and GB are one "
+         "device's per step; floor = weight shard + KV read once (the Pallas kernels' goal), "
+         "XLA path = XLA's count for the XLA attention path, which gathers pages first."),
         "",
-        "| model | tp | batch | GFLOP | GB (XLA) | GB (floor) | " + " | ".join(chips) + " |",
+        "| model | tp | batch | GFLOP | GB, XLA path | GB, floor | " + " | ".join(chips) + " |",
         "|---|---|---|---|---|---|" + "---|" * len(chips),
     ]
     for r in rows:
@@ -156,10 +172,21 @@ def markdown(rows: list[dict], command: str) -> str:
             cells.append("-" if p is None else
                          f"{p['step_ms']:.2f} / {p['tok_s']:,.0f} {p['bound'][0].upper()}")
         out.append(f"| {r['model']} | {r['tp']} | {r['batch']} | {r['gflops']:,.0f} | "
-                   f"{r['gbytes']:.2f} | {r['floor_gbytes']:.2f} | " + " | ".join(cells) + " |")
+                   f"{r['xla_gbytes']:.2f} | {r['floor_gbytes']:.2f} | " + " | ".join(cells)
+                   + " |")
+    ridge = ", ".join(f"{c} {f / b:.0f}" for c, (f, b, _) in CHIPS.items())
+    compute = [f"{r['model']} tp{r['tp']} batch {r['batch']} on {c}" for r in rows for c in chips
+               if r[c] is not None and r[c]["bound"] == "compute"]
+    verdict = ("Every shape here is bandwidth-bound." if not compute else
+               "Compute-bound: " + "; ".join(compute) + ". Every other shape is bandwidth-bound.")
+    out += ["", (f"{verdict} A decode step does about 1 FLOP per weight "
+                 "byte per sequence in the batch, so the weights alone would need a batch above "
+                 f"each chip's FLOP-per-byte ridge ({ridge}) to be compute-bound, and the KV "
+                 "reads grow with batch × context at a few FLOPs per byte.")]
     out += ["", ("Not modelled: tensor-parallel all-reduces (two of [batch, hidden] per layer), "
-                 "kernel launch and host overheads, and the fusion differences between XLA:CPU, "
-                 "whose byte counts these are, and XLA:TPU/GPU."), ""]
+                 "launch and host overheads, and the fusion differences between XLA:CPU, whose "
+                 "counts these are, and XLA:TPU/GPU. No device run exists yet to set beside "
+                 "these predictions (`jaxinfer bench device` makes one)."), ""]
     return "\n".join(out)
 
 
