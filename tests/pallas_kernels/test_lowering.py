@@ -6,6 +6,7 @@ shapes the engine uses. Catches block-shape, layout and dtype errors interpret m
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import jax
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxinfer.pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from tests.aot import cuda_target
 
 # Triton custom calls carry no cross-version compatibility guarantee; export refuses them unless
 # told this module is for same-version use (which is what the engine does: lower and run).
@@ -45,9 +47,10 @@ def export_kernel(platform, num_tokens, num_q_heads, num_kv_heads, head_dim, pag
         return ragged_paged_attention(*a[:7], sm_scale=head_dim ** -0.5, platform=platform,
                                       **scales, **kw)
 
-    exported = jax.export.export(
-        jax.jit(f), platforms=["tpu" if platform == "tpu" else "cuda"],
-        disabled_checks=TRITON_OK if platform == "gpu" else ())(*args)
+    with cuda_target() if platform == "gpu" else contextlib.nullcontext():
+        exported = jax.export.export(
+            jax.jit(f), platforms=["tpu" if platform == "tpu" else "cuda"],
+            disabled_checks=TRITON_OK if platform == "gpu" else ())(*args)
     assert exported.out_avals[0].shape == (num_tokens, num_q_heads, head_dim)
     assert exported.out_avals[0].dtype == dtype
     text = exported.mlir_module()

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -21,6 +22,7 @@ from jaxinfer.runtime.config import ModelConfig
 from jaxinfer.runtime.kv_cache import init_cache
 from jaxinfer.runtime.model import init_params
 from jaxinfer.runtime.steps import step
+from tests.aot import cuda_target
 from tests.model_utils import run_sequence
 from tests.pallas_kernels.test_ragged_paged_attention import make_case
 
@@ -161,9 +163,10 @@ def test_step_exports_with_pallas(platform, model, dtype, shape):
     backend = "pallas_tpu" if platform == "tpu" else "pallas_gpu"
     f = functools.partial(step, cfg=cfg, backend=backend, max_q_len=q, num_logprobs=20,
                           filtered=True)
-    exported = jax.export.export(jax.jit(f), platforms=[platform],
-                                 disabled_checks=TRITON_OK if platform == "cuda" else ())(
-        *_step_args(cfg, dtype, t, s=8, p=8))
+    with cuda_target() if platform == "cuda" else contextlib.nullcontext():
+        exported = jax.export.export(jax.jit(f), platforms=[platform],
+                                     disabled_checks=TRITON_OK if platform == "cuda" else ())(
+            *_step_args(cfg, dtype, t, s=8, p=8))
     packed = exported.out_avals[0]
     assert packed.shape == (8, 1 + 1 + 2 * 20) and packed.dtype == jnp.float32
     text = exported.mlir_module()
@@ -204,9 +207,10 @@ def test_step_with_gguf_blocks_kept_exports(platform):
     f = functools.partial(step, cfg=cfg, backend=backend, max_q_len=1, num_logprobs=20,
                           filtered=True)
     params, cache, arrays = _step_args(cfg, jnp.bfloat16, 16, s=8, p=8)
-    exported = jax.export.export(jax.jit(f), platforms=[platform],
-                                 disabled_checks=TRITON_OK if platform == "cuda" else ())(
-        _gguf_kept(params), cache, arrays)
+    with cuda_target() if platform == "cuda" else contextlib.nullcontext():
+        exported = jax.export.export(jax.jit(f), platforms=[platform],
+                                     disabled_checks=TRITON_OK if platform == "cuda" else ())(
+            _gguf_kept(params), cache, arrays)
     assert exported.out_avals[0].shape == (8, 1 + 1 + 2 * 20)
     text = exported.mlir_module()
     assert f"tensor<{cfg.vocab_size}x{cfg.hidden_size}xi8>" in text
