@@ -398,9 +398,9 @@ class KeptBlocks:
     scale: np.ndarray  # f32 [out, in / g]
     offset: np.ndarray | None
 
-    def layout(self, fn: Callable, target: str) -> QuantizedArray | None:
-        """The QuantizedArray of param `target`: `fn` (the plan's [out, in] -> param layout
-        transform) applied to values, scales and offsets alike. None when a group spans
+    def layout(self, fn: Callable, target: str, dtype) -> QuantizedArray | None:
+        """The QuantizedArray of param `target` (`dtype`: the compute dtype): `fn` (the plan's
+        [out, in] -> param layout transform) applied to values, scales and offsets alike. None when a group spans
         several param axes (e.g. 32-weight groups over heads of 16 in o_proj's input)."""
         q = fn(self.q)
         try:
@@ -415,7 +415,8 @@ class KeptBlocks:
         return QuantizedArray(
             values=jnp.asarray(q), scales=jnp.asarray(scale), offsets=offset, fmt="gguf",
             mode="weight_only", reduce_axes=reduce_axes,
-            group_size=q.shape[axes[0]] // scale.shape[axes[0]], group_axis=axes[0])
+            group_size=q.shape[axes[0]] // scale.shape[axes[0]], group_axis=axes[0],
+            dtype=jnp.dtype(dtype).name)
 
     def dense(self) -> np.ndarray:
         """f32 [out, in], equal to gguf's dequantizer."""

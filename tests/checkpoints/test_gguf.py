@@ -143,6 +143,8 @@ def test_kept_quantized_equals_dequantized(tmp_path, arch, qtype):
             np.testing.assert_array_equal(np.asarray(a.dequantize()), np.asarray(b))
     assert names >= {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "embed"}, names
     assert param_bytes(kept) < 0.45 * param_bytes(dense)
+    _, kept16 = load_gguf(path, dtype=jnp.bfloat16, keep_quantized=True)
+    assert kept16.embed.take_rows(jnp.asarray([1, 2])).dtype == jnp.bfloat16
     pk, dk, _ = run_sequence(kept, cfg, PROMPT, page_size=8, decode_steps=6)
     pd, dd, _ = run_sequence(dense, cfg, PROMPT, page_size=8, decode_steps=6)
     assert np.abs(pk - pd).max() <= 1e-4 and dk == dd
