@@ -19,6 +19,7 @@ Facts about GGUF this loader relies on (checked numerically against HF transform
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -387,21 +388,30 @@ def gguf_tensor_plan(cfg: ModelConfig, arch: str) -> dict[str, tuple[str, Callab
 _IGNORED = ("rope_freqs.weight",)
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _widen(w: QuantizedArray, dtype) -> jax.Array:
+    return w.dequantize(dtype)
+
+
 @dataclass
 class KeptBlocks:
     """One tensor's GGUF blocks as int8 values with per-group f32 scales (and offsets), numpy
-    [out, in] layout (checkpoints/gguf_blocks.py). `layout` makes the runtime's weight."""
+    [out, in] layout (checkpoints/gguf_blocks.py). `layout` makes the runtime's weight: kept
+    (`keep`), or widened on the device, where no f32 copy is made on the host."""
 
     name: str
     kind: str  # the GGUF type, e.g. "Q4_K"
     q: np.ndarray  # int8 [out, in]
     scale: np.ndarray  # f32 [out, in / g]
     offset: np.ndarray | None
+    keep: bool
 
-    def layout(self, fn: Callable, target: str, dtype) -> QuantizedArray | None:
-        """The QuantizedArray of param `target` (`dtype`: the compute dtype): `fn` (the plan's
-        [out, in] -> param layout transform) applied to values, scales and offsets alike. None when a group spans
-        several param axes (e.g. 32-weight groups over heads of 16 in o_proj's input)."""
+    def layout(self, fn: Callable, target: str, dtype, widen_to
+               ) -> QuantizedArray | jax.Array | None:
+        """The weight of param `target`: `fn` (the plan's [out, in] -> param layout transform)
+        applied to values, scales and offsets alike, as a QuantizedArray (`dtype`: the compute
+        dtype of its rows) if kept, else widened to `widen_to`. None when a group spans several
+        param axes (e.g. 32-weight groups over heads of 16 in o_proj's input)."""
         q = fn(self.q)
         try:
             scale = fn(self.scale)
@@ -412,11 +422,12 @@ class KeptBlocks:
         if len(axes) != 1 or axes[0] not in reduce_axes or q.ndim != scale.ndim:
             return None
         offset = None if self.offset is None else jnp.asarray(fn(self.offset))
-        return QuantizedArray(
+        w = QuantizedArray(
             values=jnp.asarray(q), scales=jnp.asarray(scale), offsets=offset, fmt="gguf",
             mode="weight_only", reduce_axes=reduce_axes,
             group_size=q.shape[axes[0]] // scale.shape[axes[0]], group_axis=axes[0],
             dtype=jnp.dtype(dtype).name)
+        return w if self.keep else _widen(w, jnp.dtype(widen_to))
 
     def dense(self) -> np.ndarray:
         """f32 [out, in], equal to gguf's dequantizer."""
@@ -427,21 +438,23 @@ class KeptBlocks:
         return w.reshape(self.q.shape)
 
 
-def iter_gguf_tensors(reader, source: str, keep: frozenset[str] = frozenset()
+def iter_gguf_tensors(reader, source: str, blocks: frozenset[str] = frozenset(),
+                      keep: bool = False
                       ) -> Iterator[tuple[str, np.ndarray | KeptBlocks, str]]:
-    """Yield (name, array, source) one tensor at a time: tensors named in `keep` whose type
-    gguf_blocks reads as KeptBlocks, the rest dequantized to f32 numpy."""
+    """Yield (name, array, source) one tensor at a time: tensors named in `blocks` whose type
+    gguf_blocks reads as KeptBlocks (kept quantized if `keep`), the rest dequantized to f32
+    numpy."""
     for t in reader.tensors:
         if t.name in _IGNORED or t.name.endswith(".attn_rot_embd"):
             continue
         kind = t.tensor_type.name
-        if t.name in keep and kind in gguf_blocks.GROUP_SIZES:
+        if t.name in blocks and kind in gguf_blocks.GROUP_SIZES:
             shape = tuple(int(x) for x in reversed(t.shape.tolist()))
             try:
                 q, scale, offset = gguf_blocks.decode(t.data, kind, shape)
             except ValueError as e:
                 raise CheckpointError(f"{source}: tensor {t.name!r}: {e}") from None
-            yield t.name, KeptBlocks(t.name, kind, q, scale, offset), source
+            yield t.name, KeptBlocks(t.name, kind, q, scale, offset, keep), source
         else:
             yield t.name, _dequantize(t, source), source
 
@@ -491,11 +504,12 @@ def load_gguf(path: str | os.PathLike, dtype=jnp.float32, *, reader=None, place=
     arch = architecture(reader, source)
     _check_unsupported_types(reader, source)
     plan = gguf_tensor_plan(cfg, arch)
-    keep = frozenset(name for name, (target, _) in plan.items()
-                     if keep_quantized and weight_name(target) in WEIGHT_REDUCE_AXES)
+    # the matmul weights' blocks are decoded once; kept, or widened on the device
+    blocks = frozenset(name for name, (target, _) in plan.items()
+                       if weight_name(target) in WEIGHT_REDUCE_AXES)
+    tensors = iter_gguf_tensors(reader, source, blocks, keep_quantized)
     try:
-        params = assemble_params(cfg, iter_gguf_tensors(reader, source, keep), plan, dtype,
-                                 place)
+        params = assemble_params(cfg, tensors, plan, dtype, place)
     except ValueError as e:
         if isinstance(e, CheckpointError):
             if source not in str(e):

@@ -132,8 +132,8 @@ def assemble_params(
     """Place streamed (name, array, source) tensors into Params via `plan`. Unknown names are
     ignored only when they are known extras (rotary caches); missing ones are an error.
     `place(path, f32_array)`, if given, makes each leaf (e.g. quantizes it as it streams in);
-    a tensor kept quantized (an object with `layout(fn, target, dtype)` and `dense()`) arrives as its
-    QuantizedArray."""
+    GGUF blocks (an object with `layout` and `dense`) arrive as a QuantizedArray when kept,
+    else as the f32 weight."""
     got: dict[str, object] = {}
     for name, arr, src in tensors:
         key = _strip(name)
@@ -142,8 +142,8 @@ def assemble_params(
                 continue
             raise CheckpointError(f"{src}: unexpected tensor {name!r} for {cfg.architecture}")
         target, fn = plan[key]
-        if hasattr(arr, "layout"):  # blocks kept quantized (checkpoints.gguf.KeptBlocks)
-            value = arr.layout(fn, target, dtype)
+        if hasattr(arr, "layout"):  # GGUF blocks (checkpoints.gguf.KeptBlocks)
+            value = arr.layout(fn, target, dtype, jnp.float32 if place else dtype)
             if value is not None:
                 got[target] = place(target, value) if place else value
                 continue
