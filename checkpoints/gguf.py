@@ -431,11 +431,8 @@ class KeptBlocks:
 
     def dense(self) -> np.ndarray:
         """f32 [out, in], equal to gguf's dequantizer."""
-        g = gguf_blocks.GROUP_SIZES[self.kind]
-        w = self.q.reshape(*self.scale.shape, g).astype(np.float32) * self.scale[..., None]
-        if self.offset is not None:
-            w += self.offset[..., None]
-        return w.reshape(self.q.shape)
+        return gguf_blocks.widen(self.q, self.scale, self.offset,
+                                 gguf_blocks.GROUP_SIZES[self.kind])
 
 
 def iter_gguf_tensors(reader, source: str, blocks: frozenset[str] = frozenset(),

@@ -127,10 +127,14 @@ def dequantize(data: np.ndarray, kind: str, shape: tuple[int, ...]) -> np.ndarra
     step = max(1, _SLAB_ROWS_BYTES // (4 * shape[-1]))
     for r in range(0, rows_out.shape[0], step):
         src = rows_in[r:r + step]
-        q, scale, offset = decode(src, kind, (src.shape[0], shape[-1]))
-        w = q.reshape(src.shape[0], -1, g).astype(np.float32)
-        w *= scale[..., None]
-        if offset is not None:
-            w += offset[..., None]
-        rows_out[r:r + step] = w.reshape(src.shape[0], -1)
+        rows_out[r:r + step] = widen(*decode(src, kind, (src.shape[0], shape[-1])), g)
     return out
+
+
+def widen(q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None, g: int) -> np.ndarray:
+    """f32 q * scale + offset over groups of `g` along the last axis (q's shape)."""
+    w = q.reshape(*scale.shape, g).astype(np.float32)
+    w *= scale[..., None]
+    if offset is not None:
+        w += offset[..., None]
+    return w.reshape(q.shape)
