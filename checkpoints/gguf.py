@@ -389,7 +389,7 @@ _IGNORED = ("rope_freqs.weight",)
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def _widen(w: QuantizedArray, dtype) -> jax.Array:
+def _dequantize_on_device(w: QuantizedArray, dtype) -> jax.Array:
     return w.dequantize(dtype)
 
 
@@ -427,7 +427,7 @@ class KeptBlocks:
             mode="weight_only", reduce_axes=reduce_axes,
             group_size=q.shape[axes[0]] // scale.shape[axes[0]], group_axis=axes[0],
             dtype=jnp.dtype(dtype).name)
-        return w if self.keep else _widen(w, jnp.dtype(widen_to))
+        return w if self.keep else _dequantize_on_device(w, jnp.dtype(widen_to))
 
     def dense(self) -> np.ndarray:
         """f32 [out, in], equal to gguf's dequantizer."""
