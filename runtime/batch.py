@@ -5,8 +5,9 @@
 
 Input: one request per line, `{"id": ..., "prompt": "..."}` or `{"id": ..., "prompt_token_ids":
 [...]}`, with optional per-line sampling fields (`max_tokens`, `temperature`, `top_k`, `top_p`,
-`min_p`, `seed`, `stop`, `stop_token_ids`, `logprobs`, `ignore_eos`) that override the command's
-defaults; lines are checked by the same request door (runtime/requests.py) as every other front
+`min_p`, `seed`, `stop`, `stop_token_ids`, `logprobs`, `ignore_eos`, and `structured_outputs`
+{"json": schema} / {"regex": ...} / {"choice": [...]} / {"grammar": ...} / {"json_object": true})
+that override the command's defaults; lines are checked by the same request door (runtime/requests.py) as every other front
 end. Output: one line per input line, either a result
 
     {"id", "text", "token_ids", "finish_reason",
@@ -69,6 +70,7 @@ from jaxinfer.runtime.requests import (SAMPLING_FIELDS, Limits, RequestError, Re
                               SamplingParams, check_request, parse_prompt, sampling_from_json)
 
 REQUEST_FIELDS = {"id", "prompt", "prompt_token_ids"}
+LINE_SAMPLING = {*SAMPLING_FIELDS, "structured_outputs"}  # per-line fields of SamplingParams
 METRIC_KEYS = ("queue_s", "ttft_s", "itl_s_mean", "e2e_s")
 FSYNC_MODES = ("step", "line", "none")
 _GROUP_MAX = 256  # records per fsync group while reading (errors / skips)
@@ -138,7 +140,7 @@ class _Parser:
         return obj, uid, id_key(uid)
 
     def job(self, obj: dict, line: int, uid, key: str) -> _Job:
-        unknown = sorted(set(obj) - REQUEST_FIELDS - set(SAMPLING_FIELDS))
+        unknown = sorted(set(obj) - REQUEST_FIELDS - LINE_SAMPLING)
         if unknown:
             raise LineError(f"unknown field(s) {unknown[:10]}")
         has_p, has_ids = "prompt" in obj, "prompt_token_ids" in obj
@@ -157,7 +159,7 @@ class _Parser:
                     raise RequestError("prompt_token_ids", "must be a list of token ids")
                 _, prompt_ids = parse_prompt(ids, self.tokenizer, self.limits, "prompt_token_ids")
             params = (sampling_from_json(obj, self.defaults)
-                      if any(k in SAMPLING_FIELDS for k in obj) else self.default_params)
+                      if any(k in LINE_SAMPLING for k in obj) else self.default_params)
             check_request(prompt_ids, params, self.limits)
         except RequestError as e:
             raise LineError(f"field {e.field!r}: {e.reason}" if e.field else e.reason) from None

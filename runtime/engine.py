@@ -32,6 +32,7 @@ from jaxinfer.runtime.model import Params
 from jaxinfer.runtime.plan import STEP_GROUPS, padding_arrays, pow_buckets, verify_inputs
 from jaxinfer.runtime.scheduler import Request, Scheduler
 from jaxinfer.runtime.steps import make_step, sampled_tokens
+from jaxinfer.runtime.structured import Constraints, Grammars
 from jaxinfer.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -134,6 +135,10 @@ class Engine:
         # ids the tokenizer can decode: a vocabulary padded past the tokenizer's (Qwen2.5: 151936
         # rows, 151665 tokens) never samples the padding rows
         self.text_vocab = min(tokenizer.vocab_size, cfg.vocab_size)
+        self.eos_ids = tuple(tokenizer.eos_ids) or tuple(cfg.eos_token_ids)
+        # structured output: grammars over the served vocabulary, masks of W int32 words a row
+        self.grammars = Grammars.of(tokenizer, cfg.vocab_size, self.eos_ids)
+        self.constraints = Constraints(self.grammars) if self.grammars else None
         self.spec = ecfg.speculative
         k = self.spec.k if self.spec else 0
         # a full decode batch (with k proposals per row) always fits
@@ -147,7 +152,7 @@ class Engine:
             # k + 1 for verify-only steps under speculation
             q_buckets=tuple(sorted({1, tokens[-1]} | ({min(k + 1, tokens[-1])} if k else set()))),
             page_buckets=pages, enable_prefix_caching=ecfg.enable_prefix_caching,
-            num_spec_tokens=k,
+            num_spec_tokens=k, mask_words=self.grammars.words if self.grammars else 1,
         )
         self.proposer, self._verify = None, None
         if self.spec is not None:
@@ -168,7 +173,8 @@ class Engine:
                          shd.cache_shardings(self.cache, self.mesh), shd.replicated(self.mesh))
             if jax.process_count() > 1:  # multi-host: process 0 schedules and broadcasts plans
                 self.plan_channel = shd.PlanChannel(
-                    shd.PlanCodec(tokens[-1], ecfg.max_slots, pages[-1]))
+                    shd.PlanCodec(tokens[-1], ecfg.max_slots, pages[-1],
+                                 self.scheduler.mask_words))
         self._step = make_step(cfg, self.backend, shardings, vocab_limit=self.text_vocab)
         self._inflight = None  # (plan, packed, sampled tokens) of the launched, unapplied step
         self._no_prev = None  # zeros [S]: `prev` of a step launched with nothing in flight
@@ -177,7 +183,7 @@ class Engine:
         self.step_stats = dict(steps=0, step_s=0.0, wait_s=0.0)
         self.requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
-        self.eos_ids = tuple(tokenizer.eos_ids) or tuple(cfg.eos_token_ids)
+        self._zero_mask = None  # device zeros [S, W]: the bitmask of steps with no constraint
         self.limits = Limits.of(self)
         self.faults = 0  # steps that raised (their requests failed, the engine went on)
         self.spec_proposed = 0  # proposals verified, all requests since start
@@ -225,10 +231,12 @@ class Engine:
         prompt_ids = [int(t) for t in prompt_ids]
         check_request(prompt_ids, params, self.limits)
         now = time.monotonic()
-        self.scheduler.add_request(
-            Request(request_id=rid, prompt_ids=prompt_ids, params=params, eos_ids=self.eos_ids,
-                    arrival_time=now)
-        )
+        req = Request(request_id=rid, prompt_ids=prompt_ids, params=params, eos_ids=self.eos_ids,
+                      arrival_time=now)
+        if params.structured_outputs is not None:  # scheduled once its matcher is built
+            self.constraints.hold(req, params.structured_outputs)
+        else:
+            self.scheduler.add_request(req)
         self.requests[rid] = RequestState(
             request_id=rid, prompt_ids=prompt_ids, params=params,
             detok=IncrementalDetokenizer(self.tokenizer, prompt_ids),
@@ -240,7 +248,8 @@ class Engine:
         st = self.requests.get(request_id)
         if st is None or st.finished:
             return False
-        self.scheduler.abort(request_id)
+        if self.constraints is None or request_id not in self.constraints.held:
+            self.scheduler.abort(request_id)
         self._finish(st, "abort", time.monotonic())
         return True
 
@@ -270,15 +279,16 @@ class Engine:
         decode_t = min(b for b in sch.token_buckets if b >= s)
         n_lp = LOGPROBS_BUCKET if logprobs else 0
         groups = STEP_GROUPS + ("feed",) if self.async_scheduling else STEP_GROUPS
+        w = sch.mask_words
         for t in sch.token_buckets:
             qs = {min(b, t) for b in sch.q_buckets if b > 1} | ({1} if t <= decode_t else set())
             for p in sch.page_buckets:
-                plan = padding_arrays(groups, T=t, S=s, P=p)
+                plan = padding_arrays(groups, T=t, S=s, P=p, W=w)
                 for q in sorted(qs):
                     self.cache = self._run(plan, q, logprobs, filtered, prev=self._prev())[1]
                     if self._verify is not None and q > 1:  # a verify row has 1 + d > 1 tokens
                         arrays = verify_inputs(padding_arrays(
-                            STEP_GROUPS + ("speculative",), T=t, S=s, P=p, K=self.spec.k))
+                            STEP_GROUPS + ("speculative",), T=t, S=s, P=p, K=self.spec.k, W=w))
                         self.cache = self._verify(
                             self.params, self.cache, arrays, None, np.zeros(s, np.int32),
                             max_q_len=q, num_logprobs=n_lp, filtered=filtered)[1]
@@ -310,6 +320,16 @@ class Engine:
             from jaxinfer.runtime.sharding import global_plan
 
             arrays = global_plan(arrays, self.mesh)
+        elif self.mesh is None:
+            # no row constrained: the device's zeros, not [S, W] words from the host each step
+            # (both a device array, so the two are one program)
+            if arrays["constrained"].any():
+                mask = jax.device_put(arrays["token_bitmask"])
+            else:
+                if self._zero_mask is None:
+                    self._zero_mask = jnp.zeros(arrays["token_bitmask"].shape, jnp.int32)
+                mask = self._zero_mask
+            arrays = {**arrays, "token_bitmask": mask}
         return self._step(self.params, self.cache, arrays, max_q_len=max_q_len,
                           num_logprobs=LOGPROBS_BUCKET if logprobs else 0, filtered=filtered,
                           prev=prev)
@@ -325,7 +345,8 @@ class Engine:
         reason "error", slots and pages freed) and the engine goes on with the rest."""
         t0 = time.perf_counter()
         try:
-            deltas = self._step_async() if self.async_scheduling else self._step_sync()
+            deltas = self._admit_constrained() if self.constraints and self.constraints.held else []
+            deltas += self._step_async() if self.async_scheduling else self._step_sync()
             self.consecutive_faults = 0
         except Exception as exc:  # noqa: BLE001 - a request may fail; the engine may not
             deltas = self._recover(exc)
@@ -343,6 +364,8 @@ class Engine:
         self.consecutive_faults += 1
         self._inflight = None
         failed = self.scheduler.fail_running()
+        if self.constraints is not None:  # held requests may be what failed: fail them too
+            failed += list(self.constraints.held)
         if any(x.is_deleted() for x in jax.tree.leaves(self.cache)):
             self.cache = self._new_cache()
             self.scheduler.reset_prefix_cache()
@@ -357,6 +380,30 @@ class Engine:
             deltas.append(Delta(rid, "", [], True, "error"))
         return deltas
 
+    def _admit_constrained(self) -> list[Delta]:
+        """Schedule held requests whose matcher is built (when nothing else can run, wait a
+        little for one); a matcher that failed fails its request."""
+        idle = not self.scheduler.has_work and self._inflight is None
+        deltas, now = [], time.monotonic()
+        for req, why in self.constraints.ready(wait_s=0.05 if idle else 0.0):
+            st = self.requests.get(req.request_id)
+            if st is None or st.finished:
+                self.constraints.drop(req.request_id)
+            elif why is None:
+                self.scheduler.add_request(req)
+            else:
+                st.error = why
+                self._finish(st, "error", now)
+                deltas.append(Delta(req.request_id, "", [], True, "error"))
+        return deltas
+
+    def _schedule(self):
+        """The next plan, with its constrained rows' token masks filled."""
+        plan = self.scheduler.schedule()
+        if plan is not None and self.constraints is not None and plan.constrained.any():
+            self.constraints.fill(plan)
+        return plan
+
     def _fetch(self, packed) -> np.ndarray:
         """The step's packed results on the host (blocks until the step has run)."""
         t0 = time.perf_counter()
@@ -370,7 +417,7 @@ class Engine:
             cands = self.scheduler.decode_candidates()
             props = self.proposer.propose(cands) if cands else None
             self.scheduler.set_drafts(props.tokens if props is not None else {})
-        plan = self.scheduler.schedule()
+        plan = self._schedule()
         if plan is None:
             return []
         filtered = _filtered(plan)
@@ -384,8 +431,12 @@ class Engine:
                            now)
 
     def _step_async(self) -> list[Delta]:
-        """Launch the next step (fed from the one in flight), then apply the one in flight."""
-        plan = self.scheduler.schedule()
+        """Launch the next step (fed from the one in flight), then apply the one in flight. A
+        step in flight with constrained rows is applied first: their next masks need its tokens."""
+        if self._inflight is not None and self.constraints and self.constraints.any_in(self._inflight[0]):
+            done, self._inflight = self._inflight, None
+            return self._apply_launched(done)
+        plan = self._schedule()
         launched = None
         if plan is not None:
             arrays = plan.device_arrays(feed=True)
@@ -395,8 +446,9 @@ class Engine:
             launched = (plan, packed, sampled_tokens(packed))
             self._mark_scheduled(plan)
         done, self._inflight = self._inflight, launched
-        if done is None:
-            return []
+        return [] if done is None else self._apply_launched(done)
+
+    def _apply_launched(self, done) -> list[Delta]:
         plan, packed, _ = done
         host = self._fetch(packed)  # [S, 1 (+ 1 + 2n)]
         now = time.monotonic()
@@ -447,7 +499,13 @@ class Engine:
                 self.spec_proposed += out.num_proposed
                 self.spec_accepted += out.num_accepted
             row = host[row_of[out.request_id]]
-            deltas.append(self._consume(st, out.new_token_ids, out.finished, out.finish_reason,
+            finished, reason = out.finished, out.finish_reason
+            if self.constraints is not None and out.request_id in self.constraints.live:
+                ended, why = self.constraints.advance(out.request_id, out.new_token_ids)
+                if ended is not None and not finished:
+                    self.scheduler.finish(out.request_id, ended)
+                    finished, reason, st.error = True, ended, why or None
+            deltas.append(self._consume(st, out.new_token_ids, finished, reason,
                                         row, plan.num_logprobs, now))
         return deltas
 
@@ -491,6 +549,8 @@ class Engine:
     def _finish(self, st: RequestState, reason: str | None, now: float) -> None:
         if self.proposer is not None:
             self.proposer.release(st.request_id)
+        if self.constraints is not None:
+            self.constraints.drop(st.request_id)
         st.finished, st.finish_reason = True, reason
         st.metrics.finished = now
 

@@ -3,7 +3,8 @@ Numpy only, no JAX.
 
 Dimensions: T token rows (padded to a bucket) packed sequence after sequence; S sequence rows
 (the scheduler's slots); P page-table columns (a bucket); K proposals per row at most
-(speculative decoding; 0 without). Row s of the per-sequence arrays describes the s-th scheduled
+(speculative decoding; 0 without); W int32 words of a token bitmask, ceil(V / 32) (1 when the
+engine serves no structured output). Row s of the per-sequence arrays describes the s-th scheduled
 sequence; rows >= num_seqs are padding (q_len 0, kv_len 0, page row all 0 = the null page).
 
 `PLAN_FIELDS` is the one schema of the plan's arrays. StepPlan's array attributes, the padding
@@ -24,7 +25,7 @@ import numpy as np
 class PlanField:
     name: str
     dtype: type
-    shape: str  # extents over the dims T, S, P, K, comma-separated: "S,P", "S+1", "S,K+1", "1"
+    shape: str  # extents over the dims T, S, P, K, W, comma-separated: "S,P", "S+1", "S,K+1", "1"
     group: str  # tokens | sequences | sampling (the step's inputs) | speculative | feed | host
     pad: int | float = 0  # value of padding rows
 
@@ -57,6 +58,8 @@ PLAN_FIELDS = (
     PlanField("min_p",            np.float32, "S",     "sampling"),  # 0 = off
     PlanField("seeds",            np.uint32,  "S",     "sampling"),
     PlanField("sample_positions", np.int32,   "S",     "sampling"),  # PRNG key input
+    PlanField("constrained",      np.int32,   "S",     "sampling"),  # 1: token_bitmask applies
+    PlanField("token_bitmask",    np.int32,   "S,W",   "sampling"),  # bit v: id v allowed
     PlanField("num_draft",        np.int32,   "S",     "speculative"),
     PlanField("draft_ids",        np.int32,   "S,K",   "speculative"),
     PlanField("verify_indices",   np.int32,   "S,K+1", "speculative"),
@@ -68,7 +71,8 @@ PLAN_FIELDS = (
 # token + d proposals; verify_indices[s, j] is the token row whose logits predict position
 # sample_positions[s] + j (j > d repeats the last row). feed (asynchronous scheduling): token row
 # t takes the token sampled at row feed_rows[t] of the previous step, on the device; -1: token_ids[t].
-# host: bookkeeping never sent to the device.
+# host: bookkeeping never sent to the device. constrained / token_bitmask (structured output):
+# the scheduler flags the rows, the engine fills their masks (runtime/structured.py).
 
 GROUPS = tuple(dict.fromkeys(f.group for f in PLAN_FIELDS))  # every field
 STEP_GROUPS = ("tokens", "sequences", "sampling")  # the jitted step's inputs (and the codec's)
@@ -83,20 +87,20 @@ def fields_of(*groups: str) -> tuple[PlanField, ...]:
 SAMPLING_FIELDS = tuple(f.name for f in fields_of("sampling"))
 
 
-def padding_arrays(groups: Sequence[str], *, T: int, S: int, P: int, K: int = 0,
+def padding_arrays(groups: Sequence[str], *, T: int, S: int, P: int, K: int = 0, W: int = 1,
                    num_seqs: int = 0) -> dict[str, np.ndarray]:
-    """The arrays of `groups` at the dims (T, S, P, K), every row padding (num_seqs rows live);
-    builders fill them."""
+    """The arrays of `groups` at the dims (T, S, P, K, W), every row padding (num_seqs rows
+    live); builders fill them."""
     out = {name: np.full(shape, pad, dtype) if pad else np.zeros(shape, dtype)
-           for name, shape, dtype, pad in _layout(tuple(groups), T, S, P, K)}
+           for name, shape, dtype, pad in _layout(tuple(groups), T, S, P, K, W)}
     if "num_seqs" in out:
         out["num_seqs"][0] = num_seqs
     return out
 
 
 @functools.lru_cache(maxsize=1024)  # one entry per bucket shape: the per-step cost is allocation
-def _layout(groups: tuple[str, ...], T: int, S: int, P: int, K: int):
-    dims = {"T": T, "S": S, "P": P, "K": K}
+def _layout(groups: tuple[str, ...], T: int, S: int, P: int, K: int, W: int):
+    dims = {"T": T, "S": S, "P": P, "K": K, "W": W}
     return tuple((f.name, f.extent(dims), f.dtype, f.pad) for f in fields_of(*groups))
 
 

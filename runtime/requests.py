@@ -23,6 +23,8 @@ import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from jaxinfer.runtime.structured import StructuredOutputs
+
 INT32_MAX = 2**31 - 1
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
@@ -142,10 +144,19 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None  # top-n logprobs per generated token
     ignore_eos: bool = False
+    # the output must match a JSON schema / regex / choice / grammar (runtime.structured);
+    # a dict {"json": schema, ...} is taken as StructuredOutputs(**dict)
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self):
         for name in SAMPLING_FIELDS:
             object.__setattr__(self, name, check_field(name, getattr(self, name)))
+        if self.structured_outputs is not None:
+            object.__setattr__(self, "structured_outputs",
+                               StructuredOutputs.from_json(self.structured_outputs))
+            if self.ignore_eos:
+                raise RequestError("ignore_eos", "cannot be combined with structured_outputs "
+                                                 "(a constrained output ends at the grammar's end)")
         if self.temperature < GREEDY_BELOW:
             object.__setattr__(self, "temperature", 0.0)
         if self.top_k < 0:
@@ -160,7 +171,7 @@ def sampling_from_json(obj: Mapping, defaults: Mapping | None = None) -> Samplin
     """SamplingParams from the sampling fields of a JSON object (other keys ignored; null means
     the default). Raises RequestError naming the field."""
     kw = dict(defaults or {})
-    for name in SAMPLING_FIELDS:
+    for name in (*SAMPLING_FIELDS, "structured_outputs"):
         if name in obj and obj[name] is not None:
             kw[name] = obj[name]
     return SamplingParams(**kw)
@@ -181,13 +192,14 @@ class Limits:
     max_model_len: int
     page_size: int
     num_pages: int  # usable KV pages of the pool
+    grammars: object = None  # runtime.structured.Grammars: checks structured_outputs
 
     @classmethod
     def of(cls, engine) -> Limits:
         sch = engine.scheduler
         return cls(vocab_size=engine.cfg.vocab_size, text_vocab=engine.text_vocab,
                    max_model_len=sch.max_model_len, page_size=sch.page_size,
-                   num_pages=sch.allocator.num_total)
+                   num_pages=sch.allocator.num_total, grammars=engine.grammars)
 
     def max_new_tokens(self, prompt_len: int) -> int:
         """The most tokens a prompt of this length can still generate (>= 1 when it fits)."""
@@ -225,8 +237,8 @@ def check_ids(ids: Sequence[int], limits: Limits, name: str) -> None:
 
 def check_request(prompt_ids: Sequence[int], params: SamplingParams, limits: Limits,
                   prompt_name: str = "prompt") -> None:
-    """What depends on the served model: ids in the vocabulary, top_k, and the length and page
-    budget of prompt + max_tokens."""
+    """What depends on the served model: ids in the vocabulary, top_k, the length and page
+    budget of prompt + max_tokens, and that a structured-output constraint compiles."""
     n, m = len(prompt_ids), params.max_tokens
     if n == 0:
         raise RequestError(prompt_name, "empty (no tokens)")
@@ -245,6 +257,15 @@ def check_request(prompt_ids: Sequence[int], params: SamplingParams, limits: Lim
         raise RequestError("max_tokens", f"prompt + max_tokens needs more KV pages than the pool "
                                          f"holds ({limits.num_pages} pages of {limits.page_size} "
                                          f"tokens)")
+    if params.structured_outputs is not None:
+        check_structured(params.structured_outputs, limits)
+
+
+def check_structured(so: StructuredOutputs, limits: Limits) -> None:
+    """The constraint compiles for the served vocabulary (RequestError naming it otherwise)."""
+    if limits.grammars is None:
+        raise RequestError("structured_outputs", "not supported by this model's tokenizer")
+    limits.grammars.check(so)
 
 
 # ---- results -----------------------------------------------------------------------------------

@@ -24,6 +24,24 @@ def mask_vocab(logits: jax.Array, vocab_limit: int | None) -> jax.Array:
     return jnp.where(jnp.arange(v) < vocab_limit, logits, -jnp.inf)
 
 
+def allow_tokens(
+    logits: jax.Array,  # [S, V]
+    bitmask: jax.Array,  # [S, W] int32: bit v % 32 of word v // 32 set = id v allowed
+    constrained: jax.Array,  # [S] int32: 1 = the row's bitmask applies
+) -> jax.Array:
+    """Structured output: -inf at the ids a constrained row's grammar forbids next. Steps
+    without constrained rows skip the unpacking at run time (one compiled program)."""
+    s, v = logits.shape
+
+    def masked() -> jax.Array:
+        bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [S, W, 32]
+        allowed = bits.reshape(s, -1)[:, :v] > 0  # [S, min(32W, V)]
+        allowed = jnp.pad(allowed, ((0, 0), (0, v - allowed.shape[1])))  # ids past 32W: no
+        return jnp.where(allowed | (constrained[:, None] == 0), logits, -jnp.inf)
+
+    return jax.lax.cond(jnp.any(constrained > 0), masked, lambda: logits)
+
+
 def row_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:
     """[S] keys from (seed, position)."""
     return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds, positions)

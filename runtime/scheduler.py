@@ -173,7 +173,9 @@ class Scheduler:
     powers of two 8..>=token_budget), S = max_slots, P from `page_buckets` (default powers of two
     below pages_per_seq, then pages_per_seq), max_q_len from `q_buckets` capped at T.
     `enable_prefix_caching` is off by default here (host tests pin exact free-list orders);
-    EngineConfig turns it on. `cache_salt` namespaces the prefix hashes (LoRA, KV dtype...)."""
+    EngineConfig turns it on. `cache_salt` namespaces the prefix hashes (LoRA, KV dtype...).
+    `mask_words` (W): int32 words of a plan's token bitmask rows; the scheduler flags the rows
+    that sample under a structured-output constraint, the engine fills their masks."""
 
     def __init__(
         self,
@@ -190,6 +192,7 @@ class Scheduler:
         enable_prefix_caching: bool = False,
         cache_salt: bytes = b"",
         num_spec_tokens: int = 0,
+        mask_words: int = 1,
     ):
         for name, v in (("max_slots", max_slots), ("page_size", page_size),
                         ("max_model_len", max_model_len), ("token_budget", token_budget)):
@@ -207,6 +210,7 @@ class Scheduler:
         if num_spec_tokens < 0:
             raise ValueError(f"num_spec_tokens must be >= 0, got {num_spec_tokens}")
         self.num_spec_tokens = num_spec_tokens
+        self.mask_words = mask_words
 
         self.token_buckets = tuple(sorted(token_buckets or pow_buckets(8, token_budget)))
         if self.token_buckets[-1] < token_budget:
@@ -417,7 +421,9 @@ class Scheduler:
             return out
         for seq in self._running:
             p = seq.req.params
-            if not seq.prefilled or seq.pending or seq.num_computed != seq.num_tokens - 1 or p.logprobs is not None:
+            # rows wanting logprobs or under a structured-output constraint take no proposals
+            if (not seq.prefilled or seq.pending or seq.num_computed != seq.num_tokens - 1
+                    or p.logprobs is not None or p.structured_outputs is not None):
                 continue
             cap = min(self.num_spec_tokens, p.max_tokens - len(seq.output_ids) - 1)
             if cap <= 0:
@@ -610,12 +616,13 @@ class Scheduler:
         P = bucket(self.page_buckets, max(len(s.pages) for s, _ in rows))
         max_q_len = min(bucket(self.q_buckets, max(n for _, n in rows)), T)
 
-        a = padding_arrays(GROUPS, T=T, S=S, P=P, K=K, num_seqs=num_seqs)
+        a = padding_arrays(GROUPS, T=T, S=S, P=P, K=K, W=self.mask_words, num_seqs=num_seqs)
         token_ids, positions, slot_mapping = a["token_ids"], a["positions"], a["slot_mapping"]
         cu_q_lens, kv_lens, page_indices = a["cu_q_lens"], a["kv_lens"], a["page_indices"]
         logits_indices, temperature, top_k = a["logits_indices"], a["temperature"], a["top_k"]
         top_p, min_p, seeds = a["top_p"], a["min_p"], a["seeds"]
         sample_positions, samples, feed_rows = a["sample_positions"], a["samples"], a["feed_rows"]
+        constrained = a["constrained"]
         num_draft, draft_ids, verify_indices = a["num_draft"], a["draft_ids"], a["verify_indices"]
 
         t = 0
@@ -642,6 +649,7 @@ class Scheduler:
             seeds[s] = seq.seed
             sample_positions[s] = start + n - d
             samples[s] = start + n >= seq.num_tokens
+            constrained[s] = samples[s] and p.structured_outputs is not None
             if K:
                 num_draft[s] = d
                 draft_ids[s, :d] = seq.draft

@@ -259,9 +259,9 @@ def is_leader() -> bool:
 
 
 _FIELDS = fields_of(*STEP_GROUPS)  # 4-byte dtypes: bit-cast to int32 and back
-_DIMS = ("T", "S", "P")
+_DIMS = ("T", "S", "P", "W")
 _MAGIC = 0x4A58504C  # "JXPL"
-_HEADER = 8  # magic, stop, T, S, P, max_q_len, num_logprobs, filtered
+_HEADER = 9  # magic, stop, T, S, P, W, max_q_len, num_logprobs, filtered
 
 
 class PlanCodec:
@@ -269,8 +269,8 @@ class PlanCodec:
     process can take part in one fixed-shape broadcast per step. 4-byte fields (f32, u32) are
     bit-cast, so the round trip is exact."""
 
-    def __init__(self, max_tokens: int, max_seqs: int, max_pages: int):
-        self.capacity = dict(zip(_DIMS, (max_tokens, max_seqs, max_pages)))
+    def __init__(self, max_tokens: int, max_seqs: int, max_pages: int, mask_words: int = 1):
+        self.capacity = dict(zip(_DIMS, (max_tokens, max_seqs, max_pages, mask_words)))
         self.size = _HEADER + sum(int(np.prod(f.extent(self.capacity))) for f in _FIELDS)
 
     def pack(self, arrays: dict, max_q_len: int, num_logprobs: int, filtered: bool) -> np.ndarray:

@@ -20,7 +20,7 @@ from jaxinfer.runtime.config import ModelConfig
 from jaxinfer.runtime.kv_cache import KVCache
 from jaxinfer.runtime.model import Params, compute_logits, forward, forward_hidden
 from jaxinfer.runtime.plan import SAMPLING_FIELDS
-from jaxinfer.runtime.sampling import accept, mask_vocab, sample, top_logprobs
+from jaxinfer.runtime.sampling import accept, allow_tokens, mask_vocab, sample, top_logprobs
 
 
 def _metadata(a: dict, max_q_len: int) -> AttentionMetadata:
@@ -63,8 +63,10 @@ def step(
 
     def head_and_sample(rows: int) -> jax.Array:  # the first `rows` rows, padded back to S
         logits = mask_vocab(compute_logits(params, h[:rows], cfg), vocab_limit)  # [rows, V]
+        # sampled from the allowed ids; logprobs are the model's own (before any constraint)
         a = {k: arrays[k][:rows] for k in SAMPLING_FIELDS}
-        tokens = sample(logits, a["temperature"], a["top_k"], a["top_p"], a["min_p"],
+        allowed = allow_tokens(logits, a["token_bitmask"], a["constrained"])
+        tokens = sample(allowed, a["temperature"], a["top_k"], a["top_p"], a["min_p"],
                         a["seeds"], a["sample_positions"], filtered=filtered)
         cols = [tokens.astype(jnp.float32)[:, None]]
         if num_logprobs:
@@ -110,6 +112,9 @@ def verify(
     md = _metadata(arrays, max_q_len)
     logits, cache = forward(params, arrays["token_ids"], cache, md, cfg, backend)  # [S*(K+1), V]
     logits = mask_vocab(logits.reshape(S, K + 1, -1), vocab_limit)
+    # constrained rows take no proposals: their one token is drawn at the first verify row
+    raw = logits[:, 0]  # logprobs are the model's own (before any constraint)
+    logits = logits.at[:, 0].set(allow_tokens(raw, arrays["token_bitmask"], arrays["constrained"]))
     q = None if q_probs is None else q_probs[q_rows]
     n_acc, tokens = accept(
         logits, arrays["draft_ids"], arrays["num_draft"], q, arrays["temperature"],
@@ -118,7 +123,7 @@ def verify(
     )
     cols = [n_acc.astype(jnp.float32)[:, None], tokens.astype(jnp.float32)]
     if num_logprobs:
-        chosen, vals, ids = top_logprobs(logits[:, 0], tokens[:, 0], num_logprobs)
+        chosen, vals, ids = top_logprobs(raw, tokens[:, 0], num_logprobs)
         cols += [chosen[:, None], vals, ids.astype(jnp.float32)]
     return jnp.concatenate(cols, axis=1), cache
 

@@ -54,7 +54,7 @@ def cmd_convert(args) -> int:
 # Modules that add their own subcommands: each has `register(subparsers, engine_args)`.
 COMMAND_MODULES: tuple[str, ...] = ("jaxinfer.tools.bench_throughput", "jaxinfer.serve.batch",
                                     "jaxinfer.serve.grpc_server", "jaxinfer.tools.bench_serving",
-                                    "jaxinfer.tools.bench_quality")
+                                    "jaxinfer.tools.bench_quality", "jaxinfer.tools.bench_structured")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -86,6 +86,14 @@ def generate_inputs(req, tokenizer, limits: Limits) -> tuple[list[int], Sampling
                                             "seed", "logprobs") if req.HasField(f)}
     fields.update(stop=list(req.stop), stop_token_ids=list(req.stop_token_ids),
                   ignore_eos=req.ignore_eos)
+    if req.HasField("structured_outputs"):
+        so = req.structured_outputs
+        kind = so.WhichOneof("kind")
+        if kind is None:
+            raise RequestError("structured_outputs", "set one of json, regex, choice, grammar, "
+                                                     "json_object")
+        value = getattr(so, kind)
+        fields["structured_outputs"] = {kind: list(value.values) if kind == "choice" else value}
     return ids, sampling_from_json(fields)
 
 

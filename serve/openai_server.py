@@ -10,8 +10,10 @@ Streaming is server-sent events (`stream: true`; `data: {...}` chunks, then `dat
 fields: max_tokens / max_completion_tokens, temperature, top_p, n, stop, seed, logprobs /
 top_logprobs, plus the common extras top_k, min_p, ignore_eos, stop_token_ids (pass them with the
 openai client's `extra_body`). presence_penalty / frequency_penalty / logit_bias are not
-implemented: non-zero values are refused with a 400 naming the field, as are tools, non-text
-response formats, suffix and best_of != n; other unknown fields are refused too (as OpenAI does),
+implemented: non-zero values are refused with a 400 naming the field, as are tools, suffix and
+best_of != n. Structured output: `response_format` {"type": "json_schema", "json_schema":
+{"name", "schema", "strict"}} or {"type": "json_object"} (both endpoints), or vLLM's
+`structured_outputs` {"json" | "regex" | "choice" | "grammar" | "json_object": ...}; other unknown fields are refused too (as OpenAI does),
 so nothing is silently ignored. With n > 1 and a seed, sample i uses seed + i, so the samples
 differ yet every one is reproducible (and equals `LLM.generate` with that seed).
 
@@ -53,7 +55,8 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from jaxinfer.runtime.requests import (MAX_LOGPROBS, RequestError, SamplingParams, check_samples,
-                              parse_prompt, sampling_from_json)
+                              check_structured, parse_prompt, sampling_from_json)
+from jaxinfer.runtime.structured import StructuredOutputs
 from jaxinfer.serve.chat_template import ChatTemplate, ChatTemplateError
 from jaxinfer.serve.engine_loop import EngineFault, EngineLoop, QueueFull, ShuttingDown
 from jaxinfer.serve.offload import Offload
@@ -66,11 +69,11 @@ FINGERPRINT = "jaxinfer"
 _IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
 _COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "n", "stop",
            "seed", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
-           "top_k", "min_p", "ignore_eos", "stop_token_ids"} | _IGNORED
+           "top_k", "min_p", "ignore_eos", "stop_token_ids", "response_format",
+           "structured_outputs"} | _IGNORED
 _COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
-                          "tool_choice", "functions", "function_call", "response_format",
-                          "modalities"}
+                          "tool_choice", "functions", "function_call", "modalities"}
 _ROLES = ("system", "developer", "user", "assistant")
 
 
@@ -172,8 +175,41 @@ def _check_fields(body: dict, allowed: set[str]) -> None:
         raise bad(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0])
 
 
+def _structured(body: dict, limits) -> StructuredOutputs | None:
+    """`response_format` (OpenAI: json_schema / json_object / text) or vLLM's
+    `structured_outputs` -> the constraint, checked here so errors name the field sent."""
+    rf, so = body.get("response_format"), body.get("structured_outputs")
+    if rf is not None and so is not None:
+        raise bad("set 'response_format' or 'structured_outputs', not both", "structured_outputs")
+    field_, kind = "structured_outputs", None
+    if rf is not None:
+        kind = rf.get("type") if isinstance(rf, dict) else None
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            so, field_ = {"json_object": True}, "response_format"
+        elif kind == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
+                raise bad("'response_format.json_schema.schema' must be a JSON schema object",
+                          "response_format.json_schema.schema")
+            so, field_ = {"json": js["schema"]}, "response_format.json_schema.schema"
+        else:
+            raise bad("'response_format.type' must be one of text, json_object, json_schema",
+                      "response_format.type")
+    if so is None:
+        return None
+    try:
+        out = StructuredOutputs.from_json(so)
+        check_structured(out, limits)
+    except RequestError as e:
+        where = e.field if field_ == "structured_outputs" else field_
+        raise bad(f"{where}: {e.reason}", where) from None
+    return out
+
+
 def _sampling(b: _Body, *, max_tokens_key: str, default_max_tokens: int, logprobs: int | None,
-              n: int) -> list[SamplingParams]:
+              n: int, limits) -> list[SamplingParams]:
     """The n samples' SamplingParams: fields and ranges from the request door; the OpenAI
     fields this server does not implement are refused unless they are no-ops."""
     for k in ("presence_penalty", "frequency_penalty"):
@@ -185,6 +221,7 @@ def _sampling(b: _Body, *, max_tokens_key: str, default_max_tokens: int, logprob
         raise bad("'logit_bias' is not supported by this server (only empty or null)", "logit_bias")
     fields = {k: v for k, v in b.d.items() if k not in ("max_tokens", "logprobs")}
     fields["max_tokens"] = b.d.get(max_tokens_key)
+    fields["structured_outputs"] = _structured(b.d, limits)
     try:
         sp = sampling_from_json(fields, {"max_tokens": default_max_tokens, "logprobs": logprobs})
     except RequestError as e:
@@ -424,6 +461,7 @@ class OpenAIApp:
             raise bad("'echo' with 'logprobs' (prompt logprobs) is not supported", "echo")
         longest = max(len(p) for p in prompts)
         params = _sampling(b, max_tokens_key="max_tokens", logprobs=logprobs, n=n,
+                           limits=self.loop.limits,
                            default_max_tokens=min(16, self.loop.limits.max_new_tokens(longest)))
         job = _Job(prompts, texts, [params] * len(prompts), n, stream, include_usage, logprobs,
                    echo, body["model"])
@@ -459,9 +497,6 @@ class OpenAIApp:
                 raise bad(f"'{k}' (tool calling) is not supported by this server", k)
         if body.get("tool_choice") not in (None, "none") or body.get("function_call") not in (None, "none"):
             raise bad("'tool_choice' is not supported by this server", "tool_choice")
-        rf = body.get("response_format")
-        if rf is not None and rf != {"type": "text"}:
-            raise bad("'response_format' supports only {\"type\": \"text\"}", "response_format")
         mod = body.get("modalities")
         if mod is not None and mod != ["text"]:
             raise bad("'modalities' supports only [\"text\"]", "modalities")
@@ -486,6 +521,7 @@ class OpenAIApp:
             raise bad("'top_logprobs' requires 'logprobs': true", "top_logprobs")
         key = "max_completion_tokens" if b.has("max_completion_tokens") else "max_tokens"
         params = _sampling(b, max_tokens_key=key, logprobs=(top or 0) if want_lp else None, n=n,
+                           limits=self.loop.limits,
                            default_max_tokens=self.loop.limits.max_new_tokens(len(ids)))
         job = _Job([ids], [None], [params], n, stream, include_usage, top if want_lp else None,
                    model=body["model"])

@@ -162,7 +162,7 @@ def test_quantized_leaves_shard_values_and_scales_alike():
 # --------------------------------------------------------------------------- the plan channel
 
 
-def _plan(t=16, s=4, p=3, seed=0):
+def _plan(t=16, s=4, p=3, seed=0, w=1):
     rng = np.random.default_rng(seed)
     i32 = lambda *sh: rng.integers(-5, 1 << 20, sh, dtype=np.int32)
     return dict(
@@ -172,13 +172,14 @@ def _plan(t=16, s=4, p=3, seed=0):
         top_k=i32(s), top_p=np.array([1.0, 0.5, np.nan, -0.0][:s], np.float32),
         min_p=rng.random(s, dtype=np.float32),
         seeds=np.array([0, 1, 2**32 - 1, 2**31][:s], np.uint32), sample_positions=i32(s),
+        constrained=i32(s), token_bitmask=rng.integers(-2**31, 2**31, (s, w), dtype=np.int32),
     )
 
 
 def test_plan_codec_round_trip_is_bit_exact():
-    codec = shd.PlanCodec(max_tokens=64, max_seqs=4, max_pages=8)
+    codec = shd.PlanCodec(max_tokens=64, max_seqs=4, max_pages=8, mask_words=5)
     for t, s, p, q, n, f in ((16, 4, 3, 1, 0, False), (64, 4, 8, 64, 20, True), (16, 1, 1, 16, 0, True)):
-        arrays = _plan(t, s, p)
+        arrays = _plan(t, s, p, w=1 + t % 5)
         buf = codec.pack(arrays, q, n, f)
         assert buf.shape == (codec.size,) and buf.dtype == np.int32  # one fixed-shape broadcast
         got, q2, n2, f2 = codec.unpack(buf)
@@ -224,7 +225,8 @@ def test_follower_replaying_broadcast_plans_matches_leader(tiny_dir):
 
     leader = LLM(str(tiny_dir), max_slots=2, page_size=8, max_model_len=64)
     codec = shd.PlanCodec(leader.engine.scheduler.token_buckets[-1], 2,
-                          leader.engine.scheduler.page_buckets[-1])
+                          leader.engine.scheduler.page_buckets[-1],
+                          leader.engine.scheduler.mask_words)
     leader.engine.plan_channel = shd.PlanChannel(codec, leader_broadcast)
     outs = leader.generate(["To be, or not to be", "Hello"],
                            SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))

@@ -1,0 +1,150 @@
+"""Structured output: token masks fused into the step, matchers advanced by the engine.
+
+Oracles: llguidance's own numpy mask application (for the jitted unpacking), sentencepiece's
+decoding (for the vocabulary handed to llguidance), `re.fullmatch` / `json` / `jsonschema` (for
+what the constrained model emits), and the same requests served alone or unconstrained.
+"""
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from jaxinfer import LLM, RequestError, SamplingParams
+from jaxinfer.runtime.structured import StructuredOutputs, token_bytes
+
+PROMPTS = ["To be, or not to be", "Hello", "Now is the winter of our discontent", "O Romeo",
+           "All the world's a stage", "Cry havoc", "Et tu, Brute?", "Good night, sweet prince"]
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
+          "properties": {"name": {"type": "string", "maxLength": 8},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "tags": {"type": "array", "maxItems": 2,
+                                  "items": {"enum": ["king", "fool"]}}}}
+CONSTRAINTS = [  # (structured_outputs, check(text))
+    ({"regex": r"[a-z]{3,6} [0-9]{2}"}, lambda t: re.fullmatch(r"[a-z]{3,6} [0-9]{2}", t)),
+    ({"choice": ["Hamlet", "Macbeth", "Lear"]}, lambda t: t in ("Hamlet", "Macbeth", "Lear")),
+    ({"grammar": 'start: "(" NUM ("," NUM)? ("," NUM)? ")"\nNUM: /[0-9]{1,2}/'},
+     lambda t: re.fullmatch(r"\([0-9]{1,2}(,[0-9]{1,2})*\)", t)),
+    ({"json": SCHEMA}, lambda t: _valid_json(t, SCHEMA)),
+]
+
+
+def _valid_json(text, schema):
+    import jsonschema
+
+    jsonschema.validate(json.loads(text), schema)
+    return True
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir):
+    return LLM(str(tiny_dir), max_slots=8, page_size=8, max_model_len=128)
+
+
+def test_mask_unpacking_equals_llguidance_numpy():
+    import jax.numpy as jnp
+    from llguidance.numpy import apply_token_bitmask_inplace
+
+    from jaxinfer.runtime.sampling import allow_tokens
+
+    rng = np.random.default_rng(0)
+    S, V = 3, 70  # V not a multiple of 32: the last word is partial
+    logits = rng.standard_normal((S, V)).astype(np.float32)
+    mask = rng.integers(-2**31, 2**31, (S, 3), dtype=np.int64).astype(np.int32)
+    constrained = np.array([1, 0, 1], np.int32)
+    got = np.asarray(allow_tokens(jnp.asarray(logits), jnp.asarray(mask), jnp.asarray(constrained)))
+    want = logits.copy()
+    apply_token_bitmask_inplace(want, mask)
+    want[1] = logits[1]  # an unconstrained row is left alone
+    np.testing.assert_array_equal(got, want)
+    assert np.isinf(got[0]).sum() > 10 and not np.isinf(got[1]).any()
+
+
+def test_vocabulary_bytes_spell_what_sentencepiece_decodes(llm):
+    tok = llm.tokenizer
+    pieces = token_bytes(tok, llm.engine.cfg.vocab_size)
+    assert len(pieces) == llm.engine.cfg.vocab_size
+    for text in PROMPTS + ["naïve café — 1,234\nnext  line", "{\"a\": [1, 2]}"]:
+        ids = tok.encode(text, add_special_tokens=False)
+        spelled = b"".join(pieces[i] for i in ids).decode()
+        assert spelled.removeprefix(" ") == tok.decode(ids), text  # decode drops the dummy " "
+    for i in tok.special_ids:  # never spelled by text
+        assert pieces[i].startswith(b"\xff")
+
+
+@pytest.mark.parametrize("so, field", [
+    ({}, "structured_outputs"),
+    ({"regex": "a", "choice": ["a"]}, "structured_outputs"),
+    ({"json": "{not json"}, "structured_outputs.json"),
+    ({"json": [1]}, "structured_outputs.json"),
+    ({"json": {"type": "no-such-type"}}, "structured_outputs.json"),
+    ({"regex": "a("}, "structured_outputs.regex"),
+    ({"choice": []}, "structured_outputs.choice"),
+    ({"choice": "ab"}, "structured_outputs.choice"),
+    ({"grammar": "start: undefined_rule"}, "structured_outputs.grammar"),
+    ({"json_object": "yes"}, "structured_outputs.json_object"),
+    ({"jsn": {}}, "structured_outputs.jsn"),
+])
+def test_bad_constraints_are_refused_at_the_door_naming_the_field(llm, so, field):
+    with pytest.raises(RequestError) as e:
+        llm.generate(["Hello"], SamplingParams(max_tokens=4, structured_outputs=so))
+    assert e.value.field == field
+    assert not llm.engine.has_unfinished()
+
+
+def test_ignore_eos_with_a_constraint_is_refused():
+    with pytest.raises(RequestError) as e:
+        SamplingParams(ignore_eos=True, structured_outputs={"regex": "a"})
+    assert e.value.field == "ignore_eos"
+
+
+def test_constrained_rows_match_and_the_others_are_untouched(llm, tiny_dir):
+    """8 rows in one batch: 4 constraints (greedy and sampled) next to unconstrained rows. Every
+    constrained output matches; unconstrained rows give exactly their tokens alone; nothing
+    compiles beyond the unconstrained programs; the synchronous engine gives the same tokens
+    (with asynchronous scheduling a constrained row's step is applied before the next is planned)."""
+    plain = [SamplingParams(max_tokens=12, temperature=t, seed=7 + i, ignore_eos=True)
+             for i, t in enumerate((0.0, 1.0, 0.0, 1.0))]
+    alone = [llm.generate([PROMPTS[4 + i]], sp)[0].token_ids for i, sp in enumerate(plain)]
+    llm.engine.warmup()
+    warm = llm.engine.compile_count, llm.engine._step.jitted._cache_size()
+    for temperature in (0.0, 1.0):
+        sps = [SamplingParams(max_tokens=48, temperature=temperature, seed=i, structured_outputs=so)
+               for i, (so, _) in enumerate(CONSTRAINTS)]
+        outs = llm.generate(PROMPTS, sps + plain)
+        for (so, check), o in zip(CONSTRAINTS, outs[:4]):
+            assert o.finish_reason == "stop" and check(o.text), (so, o.text, o.finish_reason)
+        assert [o.token_ids for o in outs[4:]] == alone
+    assert (llm.engine.compile_count, llm.engine._step.jitted._cache_size()) == warm
+
+    sync = LLM(str(tiny_dir), max_slots=8, page_size=8, max_model_len=128, async_scheduling=False)
+    again = sync.generate(PROMPTS[:4], sps)
+    assert [o.token_ids for o in again] == [o.token_ids for o in outs[:4]]
+
+
+def test_constrained_requests_under_speculative_decoding(tiny_dir, llm):
+    """Constrained rows take no proposals; they emit what plain decoding emits."""
+    spec = LLM(str(tiny_dir), max_slots=8, page_size=8, max_model_len=128,
+               speculative={"method": "ngram", "k": 3, "n": 2})
+    sps = [SamplingParams(max_tokens=48, temperature=0.0, structured_outputs=so)
+           for so, _ in CONSTRAINTS]
+    got = spec.generate(PROMPTS[:4], sps)
+    want = llm.generate(PROMPTS[:4], sps)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def test_a_grammar_complete_before_max_tokens_stops_and_max_tokens_truncates(llm):
+    sp = SamplingParams(max_tokens=40, temperature=0.0, structured_outputs={"choice": ["yes", "no"]})
+    o = llm.generate(["Hello"], sp)[0]
+    assert o.text in ("yes", "no") and o.finish_reason == "stop"
+    short = SamplingParams(max_tokens=2, temperature=0.0, structured_outputs={"regex": "[a-z]{30}"})
+    o = llm.generate(["Hello"], short)[0]
+    assert o.finish_reason == "length" and len(o.token_ids) == 2
+    assert re.fullmatch("[a-z]+", o.text)
+
+
+def test_structured_outputs_json_round_trip():
+    so = StructuredOutputs.from_json({"json": json.dumps({"type": "object"})})
+    assert so == StructuredOutputs(json={"type": "object"}) and so.kind == "json"
+    assert hash(so) == hash(StructuredOutputs(json='{"type":"object"}'))
