@@ -253,6 +253,16 @@ class Engine:
         self._finish(st, "abort", time.monotonic())
         return True
 
+    @property
+    def has_work(self) -> bool:
+        """Something for step() to do: scheduled work, or requests whose grammar is compiling."""
+        return self.scheduler.has_work or bool(self.constraints and self.constraints.held)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet running: the scheduler's queue and those whose grammar compiles."""
+        return self.scheduler.num_waiting + (len(self.constraints.held) if self.constraints else 0)
+
     def has_unfinished(self) -> bool:
         return any(not s.finished for s in self.requests.values())
 

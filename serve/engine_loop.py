@@ -297,7 +297,7 @@ class EngineLoop:
                 self._refresh_depth()
                 if stop:
                     break
-                if self.engine.scheduler.has_work:
+                if self.engine.has_work:
                     self._step()
                     self._refresh_depth()
                     if getattr(self.engine, "consecutive_faults", 0) >= MAX_CONSECUTIVE_FAULTS:
@@ -312,7 +312,7 @@ class EngineLoop:
     def _take_commands(self):
         with self._cv:
             while (not self._inbox and not self._cancels and not self._closing
-                   and not self.engine.scheduler.has_work):
+                   and not self.engine.has_work):
                 self._cv.wait(self._idle_wait_s)
             # Admission is host-only bookkeeping; doing it under the lock keeps the queue depth
             # seen by submit() exact (inbox + engine waiting queue, never a gap between them).
@@ -320,7 +320,7 @@ class EngineLoop:
                 p = self._inbox.popleft()
                 self._inbox_seqs -= len(p.params)
                 self._admit(p)
-            self._waiting = self.engine.scheduler.num_waiting
+            self._waiting = self.engine.num_waiting
             cancels = set(self._cancels)
             self._cancels.clear()
             stop = False
@@ -332,7 +332,7 @@ class EngineLoop:
 
     def _refresh_depth(self) -> None:
         with self._cv:
-            self._waiting = self.engine.scheduler.num_waiting
+            self._waiting = self.engine.num_waiting
 
     def _admit(self, p: _Pending) -> None:
         self._handles[p.handle.id] = p

@@ -55,6 +55,8 @@ def test_malformed_lines_become_error_records_and_good_lines_complete(llm, tmp_p
     good = [{"id": f"g{i}", "prompt": _prompt(i), "max_tokens": 6} for i in range(5)]
     good.append({"id": 99, "prompt_token_ids": [1, 40, 41, 42], "max_tokens": 3,
                  "temperature": 0, "stop": ["\n"], "seed": 1, "logprobs": 2})
+    good.append({"id": "json", "prompt": "Hello", "max_tokens": 30, "temperature": 0,
+                 "ignore_eos": False, "structured_outputs": {"choice": ["Hamlet", "Lear"]}})
     bad = {  # line content -> a word the error must contain
         "{not json": "invalid JSON",
         json.dumps(["a", "list"]): "JSON object",
@@ -73,6 +75,11 @@ def test_malformed_lines_become_error_records_and_good_lines_complete(llm, tmp_p
         json.dumps({"id": "r", "prompt_token_ids": [5, 10**6]}): "out of range",
         json.dumps({"id": "s", "prompt": "x", "stop": [1]}): "stop",
         json.dumps({"id": "p", "prompt": 7}): "'prompt'",
+        json.dumps({"id": "so", "prompt": "x", "structured_outputs": {"regex": "a("},
+                    "ignore_eos": False}):
+            "'structured_outputs.regex'",
+        json.dumps({"id": "so2", "prompt": "x", "structured_outputs": {"choice": ["a"]},
+                    "ignore_eos": True}): "'ignore_eos'",
         b'{"id": "utf", "prompt": "\xff\xfe"}': "UTF-8",
         # hostile: each of these stopped the whole job before the request door
         json.dumps({"id": "k", "prompt": "x", "top_k": 2**31}): "top_k",
@@ -120,6 +127,8 @@ def test_malformed_lines_become_error_records_and_good_lines_complete(llm, tmp_p
         assert rec["usage"]["prompt_tokens"] == len(r.prompt_token_ids)
         assert rec["usage"]["completion_tokens"] == 6
         assert set(rec["metrics"]) >= {"queue_s", "ttft_s", "itl_s_mean", "e2e_s"}
+    assert results["json"]["text"] in ("Hamlet", "Lear")
+    assert results["json"]["finish_reason"] == "stop"
     tok = results[99]
     assert tok["usage"] == {**tok["usage"], "prompt_tokens": 4, "completion_tokens": 3}
     assert len(tok["logprobs"]) == 3 and len(tok["logprobs"][0]["top"]) == 2

@@ -100,6 +100,20 @@ def test_generate_matches_llm_generate(channel, ref_llm, kw):
         assert [lp.logprob for lp in lps] == pytest.approx(want_lp, abs=1e-4)
 
 
+def test_generate_structured_outputs(channel, ref_llm):
+    prompt = "To be, or not to be, that is the question"
+    for so, kw in (({"choice": ["yes", "no", "maybe"]}, dict(choice=jaxinfer_pb2.Choices(
+            values=["yes", "no", "maybe"]))), ({"regex": "[0-9]{2}-[a-z]{2}"},
+                                               dict(regex="[0-9]{2}-[a-z]{2}"))):
+        want = ref_llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.7, seed=5,
+                                                         structured_outputs=so))[0]
+        req = jaxinfer_pb2.GenerateRequest(
+            prompt=prompt, max_tokens=12, temperature=0.7, seed=5,
+            structured_outputs=jaxinfer_pb2.StructuredOutputs(**kw))
+        text, ids, _, finals = collect(gen_stub(channel).Generate(req, timeout=30))
+        assert (text, ids) == (want.text, want.token_ids) and finals[0].finish_reason == "stop"
+
+
 def test_generate_token_ids_stop_strings_and_ignore_eos(channel, ref_llm):
     ids_in = ref_llm.tokenizer.encode("Now is the winter of our discontent")
     sp = SamplingParams(max_tokens=40, temperature=0.7, seed=3, stop=("e",), ignore_eos=True)
@@ -302,6 +316,11 @@ def test_deadline_frees_pages(channel):
 # ---- malformed requests ------------------------------------------------------------------------
 BAD_GENERATE = [
     ({}, "prompt"),
+    (dict(prompt="hi", structured_outputs=jaxinfer_pb2.StructuredOutputs(regex="a(")),
+     "structured_outputs.regex"),
+    (dict(prompt="hi", structured_outputs=jaxinfer_pb2.StructuredOutputs()), "structured_outputs"),
+    (dict(prompt="hi", structured_outputs=jaxinfer_pb2.StructuredOutputs(json="{no")),
+     "structured_outputs.json"),
     (dict(prompt=""), "prompt"),
     (dict(prompt="hi", prompt_token_ids=[5]), "prompt"),
     (dict(prompt_token_ids=[-1]), "prompt_token_ids"),

@@ -287,6 +287,39 @@ def test_chat_greedy_stop_and_length(client, ref_llm):
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
 
 
+def test_response_format_json_schema_streamed_and_not(client, ref_llm):
+    """The official client's response_format: the server's JSON equals LLM.generate under the
+    same constraint, parses and fits the schema, streamed or not; vLLM's structured_outputs
+    (extra_body) on completions likewise."""
+    import jsonschema
+
+    from jaxinfer.serve.chat_template import resolve_chat_template
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["who", "n"],
+              "properties": {"who": {"enum": ["Hamlet", "Ophelia"]},
+                             "n": {"type": "integer", "minimum": 1, "maximum": 9}}}
+    ids = resolve_chat_template(ref_llm.tokenizer, ref_llm.model.cfg).encode(MESSAGES)
+    want = ref_llm.generate([ids], SamplingParams(max_tokens=40, temperature=0.0,
+                                                  structured_outputs={"json": schema}))[0]
+    rf = {"type": "json_schema", "json_schema": {"name": "line", "schema": schema, "strict": True}}
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0,
+                                       max_tokens=40, response_format=rf)
+    got = r.choices[0].message.content
+    assert got == want.text and r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(got), schema)
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=40, response_format=rf,
+        stream=True) if c.choices)
+    assert streamed == got
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0.8, seed=3,
+                                       max_tokens=60, response_format={"type": "json_object"})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0,
+                                  extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert r.choices[0].text in ("yes", "no")
+
+
 # ---- models, health, auth, errors ----------------------------------------------------------------
 def test_models_health_and_auth(client, server):
     assert [m.id for m in client.models.list().data] == [MODEL]
@@ -347,7 +380,14 @@ MALFORMED = [  # (path, body or raw bytes, status, param)
     (CH, {**OK_CH, "top_logprobs": 3}, 400, "top_logprobs"),
     (CH, {**OK_CH, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     (CH, {**OK_CH, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-    (CH, {**OK_CH, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    (CH, {**OK_CH, "response_format": {"type": "xml"}}, 400, "response_format.type"),
+    (CH, {**OK_CH, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400,
+     "response_format.json_schema.schema"),
+    (CH, {**OK_CH, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nope"}}}}, 400, "response_format.json_schema.schema"),
+    (C, {**OK_C, "structured_outputs": {"regex": "a("}}, 400, "structured_outputs.regex"),
+    (C, {**OK_C, "structured_outputs": {"choice": ["a"]}, "response_format": {"type": "text"}},
+     400, "structured_outputs"),
     (CH, {**OK_CH, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     ("/v1/embeddings", OK_C, 404, None),
 ]
