@@ -17,7 +17,7 @@ CELLS = [
 LLM inference on JAX/XLA: paged KV cache, Pallas ragged paged attention, continuous batching.
 This notebook runs top to bottom on a CPU, a Colab TPU or a GPU. It loads the default model
 (Gemma 3 270M, shipped on PyPI under the Gemma Terms of Use), generates, streams, measures
-latency and throughput, and tries int8 quantization, speculative decoding and a JSONL batch.
+latency and throughput, constrains output to a JSON schema, and tries int8 quantization, speculative decoding and a JSONL batch.
 
 **Install** (pick one, then restart the runtime):
 - CPU: `pip install "jaxinfer[notebook] @ git+<this repo>"` or, from a clone, `pip install -e '.[notebook]'`
@@ -48,6 +48,25 @@ for o in outs:
     ("code", """for delta in llm.stream("Once upon a time", SamplingParams(max_tokens=N_TOKENS, temperature=0.7, seed=0)):
     print(delta.text, end="", flush=True)
 print()"""),
+    ("md", """## Structured output: JSON that always parses
+A 270M base model follows no schema by itself. With `structured_outputs` the sampler only
+ever picks tokens the schema allows (a JSON schema, a regex, a list of choices or a grammar), so
+every completion parses and validates, sampled or greedy."""),
+    ("code", """schema = {"type": "object", "additionalProperties": False,
+          "required": ["city", "country", "population_millions"],
+          "properties": {"city": {"type": "string", "maxLength": 20},
+                         "country": {"type": "string", "maxLength": 20},
+                         "population_millions": {"type": "integer", "minimum": 0, "maximum": 40}}}
+asks = ["Describe Paris as JSON.", "Describe Tokyo as JSON.", "Describe Lima as JSON."]
+print("unconstrained:", repr(llm.generate(asks[:1], SamplingParams(max_tokens=24, temperature=0.0))[0].text))
+sp = SamplingParams(max_tokens=64, temperature=1.0, seed=0, structured_outputs={"json": schema})
+for o in llm.generate(asks, sp):
+    rec = json.loads(o.text)  # always parses, always fits the schema
+    assert set(rec) == set(schema["required"]) and 0 <= rec["population_millions"] <= 40, rec
+    print(rec)
+label = SamplingParams(max_tokens=4, temperature=0.0,
+                       structured_outputs={"choice": ["positive", "negative"]})
+print(llm.generate(["The food was wonderful. Sentiment:"], label)[0].text)"""),
     ("md", """## Latency and throughput under continuous batching
 A burst of requests with mixed lengths: every step admits new requests into free slots.
 TTFT grows with queueing and prompt length; inter-token latency with batch size."""),

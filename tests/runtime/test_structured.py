@@ -148,3 +148,4 @@ def test_structured_outputs_json_round_trip():
     so = StructuredOutputs.from_json({"json": json.dumps({"type": "object"})})
     assert so == StructuredOutputs(json={"type": "object"}) and so.kind == "json"
     assert hash(so) == hash(StructuredOutputs(json='{"type":"object"}'))
+
