@@ -10,8 +10,8 @@ Streaming is server-sent events (`stream: true`; `data: {...}` chunks, then `dat
 fields: max_tokens / max_completion_tokens, temperature, top_p, n, stop, seed, logprobs /
 top_logprobs, plus the common extras top_k, min_p, ignore_eos, stop_token_ids (pass them with the
 openai client's `extra_body`). presence_penalty / frequency_penalty / logit_bias are not
-implemented: non-zero values are refused with a 400 naming the field, as are tools, suffix and
-best_of != n. Structured output: `response_format` {"type": "json_schema", "json_schema":
+implemented: non-zero values are refused with a 400 naming the field, as are suffix and
+best_of != n. Tools: `tools` + `tool_choice` on chat (serve/tool_calls.py). Structured output: `response_format` {"type": "json_schema", "json_schema":
 {"name", "schema", "strict"}} or {"type": "json_object"} (both endpoints), or vLLM's
 `structured_outputs` {"json" | "regex" | "choice" | "grammar" | "json_object": ...}; other unknown fields are refused too (as OpenAI does),
 so nothing is silently ignored. With n > 1 and a seed, sample i uses seed + i, so the samples
@@ -57,6 +57,7 @@ from starlette.routing import Route
 from jaxinfer.runtime.requests import (MAX_LOGPROBS, RequestError, SamplingParams, check_samples,
                               check_structured, parse_prompt, sampling_from_json)
 from jaxinfer.runtime.structured import StructuredOutputs
+from jaxinfer.serve.tool_calls import ToolPlan, parse_tools, with_tools
 from jaxinfer.serve.chat_template import ChatTemplate, ChatTemplateError
 from jaxinfer.serve.engine_loop import EngineFault, EngineLoop, QueueFull, ShuttingDown
 from jaxinfer.serve.offload import Offload
@@ -167,6 +168,7 @@ class _Job:
     logprobs: int | None
     echo: bool = False
     model: str = ""
+    tools: ToolPlan | None = None  # chat with tools: replies may be tool calls
 
 
 def _check_fields(body: dict, allowed: set[str]) -> None:
@@ -492,11 +494,13 @@ class OpenAIApp:
         body = await self._body(request)
         _check_fields(body, _CHAT_FIELDS)
         b = _Body(body)
-        for k in ("tools", "functions"):
-            if body.get(k):
-                raise bad(f"'{k}' (tool calling) is not supported by this server", k)
-        if body.get("tool_choice") not in (None, "none") or body.get("function_call") not in (None, "none"):
-            raise bad("'tool_choice' is not supported by this server", "tool_choice")
+        if body.get("functions") or body.get("function_call") not in (None, "none"):
+            raise bad("'functions' / 'function_call' (deprecated) are not supported: use 'tools'",
+                      "functions" if body.get("functions") else "function_call")
+        try:
+            tools = parse_tools(body)
+        except RequestError as e:
+            raise bad(str(e), e.field) from None
         mod = body.get("modalities")
         if mod is not None and mod != ["text"]:
             raise bad("'modalities' supports only [\"text\"]", "modalities")
@@ -504,9 +508,12 @@ class OpenAIApp:
         if self.chat_template is None:
             raise bad("this model has no chat template (none in the checkpoint): use "
                       "/v1/completions, or start the server with --chat-template FILE", "messages")
+        extra = {}
+        if tools is not None:
+            messages, extra = with_tools(messages, tools, self.chat_template)
         try:
             ids = await self.offload.run(self.chat_template.encode, messages,
-                                         add_generation_prompt=True)
+                                         add_generation_prompt=True, **extra)
         except ChatTemplateError as e:
             raise bad(f"chat template: {e}", "messages") from None
         except (RecursionError, UnicodeError, ValueError) as e:
@@ -523,8 +530,18 @@ class OpenAIApp:
         params = _sampling(b, max_tokens_key=key, logprobs=(top or 0) if want_lp else None, n=n,
                            limits=self.loop.limits,
                            default_max_tokens=self.loop.limits.max_new_tokens(len(ids)))
+        forced = tools.constraint if tools is not None else None
+        if forced is not None:  # a required call: its JSON is the constraint
+            if params[0].structured_outputs is not None:
+                raise bad("a required tool call cannot be combined with response_format or "
+                          "structured_outputs", "tool_choice")
+            try:
+                check_structured(forced, self.loop.limits)
+            except RequestError as e:
+                raise bad(f"tools: {e.reason}", "tools") from None
+            params = [dataclasses.replace(p, structured_outputs=forced) for p in params]
         job = _Job([ids], [None], [params], n, stream, include_usage, top if want_lp else None,
-                   model=body["model"])
+                   model=body["model"], tools=tools if tools and tools.mode != "none" else None)
         return await self._run(request, job, chat=True)
 
     # ---- running a job --------------------------------------------------------------------
@@ -605,10 +622,10 @@ class OpenAIApp:
         out = []
         for i, c in enumerate(choices):
             if chat:
-                out.append({"index": i, "message": {"role": "assistant", "content": c.text,
-                                                    "refusal": None},
+                msg, reason = _reply(job, c.text, c.finish_reason)
+                out.append({"index": i, "message": msg,
                             "logprobs": self._chat_logprobs(c.logprobs) if job.logprobs is not None else None,
-                            "finish_reason": c.finish_reason})
+                            "finish_reason": reason})
             else:
                 prefix = ""
                 if job.echo:
@@ -661,6 +678,8 @@ class OpenAIApp:
 
         total = len(handles) * job.n
         offsets = [0] * total
+        held = [""] * total  # chat with tools: the reply is known to be a call or text at its end
+        held_lp: list[list[dict]] = [[] for _ in range(total)]
         completion_tokens = 0
         try:
             if chat:
@@ -680,6 +699,19 @@ class OpenAIApp:
                     if u.finished and u.result is not None:
                         completion_tokens += len(u.result.token_ids)
                     if not (u.text or u.token_ids or u.finished):
+                        continue
+                    if job.tools is not None:
+                        held[i] += u.text
+                        held_lp[i] += u.logprobs
+                        if not u.finished:
+                            continue
+                        msg, fr = _reply(job, held[i], u.finish_reason)
+                        delta = {k: v for k, v in msg.items() if k in ("content", "tool_calls")}
+                        if delta.get("tool_calls"):
+                            delta["tool_calls"] = [{"index": k, **tc}
+                                                   for k, tc in enumerate(delta["tool_calls"])]
+                        lp = self._chat_logprobs(held_lp[i]) if job.logprobs is not None else None
+                        out.append({"index": i, "delta": delta, "logprobs": lp, "finish_reason": fr})
                         continue
                     lp = None
                     if job.logprobs is not None:
@@ -709,6 +741,16 @@ class OpenAIApp:
         finally:  # client disconnect (the task is cancelled) or normal end: cancel is idempotent
             for h in handles:
                 h.cancel()
+
+
+def _reply(job: _Job, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+    """A chat choice's message and finish reason: text, or tool calls when the request has
+    tools and the model's text is a call."""
+    calls = job.tools.calls(text) if job.tools is not None and finish_reason == "stop" else None
+    if calls:
+        return {"role": "assistant", "content": None, "tool_calls": calls,
+                "refusal": None}, "tool_calls"
+    return {"role": "assistant", "content": text, "refusal": None}, finish_reason
 
 
 async def _merge(handles) -> AsyncIterator[tuple[int, list]]:

@@ -320,6 +320,58 @@ def test_response_format_json_schema_streamed_and_not(client, ref_llm):
     assert r.choices[0].text in ("yes", "no")
 
 
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city.",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                   "properties": {"city": {"type": "string", "maxLength": 12},
+                                  "unit": {"enum": ["C", "F"]}}}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "description": "The time.",
+                                          "parameters": {"type": "object", "properties": {},
+                                                         "additionalProperties": False}}}
+
+
+def test_tool_calls_named_required_and_auto_streamed_and_not(client):
+    import jsonschema
+
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER, CLOCK],
+                                       tool_choice=named, temperature=0, max_tokens=60)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    (call,) = c.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    # streamed: the client's deltas assemble into the same call
+    name, args, reasons = "", "", set()
+    for ch in client.chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER, CLOCK],
+                                             tool_choice=named, temperature=0, max_tokens=60,
+                                             stream=True):
+        for d in ch.choices:
+            reasons.add(d.finish_reason)
+            for tc in d.delta.tool_calls or []:
+                name += tc.function.name or ""
+                args += tc.function.arguments or ""
+    assert (name, args) == (call.function.name, call.function.arguments)
+    assert "tool_calls" in reasons
+    # required, sampled: every call names one of the tools with valid arguments
+    r = client.chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER, CLOCK],
+                                       tool_choice="required", temperature=1.0, seed=2, n=3,
+                                       max_tokens=80, parallel_tool_calls=False)
+    for c in r.choices:
+        assert c.finish_reason == "tool_calls", c
+        for tc in c.message.tool_calls:
+            spec = {"get_weather": WEATHER, "get_time": CLOCK}[tc.function.name]["function"]
+            jsonschema.validate(json.loads(tc.function.arguments), spec["parameters"])
+    # auto: the model decides; an untrained model writes text, which stays content
+    r = client.chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER],
+                                       temperature=0, max_tokens=8)
+    c = r.choices[0]
+    assert (c.finish_reason == "tool_calls") == bool(c.message.tool_calls)
+    if not c.message.tool_calls:
+        assert isinstance(c.message.content, str)
+
+
 # ---- models, health, auth, errors ----------------------------------------------------------------
 def test_models_health_and_auth(client, server):
     assert [m.id for m in client.models.list().data] == [MODEL]
@@ -379,7 +431,12 @@ MALFORMED = [  # (path, body or raw bytes, status, param)
     (CH, {**OK_CH, "messages": [{"role": "assistant", "content": "hi"}]}, 400, "messages"),
     (CH, {**OK_CH, "top_logprobs": 3}, 400, "top_logprobs"),
     (CH, {**OK_CH, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
-    (CH, {**OK_CH, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    (CH, {**OK_CH, "tools": [{"type": "retrieval"}]}, 400, "tools[0]"),
+    (CH, {**OK_CH, "tools": [{"type": "function", "function": {"name": "a b"}}]}, 400,
+     "tools[0].function.name"),
+    (CH, {**OK_CH, "tool_choice": "required"}, 400, "tool_choice"),
+    (CH, {**OK_CH, "tools": [{"type": "function", "function": {"name": "f"}}],
+          "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice"),
     (CH, {**OK_CH, "response_format": {"type": "xml"}}, 400, "response_format.type"),
     (CH, {**OK_CH, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400,
      "response_format.json_schema.schema"),

@@ -1,0 +1,149 @@
+"""Tool calling on the chat API: OpenAI `tools` + `tool_choice` -> a prompt that lists the tools,
+a constraint when a call is required, and `tool_calls` parsed back from the model's text.
+
+    plan = parse_tools(body)                       # RequestError naming the field
+    messages = with_tools(messages, plan, template)
+    so = plan.constraint                           # StructuredOutputs when a call is forced
+    calls = plan.calls(text)                       # [{"id", "type", "function"}] or None
+
+Templates that take a `tools` variable render the tools themselves (passed as `tools=`); for
+the others (Gemma's has none) a system message lists each function and the call format. The
+call format is one JSON object per call, `{"name": ..., "arguments": {...}}` (an array of them
+when parallel calls are allowed). `tool_choice`: "none" (no call), "auto" (the model decides:
+its text becomes a call when it parses as one of the tools'), "required" (a constrained call to
+any tool), or {"type": "function", "function": {"name": N}} (a constrained call to N).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from jaxinfer.runtime.requests import RequestError
+from jaxinfer.runtime.structured import StructuredOutputs
+
+MAX_TOOLS = 128
+MAX_PARALLEL_CALLS = 4
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    tools: tuple[dict, ...]  # {"name", "description", "parameters"} per function
+    mode: str  # "none" | "auto" | "required" | "named"
+    name: str | None  # the named function
+    parallel: bool
+
+    @property
+    def forced(self) -> bool:
+        return self.mode in ("required", "named")
+
+    def _call_schema(self, fn: dict) -> dict:
+        return {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                "properties": {"name": {"const": fn["name"]}, "arguments": fn["parameters"]}}
+
+    @property
+    def constraint(self) -> StructuredOutputs | None:
+        """The JSON a forced call must be (None: the model writes freely)."""
+        if not self.forced:
+            return None
+        fns = [f for f in self.tools if self.mode == "required" or f["name"] == self.name]
+        one = self._call_schema(fns[0]) if len(fns) == 1 else {
+            "anyOf": [self._call_schema(f) for f in fns]}
+        if self.mode == "named" or not self.parallel:
+            return StructuredOutputs(json=one)
+        return StructuredOutputs(json={"type": "array", "minItems": 1,
+                                       "maxItems": MAX_PARALLEL_CALLS, "items": one})
+
+    def calls(self, text: str) -> list[dict] | None:
+        """The model's text as OpenAI tool calls, or None when it is not a call."""
+        if self.mode == "none":
+            return None
+        s = text.strip()
+        m = re.fullmatch(r"<tool_call>(.*)</tool_call>", s, re.S)  # Hermes-style tags
+        try:
+            got = json.loads(m.group(1) if m else s)
+        except ValueError:
+            return None
+        items = got if isinstance(got, list) else [got]
+        names = {f["name"] for f in self.tools}
+        if not items or not all(isinstance(c, dict) and c.get("name") in names
+                                and isinstance(c.get("arguments", {}), dict) for c in items):
+            return None
+        return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                 "function": {"name": c["name"],
+                              "arguments": json.dumps(c.get("arguments", {}), ensure_ascii=False)}}
+                for c in items]
+
+
+def parse_tools(body: dict) -> ToolPlan | None:
+    """`tools`, `tool_choice` and `parallel_tool_calls` of a chat request (None: no tools)."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if not tools:
+        if choice not in (None, "none"):
+            raise RequestError("tool_choice", "needs 'tools'")
+        return None
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise RequestError("tools", f"must be a list of at most {MAX_TOOLS} tools")
+    out, seen = [], set()
+    for i, t in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(
+                t.get("function"), dict):
+            raise RequestError(where, 'must be {"type": "function", "function": {...}}')
+        fn = t["function"]
+        name = fn.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise RequestError(f"{where}.function.name", "must be 1-64 letters, digits, _ or -")
+        if name in seen:
+            raise RequestError(f"{where}.function.name", f"duplicate function {name!r}")
+        seen.add(name)
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise RequestError(f"{where}.function.parameters", "must be a JSON schema object")
+        desc = fn.get("description", "")
+        if not isinstance(desc, str):
+            raise RequestError(f"{where}.function.description", "must be a string")
+        out.append({"name": name, "description": desc, "parameters": params})
+    mode, name = "auto", None
+    if choice is None or choice in ("none", "auto", "required"):
+        mode = choice or "auto"
+    elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(
+            choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if name not in seen:
+            raise RequestError("tool_choice", f"names no function in 'tools': {name!r}")
+        mode = "named"
+    else:
+        raise RequestError("tool_choice", 'must be "none", "auto", "required" or '
+                                          '{"type": "function", "function": {"name": ...}}')
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise RequestError("parallel_tool_calls", "must be a boolean")
+    plan = ToolPlan(tuple(out), mode, name, parallel)
+    try:
+        plan.constraint  # noqa: B018 - a parameters schema that is not JSON fails here
+    except RequestError as e:
+        raise RequestError("tools", f"a function's parameters: {e.reason}") from None
+    return plan
+
+
+def with_tools(messages: list[dict], plan: ToolPlan, template) -> tuple[list[dict], dict]:
+    """(messages, extra template variables) that tell the model its tools."""
+    if plan.mode == "none":
+        return messages, {}
+    if "tools" in template.source:  # the template renders them in its model's own format
+        return messages, {"tools": [{"type": "function", "function": f} for f in plan.tools]}
+    lines = ["You can call these functions. To call one, answer with only a JSON object "
+             '{"name": <function name>, "arguments": <arguments object>}'
+             + (" (or a JSON array of such objects for several calls)." if plan.parallel else ".")]
+    for f in plan.tools:
+        lines.append(f"- {f['name']}: {f['description']} Arguments schema: "
+                     f"{json.dumps(f['parameters'], ensure_ascii=False)}")
+    system = {"role": "system", "content": "\n".join(lines)}
+    if messages and messages[0]["role"] == "system":
+        merged = {"role": "system", "content": messages[0]["content"] + "\n\n" + system["content"]}
+        return [merged, *messages[1:]], {}
+    return [system, *messages], {}
