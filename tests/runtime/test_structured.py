@@ -149,3 +149,31 @@ def test_structured_outputs_json_round_trip():
     assert so == StructuredOutputs(json={"type": "object"}) and so.kind == "json"
     assert hash(so) == hash(StructuredOutputs(json='{"type":"object"}'))
 
+
+
+def test_a_grammar_failing_mid_generation_ends_that_request_only(llm, monkeypatch):
+    """A matcher that rejects a token, or that cannot be built, fails its request with
+    finish_reason "error" and the reason; the batch's other rows finish as usual."""
+    eng = llm.engine
+    real = eng.constraints.advance
+    calls = []
+
+    def breaks_on_third(rid, toks):
+        calls.append(rid)
+        return ("error", "structured output: broken") if len(calls) == 3 else real(rid, toks)
+
+    monkeypatch.setattr(eng.constraints, "advance", breaks_on_third)
+    so = SamplingParams(max_tokens=20, temperature=0.0, structured_outputs={"regex": "[a-z]{20}"})
+    plain = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    bad, ok = llm.generate(["Hello", "O Romeo"], [so, plain])
+    assert (bad.finish_reason, bad.error) == ("error", "structured output: broken")
+    assert len(bad.token_ids) == 3 and ok.finish_reason == "length" and len(ok.token_ids) == 6
+    monkeypatch.undo()
+
+    def cannot_build(so):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(eng.grammars, "_matcher", cannot_build)
+    bad, ok = llm.generate(["Hello", "O Romeo"], [so, plain])
+    assert bad.finish_reason == "error" and "out of memory" in bad.error and not bad.token_ids
+    assert ok.finish_reason == "length" and not eng.has_unfinished()
