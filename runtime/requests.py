@@ -23,6 +23,7 @@ import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from jaxinfer.runtime.request_error import RequestError
 from jaxinfer.runtime.structured import StructuredOutputs
 
 INT32_MAX = 2**31 - 1
@@ -31,16 +32,6 @@ MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20
 GREEDY_BELOW = 1e-5  # a temperature under this samples greedily (vLLM's epsilon)
-
-
-class RequestError(ValueError):
-    """A request the engine cannot serve. `field` names the input field at fault ("top_k",
-    "prompt", "messages[0].content", ...) or is None for the request as a whole."""
-
-    def __init__(self, field: str | None, message: str):
-        super().__init__(f"{field}: {message}" if field else message)
-        self.field = field
-        self.reason = message
 
 
 # ---- the sampling field table ------------------------------------------------------------------

@@ -27,17 +27,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jaxinfer.runtime.request_error import RequestError
+
 MAX_GRAMMAR_CHARS = 1 << 16  # a schema / regex / grammar's text
 MAX_CHOICES = 256
 MAX_CHOICE_CHARS = 1024
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
-def _error(field: str, message: str):
-    from jaxinfer.runtime.requests import RequestError
-
-    return RequestError(field, message)
 
 
 @dataclass(frozen=True)
@@ -56,7 +52,7 @@ class StructuredOutputs:
     def __post_init__(self):
         set_ = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(set_) != 1:
-            raise _error("structured_outputs", f"set exactly one of {', '.join(KINDS)}; got "
+            raise RequestError("structured_outputs", f"set exactly one of {', '.join(KINDS)}; got "
                                                f"{', '.join(set_) or 'none'}")
         kind = set_[0]
         name = f"structured_outputs.{kind}"
@@ -66,26 +62,26 @@ class StructuredOutputs:
                 try:
                     v = json.loads(v)
                 except ValueError as e:
-                    raise _error(name, f"is not valid JSON: {e}") from None
+                    raise RequestError(name, f"is not valid JSON: {e}") from None
             if not isinstance(v, (dict, bool)):
-                raise _error(name, f"must be a JSON schema (an object), got {type(v).__name__}")
+                raise RequestError(name, f"must be a JSON schema (an object), got {type(v).__name__}")
             text = json.dumps(v, sort_keys=True, ensure_ascii=False)
             _check_len(name, text)
             object.__setattr__(self, "json", text)  # canonical: hashable, one cache key
         elif kind in ("regex", "grammar"):
             if not isinstance(v, str) or not v:
-                raise _error(name, f"must be a non-empty string, got {type(v).__name__}")
+                raise RequestError(name, f"must be a non-empty string, got {type(v).__name__}")
             _check_len(name, v)
         elif kind == "choice":
             if isinstance(v, str) or not isinstance(v, Sequence) or not v:
-                raise _error(name, "must be a non-empty list of strings")
+                raise RequestError(name, "must be a non-empty list of strings")
             if len(v) > MAX_CHOICES:
-                raise _error(name, f"takes at most {MAX_CHOICES} strings, got {len(v)}")
+                raise RequestError(name, f"takes at most {MAX_CHOICES} strings, got {len(v)}")
             if not all(isinstance(c, str) and 0 < len(c) <= MAX_CHOICE_CHARS for c in v):
-                raise _error(name, f"must hold strings of 1..{MAX_CHOICE_CHARS} characters")
+                raise RequestError(name, f"must hold strings of 1..{MAX_CHOICE_CHARS} characters")
             object.__setattr__(self, "choice", tuple(v))
         elif v is not True:
-            raise _error(name, f"must be a boolean, got {type(v).__name__}")
+            raise RequestError(name, f"must be a boolean, got {type(v).__name__}")
 
     @property
     def kind(self) -> str:
@@ -97,22 +93,22 @@ class StructuredOutputs:
         if isinstance(obj, cls):
             return obj
         if not isinstance(obj, Mapping):
-            raise _error(field, f"must be an object, got {type(obj).__name__}")
+            raise RequestError(field, f"must be an object, got {type(obj).__name__}")
         unknown = sorted(set(obj) - set(KINDS))
         if unknown:
-            raise _error(f"{field}.{unknown[0]}", f"unknown field (known: {', '.join(KINDS)})")
+            raise RequestError(f"{field}.{unknown[0]}", f"unknown field (known: {', '.join(KINDS)})")
         kw = {k: v for k, v in obj.items() if v is not None}
         try:
             return cls(**kw)
         except ValueError as e:  # rename structured_outputs.* to where the value came from
             if field != "structured_outputs" and getattr(e, "field", None):
-                raise _error(e.field.replace("structured_outputs", field, 1), e.reason) from None
+                raise RequestError(e.field.replace("structured_outputs", field, 1), e.reason) from None
             raise
 
 
 def _check_len(name: str, text: str) -> None:
     if len(text) > MAX_GRAMMAR_CHARS:
-        raise _error(name, f"is {len(text)} characters; at most {MAX_GRAMMAR_CHARS}")
+        raise RequestError(name, f"is {len(text)} characters; at most {MAX_GRAMMAR_CHARS}")
 
 
 def grammar_text(so: StructuredOutputs) -> str:
@@ -136,7 +132,7 @@ def checked_grammar(so: StructuredOutputs) -> str:
     """The grammar of a constraint llguidance can compile; RequestError naming it otherwise."""
     ok, got = _checked(so)
     if not ok:
-        raise _error(f"structured_outputs.{so.kind}", got)
+        raise RequestError(f"structured_outputs.{so.kind}", got)
     return got
 
 
@@ -259,7 +255,7 @@ class Grammars:
             if base is None:
                 base = llg.LLMatcher(self._ll, checked_grammar(so), log_level=0)
                 if base.is_error():
-                    raise _error(f"structured_outputs.{so.kind}", f"invalid: {base.get_error()}")
+                    raise RequestError(f"structured_outputs.{so.kind}", f"invalid: {base.getRequestError()}")
                 if len(self._compiled) >= 256:
                     self._compiled.pop(next(iter(self._compiled)))
                 self._compiled[so] = base
@@ -326,7 +322,7 @@ class Constraints:
         if m is None:
             return None, ""
         if not m.consume_tokens(list(token_ids)):
-            return "error", f"structured output: {m.get_error() or 'token rejected by the grammar'}"
+            return "error", f"structured output: {m.getRequestError() or 'token rejected by the grammar'}"
         return ("stop", "") if m.is_stopped() else (None, "")
 
     def drop(self, request_id: str) -> None:

@@ -93,7 +93,7 @@ def constraints() -> dict[str, tuple[dict, object]]:
 def validity(llm, n: int, temperatures=(0.0, 1.0), max_tokens: int = 96, names=None) -> dict:
     """{constraint: {temperature: (valid, total, first failure or None)}}: every completion in
     one generate call (the engine batches them all). `names`: only these constraints."""
-    from jaxinfer import SamplingParams
+    from jaxinfer.runtime.requests import SamplingParams
 
     cases = [(name, so, check, t) for name, (so, check) in constraints().items()
              for t in temperatures if names is None or name in names]
@@ -119,7 +119,7 @@ def validity(llm, n: int, temperatures=(0.0, 1.0), max_tokens: int = 96, names=N
 def speed(llm, *, n: int = 8, max_tokens: int = 48, repeats: int = 3) -> dict:
     """8 concurrent JSON-schema requests vs 8 unconstrained, same prompts and length (the
     unconstrained ones ignore EOS so they run the same number of tokens)."""
-    from jaxinfer import SamplingParams
+    from jaxinfer.runtime.requests import SamplingParams
 
     ps = prompts(n, "a JSON record")
     so = {"json": {"type": "object", "additionalProperties": False, "required": ["items"],
@@ -169,7 +169,7 @@ def table(valid: dict, sp: dict | None) -> str:
 
 
 def cmd(args) -> int:
-    from jaxinfer import LLM
+    from jaxinfer.runtime.llm import LLM
 
     llm = LLM(args.model, max_slots=args.max_slots)
     valid = validity(llm, args.n, max_tokens=args.max_tokens)
