@@ -67,7 +67,7 @@ def step_cost(shape: dict, layers: int, batch: int, context: int, tp: int,
     pages = -(-context // page_size)
     params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), dtype=jnp.float32))
     cache = jax.eval_shape(lambda: init_cache(cfg, batch * pages + 1, page_size, jnp.float32))
-    dims = {"T": batch, "S": batch, "P": pages, "K": 0}
+    dims = {"T": batch, "S": batch, "P": pages, "K": 0, "W": -(-cfg.vocab_size // 32)}
     arrays = {f.name: jax.ShapeDtypeStruct(f.extent(dims), f.dtype)
               for f in fields_of(*STEP_GROUPS)}
     mesh = make_mesh(tp, devices=jax.devices()[:tp])

@@ -21,6 +21,7 @@ from jaxinfer.runtime.attention import resolve_backend, xla_ragged_paged_attenti
 from jaxinfer.runtime.config import ModelConfig
 from jaxinfer.runtime.kv_cache import init_cache
 from jaxinfer.runtime.model import init_params
+from jaxinfer.runtime.plan import STEP_GROUPS, fields_of
 from jaxinfer.runtime.steps import step
 from tests.aot import cuda_target
 from tests.model_utils import run_sequence
@@ -135,14 +136,8 @@ def _step_args(cfg, dtype, t, s, p, num_pages=64, page_size=16):
     sds = jax.ShapeDtypeStruct
     params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), dtype=dtype))
     cache = jax.eval_shape(lambda: init_cache(cfg, num_pages, page_size, dtype))
-    i32 = lambda *sh: sds(sh, jnp.int32)  # noqa: E731
-    f32 = lambda *sh: sds(sh, jnp.float32)  # noqa: E731
-    arrays = dict(
-        token_ids=i32(t), positions=i32(t), slot_mapping=i32(t), cu_q_lens=i32(s + 1),
-        kv_lens=i32(s), page_indices=i32(s, p), num_seqs=i32(1), logits_indices=i32(s),
-        temperature=f32(s), top_k=i32(s), top_p=f32(s), min_p=f32(s),
-        seeds=sds((s,), jnp.uint32), sample_positions=i32(s),
-    )
+    dims = {"T": t, "S": s, "P": p, "K": 0, "W": -(-cfg.vocab_size // 32)}
+    arrays = {f.name: sds(f.extent(dims), f.dtype) for f in fields_of(*STEP_GROUPS)}
     return params, cache, arrays
 
 
