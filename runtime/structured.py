@@ -65,7 +65,10 @@ class StructuredOutputs:
                     raise RequestError(name, f"is not valid JSON: {e}") from None
             if not isinstance(v, (dict, bool)):
                 raise RequestError(name, f"must be a JSON schema (an object), got {type(v).__name__}")
-            text = json.dumps(v, sort_keys=True, ensure_ascii=False)
+            try:
+                text = json.dumps(v, sort_keys=True, ensure_ascii=False, allow_nan=False)
+            except (TypeError, ValueError, RecursionError) as e:
+                raise RequestError(name, f"is not a JSON value: {type(e).__name__}: {e}") from None
             _check_len(name, text)
             object.__setattr__(self, "json", text)  # canonical: hashable, one cache key
         elif kind in ("regex", "grammar"):
@@ -255,7 +258,7 @@ class Grammars:
             if base is None:
                 base = llg.LLMatcher(self._ll, checked_grammar(so), log_level=0)
                 if base.is_error():
-                    raise RequestError(f"structured_outputs.{so.kind}", f"invalid: {base.getRequestError()}")
+                    raise RequestError(f"structured_outputs.{so.kind}", f"invalid: {base.get_error()}")
                 if len(self._compiled) >= 256:
                     self._compiled.pop(next(iter(self._compiled)))
                 self._compiled[so] = base
@@ -322,7 +325,7 @@ class Constraints:
         if m is None:
             return None, ""
         if not m.consume_tokens(list(token_ids)):
-            return "error", f"structured output: {m.getRequestError() or 'token rejected by the grammar'}"
+            return "error", f"structured output: {m.get_error() or 'token rejected by the grammar'}"
         return ("stop", "") if m.is_stopped() else (None, "")
 
     def drop(self, request_id: str) -> None:

@@ -5,6 +5,7 @@ decoding (for the vocabulary handed to llguidance), `re.fullmatch` / `json` / `j
 what the constrained model emits), and the same requests served alone or unconstrained.
 """
 
+import functools
 import json
 import re
 
@@ -79,6 +80,11 @@ def test_vocabulary_bytes_spell_what_sentencepiece_decodes(llm):
     ({"json": "{not json"}, "structured_outputs.json"),
     ({"json": [1]}, "structured_outputs.json"),
     ({"json": {"type": "no-such-type"}}, "structured_outputs.json"),
+    ({"json": {"maximum": float("nan")}}, "structured_outputs.json"),
+    ({"json": functools.reduce(lambda d, _: {"items": d}, range(5000), {})},
+     "structured_outputs.json"),
+    ({"json": {"type": "string", "pattern": "(" * 500}}, "structured_outputs.json"),
+    ({"regex": "a" * (1 << 17)}, "structured_outputs.regex"),
     ({"regex": "a("}, "structured_outputs.regex"),
     ({"choice": []}, "structured_outputs.choice"),
     ({"choice": "ab"}, "structured_outputs.choice"),
