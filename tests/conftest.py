@@ -59,6 +59,15 @@ def tiny_dir(tmp_path_factory):
     return make(tmp_path_factory.mktemp("tiny_llama"), "tiny", seed=0)
 
 
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_dir):
+    """One LLM over the tiny Llama (4 slots, pages of 8, 256 tokens) shared by the runtime tests
+    that need no engine of their own: its programs compile once."""
+    from jaxinfer import LLM
+
+    return LLM(str(tiny_dir), max_slots=4, page_size=8, max_model_len=256)
+
+
 # --------------------------------------------------------------------------- real Gemma 3 270M
 # The Gemma 3 270M GGUF from its PyPI package, loaded once per session by us and by HF
 # transformers (the oracle). Load times land in tests.gemma_fixtures.LOAD_STATS.

@@ -17,8 +17,8 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="session")
-def llm(tiny_dir):
-    return LLM(str(tiny_dir), max_slots=4, page_size=8, max_model_len=256)
+def llm(tiny_llm):
+    return tiny_llm
 
 
 @pytest.fixture(scope="session")

@@ -39,8 +39,8 @@ def _valid_json(text, schema):
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_dir):
-    return LLM(str(tiny_dir), max_slots=8, page_size=8, max_model_len=128)
+def llm(tiny_llm):
+    return tiny_llm  # 4 slots: the 8-request batches also queue
 
 
 def test_mask_unpacking_equals_llguidance_numpy():
@@ -124,14 +124,14 @@ def test_constrained_rows_match_and_the_others_are_untouched(llm, tiny_dir):
         assert [o.token_ids for o in outs[4:]] == alone
     assert (llm.engine.compile_count, llm.engine._step.jitted._cache_size()) == warm
 
-    sync = LLM(str(tiny_dir), max_slots=8, page_size=8, max_model_len=128, async_scheduling=False)
+    sync = LLM(str(tiny_dir), max_slots=4, page_size=8, max_model_len=256, async_scheduling=False)
     again = sync.generate(PROMPTS[:4], sps)
     assert [o.token_ids for o in again] == [o.token_ids for o in outs[:4]]
 
 
 def test_constrained_requests_under_speculative_decoding(tiny_dir, llm):
     """Constrained rows take no proposals; they emit what plain decoding emits."""
-    spec = LLM(str(tiny_dir), max_slots=8, page_size=8, max_model_len=128,
+    spec = LLM(str(tiny_dir), max_slots=4, page_size=8, max_model_len=256,
                speculative={"method": "ngram", "k": 3, "n": 2})
     sps = [SamplingParams(max_tokens=48, temperature=0.0, structured_outputs=so)
            for so, _ in CONSTRAINTS]
