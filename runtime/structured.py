@@ -91,22 +91,17 @@ class StructuredOutputs:
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
 
     @classmethod
-    def from_json(cls, obj, field: str = "structured_outputs") -> StructuredOutputs:
+    def from_json(cls, obj) -> StructuredOutputs:
         """From a JSON object {"json": ..., "regex": ..., ...} (vLLM's `structured_outputs`)."""
         if isinstance(obj, cls):
             return obj
         if not isinstance(obj, Mapping):
-            raise RequestError(field, f"must be an object, got {type(obj).__name__}")
+            raise RequestError("structured_outputs", f"must be an object, got {type(obj).__name__}")
         unknown = sorted(set(obj) - set(KINDS))
         if unknown:
-            raise RequestError(f"{field}.{unknown[0]}", f"unknown field (known: {', '.join(KINDS)})")
-        kw = {k: v for k, v in obj.items() if v is not None}
-        try:
-            return cls(**kw)
-        except ValueError as e:  # rename structured_outputs.* to where the value came from
-            if field != "structured_outputs" and getattr(e, "field", None):
-                raise RequestError(e.field.replace("structured_outputs", field, 1), e.reason) from None
-            raise
+            raise RequestError(f"structured_outputs.{unknown[0]}",
+                               f"unknown field (known: {', '.join(KINDS)})")
+        return cls(**{k: v for k, v in obj.items() if v is not None})
 
 
 def _check_len(name: str, text: str) -> None:
@@ -271,9 +266,6 @@ class Grammars:
         if rows:
             self._executor.unsafe_compute_mask_ptr(rows, bitmask.ctypes.data, self.words * 4,
                                                    bitmask.shape[0])
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class Constraints:

@@ -16,6 +16,7 @@ any tool), or {"type": "function", "function": {"name": N}} (a constrained call 
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import uuid
@@ -44,7 +45,7 @@ class ToolPlan:
         return {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
                 "properties": {"name": {"const": fn["name"]}, "arguments": fn["parameters"]}}
 
-    @property
+    @functools.cached_property
     def constraint(self) -> StructuredOutputs | None:
         """The JSON a forced call must be (None: the model writes freely)."""
         if not self.forced:
@@ -103,6 +104,10 @@ def parse_tools(body: dict) -> ToolPlan | None:
         params = fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict):
             raise RequestError(f"{where}.function.parameters", "must be a JSON schema object")
+        try:  # JSON (no NaN, not too deep), whatever tool_choice is
+            StructuredOutputs(json=params)
+        except RequestError as e:
+            raise RequestError(f"{where}.function.parameters", e.reason) from None
         desc = fn.get("description", "")
         if not isinstance(desc, str):
             raise RequestError(f"{where}.function.description", "must be a string")
@@ -122,12 +127,7 @@ def parse_tools(body: dict) -> ToolPlan | None:
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
         raise RequestError("parallel_tool_calls", "must be a boolean")
-    plan = ToolPlan(tuple(out), mode, name, parallel)
-    try:
-        plan.constraint  # noqa: B018 - a parameters schema that is not JSON fails here
-    except RequestError as e:
-        raise RequestError("tools", f"a function's parameters: {e.reason}") from None
-    return plan
+    return ToolPlan(tuple(out), mode, name, parallel)
 
 
 def with_tools(messages: list[dict], plan: ToolPlan, template) -> tuple[list[dict], dict]:

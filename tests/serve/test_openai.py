@@ -435,6 +435,9 @@ MALFORMED = [  # (path, body or raw bytes, status, param)
     (CH, {**OK_CH, "tools": [{"type": "function", "function": {"name": "a b"}}]}, 400,
      "tools[0].function.name"),
     (CH, {**OK_CH, "tool_choice": "required"}, 400, "tool_choice"),
+    (CH, {**OK_CH, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"maximum": float("nan")}}}]}, 400,
+     "tools[0].function.parameters"),
     (CH, {**OK_CH, "tools": [{"type": "function", "function": {"name": "f"}}],
           "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice"),
     (CH, {**OK_CH, "response_format": {"type": "xml"}}, 400, "response_format.type"),
