@@ -5,14 +5,16 @@
 
 Input: one request per line, `{"id": ..., "prompt": "..."}` or `{"id": ..., "prompt_token_ids":
 [...]}`, with optional per-line sampling fields (`max_tokens`, `temperature`, `top_k`, `top_p`,
-`min_p`, `seed`, `stop`, `stop_token_ids`, `logprobs`, `ignore_eos`, and `structured_outputs`
+`min_p`, `seed`, `stop`, `stop_token_ids`, `logprobs`, `prompt_logprobs`, `ignore_eos`, and
+`structured_outputs`
 {"json": schema} / {"regex": ...} / {"choice": [...]} / {"grammar": ...} / {"json_object": true})
 that override the command's defaults; lines are checked by the same request door (runtime/requests.py) as every other front
 end. Output: one line per input line, either a result
 
     {"id", "text", "token_ids", "finish_reason",
      "usage": {"prompt_tokens", "completion_tokens", "cached_tokens"},
-     "metrics": {"queue_s", "ttft_s", "itl_s_mean", "e2e_s"}}   (+ "logprobs" when asked for)
+     "metrics": {"queue_s", "ttft_s", "itl_s_mean", "e2e_s"}}
+    (+ "logprobs" / "prompt_logprobs" when asked for: [null, {"token_id", "logprob", "top"}...])
 
 or, for a line that cannot be served, `{"id": <id or null>, "line": <1-based line number>,
 "error": "..."}`; the job goes on. Blank lines are ignored. A line the engine failed (a step
@@ -527,6 +529,8 @@ def run_batch(engine, tokenizer, input_path, output_path, *, sampling: dict | No
                 }
                 if out.logprobs is not None:
                     rec["logprobs"] = out.logprobs
+                if out.prompt_logprobs is not None:
+                    rec["prompt_logprobs"] = out.prompt_logprobs
                 stats["requests"] += 1
                 stats["prompt_tokens"] += len(out.prompt_token_ids)
                 stats["generated_tokens"] += len(out.token_ids)

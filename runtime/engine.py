@@ -80,6 +80,9 @@ class RequestState:
     metrics: RequestMetrics
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)
+    # params.prompt_logprobs: one per prompt token, filled as its prefill steps come back (the
+    # first stays None: nothing predicts it)
+    prompt_logprobs: list[dict | None] = field(default_factory=list)
     text: str = ""  # full text so far (stop strings cut)
     emitted: int = 0  # chars of `text` already streamed
     finished: bool = False
@@ -241,6 +244,7 @@ class Engine:
             request_id=rid, prompt_ids=prompt_ids, params=params,
             detok=IncrementalDetokenizer(self.tokenizer, prompt_ids),
             metrics=RequestMetrics(arrival=now, speculative=self.spec is not None),
+            prompt_logprobs=[None] * len(prompt_ids) if params.prompt_logprobs is not None else [],
         )
         return rid
 
@@ -322,7 +326,11 @@ class Engine:
         return self._no_prev
 
     def _run(self, arrays, max_q_len, logprobs, filtered, prev=None):
+        """Launch the step on a plan's arrays. Rows scoring prompt tokens (prompt_targets >= 0)
+        select the step's prompt-logprob program, whose output is (packed, prompt rows)."""
         from jaxinfer.runtime.scheduler import LOGPROBS_BUCKET
+
+        prompt = bool((np.asarray(arrays["prompt_targets"]) >= 0).any())
 
         if self.plan_channel is not None and self.leader:  # followers run the same step
             self.plan_channel.send(arrays, max_q_len, LOGPROBS_BUCKET if logprobs else 0, filtered)
@@ -342,7 +350,7 @@ class Engine:
             arrays = {**arrays, "token_bitmask": mask}
         return self._step(self.params, self.cache, arrays, max_q_len=max_q_len,
                           num_logprobs=LOGPROBS_BUCKET if logprobs else 0, filtered=filtered,
-                          prev=prev)
+                          prompt_logprobs=prompt, prev=prev)
 
     def release_followers(self) -> None:
         """Multi-host leader: tell the follower processes (in `runtime.sharding.follow`) to stop."""
@@ -414,12 +422,15 @@ class Engine:
             self.constraints.fill(plan)
         return plan
 
-    def _fetch(self, packed) -> np.ndarray:
-        """The step's packed results on the host (blocks until the step has run)."""
+    def _fetch(self, packed) -> tuple[np.ndarray, np.ndarray | None]:
+        """The step's packed results on the host (blocks until the step has run), and its
+        prompt-logprob rows (None when it scored no prompt)."""
         t0 = time.perf_counter()
-        host = np.asarray(jax.device_get(packed))
+        host = jax.device_get(packed)
         self.step_stats["wait_s"] += time.perf_counter() - t0
-        return host
+        if isinstance(host, tuple):
+            return np.asarray(host[0]), np.asarray(host[1])
+        return np.asarray(host), None
 
     def _step_sync(self) -> list[Delta]:
         props = None
@@ -435,10 +446,10 @@ class Engine:
             return self._verify_step(plan, props, filtered)
         packed, self.cache = self._run(plan.device_arrays(), plan.max_q_len,
                                        plan.num_logprobs > 0, filtered)
-        host = self._fetch(packed)  # [S, 1 (+ 1 + 2n)]
+        host, prompt = self._fetch(packed)  # [S, 1 (+ 1 + 2n)], [T, 1 + 2n] or None
         now = self._mark_scheduled(plan)
         return self._apply(plan, host, self.scheduler.update(plan, host[:, 0].astype(np.int32)),
-                           now)
+                           now, prompt)
 
     def _step_async(self) -> list[Delta]:
         """Launch the next step (fed from the one in flight), then apply the one in flight. A
@@ -452,7 +463,8 @@ class Engine:
             arrays = plan.device_arrays(feed=True)
             packed, self.cache = self._run(arrays, plan.max_q_len, plan.num_logprobs > 0,
                                            _filtered(plan), prev=self._prev())
-            packed.copy_to_host_async()
+            for x in jax.tree.leaves(packed):
+                x.copy_to_host_async()
             launched = (plan, packed, sampled_tokens(packed))
             self._mark_scheduled(plan)
         done, self._inflight = self._inflight, launched
@@ -460,14 +472,15 @@ class Engine:
 
     def _apply_launched(self, done) -> list[Delta]:
         plan, packed, _ = done
-        host = self._fetch(packed)  # [S, 1 (+ 1 + 2n)]
+        host, prompt = self._fetch(packed)  # [S, 1 (+ 1 + 2n)], [T, 1 + 2n] or None
         now = time.monotonic()
         return self._apply(plan, host, self.scheduler.update(plan, host[:, 0].astype(np.int32)),
-                           now)
+                           now, prompt)
 
     def _verify_step(self, plan, props, filtered) -> list[Delta]:
         """Target forward over every row's last token + proposals, acceptance on the device."""
         K = plan.spec_k
+        assert not plan.prompt_logprobs, "the scheduler plans no proposals beside prompt scoring"
         q_rows = np.zeros(len(plan.kv_lens), np.int32)
         q_probs = None
         if props is not None and props.q_probs is not None:
@@ -477,7 +490,7 @@ class Engine:
         packed, self.cache = self._verify(
             self.params, self.cache, plan.verify_arrays(), q_probs, q_rows,
             max_q_len=plan.max_q_len, num_logprobs=plan.num_logprobs, filtered=filtered)
-        host = self._fetch(packed)  # [S, 2 + K (+ 1 + 2n)]
+        host, _ = self._fetch(packed)  # [S, 2 + K (+ 1 + 2n)]
         now = self._mark_scheduled(plan)
         outs = self.scheduler.update(plan, host[:, 1:K + 2].astype(np.int32),
                                      host[:, 0].astype(np.int32))
@@ -494,7 +507,9 @@ class Engine:
                 st.metrics.cached_tokens = self.scheduler.cached_tokens_of(rid)
         return now
 
-    def _apply(self, plan, host, outputs, now) -> list[Delta]:
+    def _apply(self, plan, host, outputs, now, prompt=None) -> list[Delta]:
+        if prompt is not None:  # before the tokens: a first token streams with its prompt's
+            self._record_prompt_logprobs(plan, prompt)
         row_of = {rid: s for s, rid in enumerate(plan.request_ids)}
         deltas = []
         for out in outputs:
@@ -527,11 +542,7 @@ class Engine:
             if st.metrics.first_token is None:
                 st.metrics.first_token = now
             if st.params.logprobs is not None and n_lp:
-                k = st.params.logprobs
-                st.logprobs.append({
-                    "token_id": tok, "logprob": float(row[1]),
-                    "top": [(int(i), float(v)) for v, i in zip(row[2:2 + k], row[2 + n_lp:2 + n_lp + k])],
-                })
+                st.logprobs.append(_logprob_entry(tok, row[1:], n_lp, st.params.logprobs))
             st.text += st.detok.add(tok)
             if len(new_ids) > 1 and st.params.stop and idx + 1 < len(new_ids) and _find_stop(
                     st.text, st.params.stop, max(0, st.emitted - _max_len(st.params.stop))) is not None:
@@ -556,6 +567,22 @@ class Engine:
         st.emitted = max(st.emitted, upto)
         return Delta(st.request_id, delta, list(new_ids), finished, st.finish_reason)
 
+    def _record_prompt_logprobs(self, plan, rows: np.ndarray) -> None:
+        """rows [T, 1 + 2n]: token row t scores prompt token prompt_targets[t], at position
+        positions[t] + 1, of the request of its sequence row (a recomputed prefill after
+        preemption writes the same values again)."""
+        n, cu = plan.num_logprobs, plan.cu_q_lens
+        for s, rid in enumerate(plan.request_ids):
+            st = self.requests.get(rid)
+            if st is None or st.finished or st.params.prompt_logprobs is None:
+                continue
+            k = st.params.prompt_logprobs
+            for t in range(int(cu[s]), int(cu[s + 1])):
+                target = int(plan.prompt_targets[t])
+                if target >= 0:
+                    st.prompt_logprobs[int(plan.positions[t]) + 1] = _logprob_entry(
+                        target, rows[t], n, k)
+
     def _finish(self, st: RequestState, reason: str | None, now: float) -> None:
         if self.proposer is not None:
             self.proposer.release(st.request_id)
@@ -563,6 +590,13 @@ class Engine:
             self.constraints.drop(st.request_id)
         st.finished, st.finish_reason = True, reason
         st.metrics.finished = now
+
+
+def _logprob_entry(token: int, cols: np.ndarray, n: int, k: int) -> dict:
+    """cols [1 + 2n]: the token's logprob, the top-n logprobs, their ids -> the entry of a
+    token with its top k <= n."""
+    return {"token_id": int(token), "logprob": float(cols[0]),
+            "top": [(int(i), float(v)) for v, i in zip(cols[1:1 + k], cols[1 + n:1 + n + k])]}
 
 
 def _filtered(plan) -> bool:

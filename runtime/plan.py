@@ -47,6 +47,7 @@ PLAN_FIELDS = (
     PlanField("token_ids",        np.int32,   "T",     "tokens"),
     PlanField("positions",        np.int32,   "T",     "tokens"),
     PlanField("slot_mapping",     np.int32,   "T",     "tokens"),  # page * page_size + offset
+    PlanField("prompt_targets",   np.int32,   "T",     "tokens",      -1),  # next prompt token
     PlanField("cu_q_lens",        np.int32,   "S+1",   "sequences"),
     PlanField("kv_lens",          np.int32,   "S",     "sequences"),  # after this step's tokens
     PlanField("page_indices",     np.int32,   "S,P",   "sequences"),
@@ -71,6 +72,8 @@ PLAN_FIELDS = (
 # token + d proposals; verify_indices[s, j] is the token row whose logits predict position
 # sample_positions[s] + j (j > d repeats the last row). feed (asynchronous scheduling): token row
 # t takes the token sampled at row feed_rows[t] of the previous step, on the device; -1: token_ids[t].
+# prompt_targets (prompt logprobs): the prompt token after row t's, scored by row t's logits;
+# -1: none wanted (no such token, the request asks for none, or a decode row).
 # host: bookkeeping never sent to the device. constrained / token_bitmask (structured output):
 # the scheduler flags the rows, the engine fills their masks (runtime/structured.py).
 
@@ -147,6 +150,7 @@ StepPlan = make_dataclass(
         ("max_q_len", int),  # static bound on q_len (a bucket)
         ("request_ids", list[str]),  # per live sequence row
         ("num_logprobs", int),  # top-n logprobs wanted by any row (static: 0 or the bucket)
+        ("prompt_logprobs", bool),  # some row scores prompt tokens (static): prompt_targets >= 0
         ("spec_k", int),  # K
     ],
     bases=(_StepPlanViews,),

@@ -60,6 +60,9 @@ SAMPLING_FIELDS: dict[str, Field] = {
     "stop_token_ids": Field("ids", (), doc=f"at most {MAX_STOP_TOKEN_IDS} ids in the vocabulary"),
     "logprobs": Field("int", None, 0, MAX_LOGPROBS, nullable=True,
                       doc="top-n logprobs per generated token; null: none"),
+    "prompt_logprobs": Field("int", None, 0, MAX_LOGPROBS, nullable=True,
+                             doc="logprob and top-n of each prompt token after the first "
+                                 "(computed in prefill); null: none"),
     "ignore_eos": Field("bool", False),
 }
 
@@ -134,6 +137,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None  # top-n logprobs per generated token
+    prompt_logprobs: int | None = None  # top-n logprobs per prompt token (the first gets None)
     ignore_eos: bool = False
     # the output must match a JSON schema / regex / choice / grammar (runtime.structured);
     # a dict {"json": schema, ...} is taken as StructuredOutputs(**dict)
@@ -271,6 +275,8 @@ class RequestOutput:
     metrics: dict = field(default_factory=dict)  # queue_s, ttft_s, itl_s (list), itl_s_mean, e2e_s, cached_tokens
     logprobs: list[dict] | None = None
     error: str | None = None  # why the engine failed this request (finish_reason "error")
+    # one per prompt token: None for the first, then {"token_id", "logprob", "top"} as logprobs
+    prompt_logprobs: list[dict | None] | None = None
 
     @classmethod
     def from_state(cls, st, prompt: str | None = None) -> RequestOutput:
@@ -279,7 +285,9 @@ class RequestOutput:
                    text=st.text, token_ids=list(st.token_ids), finish_reason=st.finish_reason,
                    metrics=st.metrics.summary(),
                    logprobs=st.logprobs if st.params.logprobs is not None else None,
-                   error=st.error)
+                   error=st.error,
+                   prompt_logprobs=(st.prompt_logprobs if st.params.prompt_logprobs is not None
+                                    else None))
 
     @property
     def usage(self) -> dict:

@@ -42,6 +42,8 @@ Prefix caching (`enable_prefix_caching=True`; see runtime/page_allocator.py for 
     the same page concurrently) the second page stays private and is simply freed later.
   * Admission counts cached-but-unheld pages as available (they are evicted LRU first when truly
     free pages run out), minus the cached pages the sequence itself is about to take back.
+  * A request that wants prompt logprobs takes no cached pages: its prefill computes the logits
+    of every prompt token (`plan.prompt_targets`); its own pages are registered as usual.
   * Stats: `prefix_cache_stats()`; per request `cached_tokens_of(rid)` = prompt tokens served from
     the cache at its first admission.
 
@@ -49,7 +51,9 @@ Speculative decoding (`num_spec_tokens=K > 0`):
   * Before `schedule()`, `decode_candidates()` lists the sequences in pure decode (computed up to
     their last token, no logprobs wanted) with how many proposals each can use: min(K,
     max_tokens - outputs - 1), so a step never emits past max_tokens. `set_drafts()` hands the
-    proposals in; a sequence with d proposals then wants 1 + d tokens (`_num_new_tokens`).
+    proposals in; a sequence with d proposals then wants 1 + d tokens (`_num_new_tokens`). No
+    sequence takes proposals while one that wants prompt logprobs may prefill (those steps score
+    every prompt row; verify steps do not).
   * Proposals are trimmed to the token budget; when the pages for 1 + d tokens cannot be found the
     proposals are dropped first (no preemption on their account), then the usual policy applies.
   * `update(plan, tokens [S, K+1], num_accepted [S])`: a row with d proposals of which a were
@@ -417,7 +421,7 @@ class Scheduler:
         from types import SimpleNamespace
 
         out = []
-        if not self.num_spec_tokens:
+        if not self.num_spec_tokens or self._prompt_scoring_due():
             return out
         for seq in self._running:
             p = seq.req.params
@@ -433,6 +437,13 @@ class Scheduler:
                 max_draft=cap, seed=seq.seed, temperature=p.temperature, top_k=p.top_k,
                 top_p=p.top_p, min_p=p.min_p))
         return out
+
+    def _prompt_scoring_due(self) -> bool:
+        """A request that wants prompt logprobs may prefill this step (running and not prefilled,
+        or admissible now): such steps score every prompt row, which the verify step does not."""
+        admissible = list(self._waiting)[:len(self._free_slots)]
+        return any(s.req.params.prompt_logprobs is not None and not s.prefilled
+                   for s in [*self._running, *admissible])
 
     def set_drafts(self, drafts: dict[str, Sequence[int]]) -> None:
         """Proposals for the next schedule(), by request id (replaces any earlier ones)."""
@@ -560,8 +571,9 @@ class Scheduler:
         return seq.hashes[:n_pages]
 
     def _cached_prefix(self, seq: _Seq) -> list[int]:
-        """Cached pages matching `seq`'s leading full pages, never covering its last token."""
-        if not self.enable_prefix_caching:
+        """Cached pages matching `seq`'s leading full pages, never covering its last token; none
+        for a request that wants prompt logprobs (every prompt token's logits are computed)."""
+        if not self.enable_prefix_caching or seq.req.params.prompt_logprobs is not None:
             return []
         k = (seq.num_tokens - 1) // self.page_size
         return self.allocator.lookup(self._hashes(seq, k)) if k else []
@@ -622,7 +634,7 @@ class Scheduler:
         logits_indices, temperature, top_k = a["logits_indices"], a["temperature"], a["top_k"]
         top_p, min_p, seeds = a["top_p"], a["min_p"], a["seeds"]
         sample_positions, samples, feed_rows = a["sample_positions"], a["samples"], a["feed_rows"]
-        constrained = a["constrained"]
+        constrained, prompt_targets = a["constrained"], a["prompt_targets"]
         num_draft, draft_ids, verify_indices = a["num_draft"], a["draft_ids"], a["verify_indices"]
 
         t = 0
@@ -639,6 +651,10 @@ class Scheduler:
                     token_ids[t + i] = seq.draft[pos - total]
                 positions[t + i] = pos
                 slot_mapping[t + i] = seq.pages[pos // ps] * ps + pos % ps
+            if seq.req.params.prompt_logprobs is not None:  # rows scoring a next prompt token
+                end = min(start + n, len(seq.req.prompt_ids) - 1)
+                if end > start:
+                    prompt_targets[t:t + end - start] = seq.req.prompt_ids[start + 1:end + 1]
             t += n
             cu_q_lens[s + 1] = t
             kv_lens[s] = start + n
@@ -656,10 +672,11 @@ class Scheduler:
                 verify_indices[s] = t - 1 - d + np.minimum(np.arange(K + 1), d)
         cu_q_lens[num_seqs + 1 :] = t
 
+        prompt = bool((prompt_targets >= 0).any())
+        want_lp = prompt or any(s.req.params.logprobs is not None for s, _ in rows)
         return StepPlan(
             **a, max_q_len=max_q_len, request_ids=[seq.req.request_id for seq, _ in rows],
-            num_logprobs=LOGPROBS_BUCKET if any(s.req.params.logprobs is not None for s, _ in rows) else 0,
-            spec_k=K,
+            num_logprobs=LOGPROBS_BUCKET if want_lp else 0, prompt_logprobs=prompt, spec_k=K,
         )
 
     def update(self, plan: StepPlan, sampled: np.ndarray,

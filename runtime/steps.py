@@ -2,7 +2,9 @@
 
 One step serves prefill chunks and decode tokens alike (the ragged layout covers both). The cache
 is donated. Only one packed f32 array travels back to the host per step:
-  [:, 0] sampled token id, [:, 1] its logprob, then n top logprobs and n top ids (n static).
+  [:, 0] sampled token id, [:, 1] its logprob, then n top logprobs and n top ids (n static);
+with prompt logprobs (static), a second [T, 1 + 2n] one: the logprob of each token row's next
+prompt token, then the row's top-n (computed from every row's logits, in chunks of rows).
 Token ids are exact in f32 (vocabularies < 2**24). Under asynchronous scheduling a step reads
 its decode rows' input tokens from the previous step's output on the device (`prev`), so the host
 can plan and launch step n+1 before step n's tokens have come back.
@@ -47,10 +49,13 @@ def step(
     max_q_len: int,
     num_logprobs: int,
     filtered: bool,
+    prompt_logprobs: bool = False,
     prev: jax.Array | None = None,
     vocab_limit: int | None = None,
-) -> tuple[jax.Array, KVCache]:
-    """`vocab_limit`: ids at and above it are never sampled (see sampling.mask_vocab).
+):
+    """-> (packed [S, 1 (+ 1 + 2n)], cache), or ((packed, prompt [T, 1 + 2n]), cache) with
+    `prompt_logprobs` (n = num_logprobs): row t of `prompt` scores arrays["prompt_targets"][t].
+    `vocab_limit`: ids at and above it are never sampled (see sampling.mask_vocab).
     `prev` int32 [S]: the previous step's sampled tokens, read by the rows that
     arrays["feed_rows"] [T] points at (asynchronous scheduling; None: every id is in token_ids)."""
     md = _metadata(arrays, max_q_len)
@@ -58,7 +63,16 @@ def step(
     if prev is not None:
         feed = arrays["feed_rows"]
         token_ids = jnp.where(feed >= 0, prev[jnp.maximum(feed, 0)], token_ids)
-    h, cache = forward_hidden(params, token_ids, cache, md, cfg, backend)  # [S, D]
+    prompt = None
+    if prompt_logprobs:  # every row's hidden state: [T, D]
+        t = token_ids.shape[0]
+        h_all, cache = forward_hidden(params, token_ids, cache,
+                                      md.replace(logits_indices=jnp.arange(t)), cfg, backend)
+        h = h_all[md.logits_indices]  # [S, D]
+        prompt = prompt_logprob_rows(params, h_all, arrays["prompt_targets"], cfg,
+                                     num_logprobs, vocab_limit)
+    else:
+        h, cache = forward_hidden(params, token_ids, cache, md, cfg, backend)  # [S, D]
     s = h.shape[0]
 
     def head_and_sample(rows: int) -> jax.Array:  # the first `rows` rows, padded back to S
@@ -75,17 +89,44 @@ def step(
         return jnp.pad(jnp.concatenate(cols, axis=1), ((0, s - rows), (0, 0)))
 
     if s == 1 or cfg.vocab_size * cfg.hidden_size < ONE_ROW_HEAD_MIN:
-        return head_and_sample(s), cache
-    # One live sequence (batch-1 decode, a lone prefill): the vocabulary projection, the
-    # largest matmul of a small model, runs on that row only. Both branches are one program.
-    packed = jax.lax.cond(arrays["num_seqs"][0] <= 1, lambda: head_and_sample(1),
-                          lambda: head_and_sample(s))
-    return packed, cache
+        packed = head_and_sample(s)
+    else:
+        # One live sequence (batch-1 decode, a lone prefill): the vocabulary projection, the
+        # largest matmul of a small model, runs on that row only. Both branches are one program.
+        packed = jax.lax.cond(arrays["num_seqs"][0] <= 1, lambda: head_and_sample(1),
+                              lambda: head_and_sample(s))
+    return (packed if prompt is None else (packed, prompt)), cache
+
+
+# Token rows whose [rows, V] f32 logits exist at once when scoring a prompt: Gemma's 262k
+# vocabulary makes that 32 MiB a chunk.
+PROMPT_ROWS_CHUNK = 32
+
+
+def prompt_logprob_rows(params: Params, h: jax.Array, targets: jax.Array, cfg: ModelConfig,
+                        n: int, vocab_limit: int | None) -> jax.Array:
+    """h [T, D] every token row's final hidden state, targets [T] (the next prompt token; -1:
+    none) -> f32 [T, 1 + 2n]: the target's logprob, the top-n logprobs, their ids. The [T, V]
+    logits never exist whole: rows go through the head PROMPT_ROWS_CHUNK at a time."""
+    t = h.shape[0]
+    c = min(t, PROMPT_ROWS_CHUNK)
+    pad = -t % c
+    hc = jnp.pad(h, ((0, pad), (0, 0))).reshape(-1, c, h.shape[1])  # [T/c, c, D]
+    tc = jnp.pad(jnp.maximum(targets, 0), (0, pad)).reshape(-1, c)  # [T/c, c]
+
+    def chunk(args):
+        hh, tt = args
+        logits = mask_vocab(compute_logits(params, hh, cfg), vocab_limit)  # [c, V]
+        chosen, vals, ids = top_logprobs(logits, tt, n)
+        return jnp.concatenate([chosen[:, None], vals, ids.astype(jnp.float32)], axis=1)
+
+    return jax.lax.map(chunk, (hc, tc)).reshape(t + pad, 1 + 2 * n)[:t]
 
 
 @jax.jit
-def sampled_tokens(packed: jax.Array) -> jax.Array:
+def sampled_tokens(packed) -> jax.Array:
     """int32 [S]: the token column of a step's packed output (the next step's `prev`)."""
+    packed = packed[0] if isinstance(packed, tuple) else packed
     return packed[:, 0].astype(jnp.int32)
 
 
@@ -149,19 +190,20 @@ class Launches:
         return len(self._seen)
 
 
-_STEP_STATICS = ("max_q_len", "num_logprobs", "filtered")
+_VERIFY_STATICS = ("max_q_len", "num_logprobs", "filtered")
+_STEP_STATICS = _VERIFY_STATICS + ("prompt_logprobs",)
 
 
 def make_verify(cfg: ModelConfig, backend: str, vocab_limit: int | None = None) -> Launches:
     """The verify step (static: q bucket, logprob count, filter flag; q_probs None or not
     retraces once)."""
-    return Launches(shared_jit(verify, _STEP_STATICS, cfg=cfg, backend=backend,
+    return Launches(shared_jit(verify, _VERIFY_STATICS, cfg=cfg, backend=backend,
                                vocab_limit=vocab_limit))
 
 
 def make_step(cfg: ModelConfig, backend: str, shardings=None,
               vocab_limit: int | None = None) -> Launches:
-    """The step for one model; static: q bucket, logprob count, filter flag.
+    """The step for one model; static: q bucket, logprob count, filter flag, prompt logprobs.
     `shardings` (tensor parallel): (params, cache, replicated) NamedSharding trees from
     runtime.sharding. Inputs arrive laid out (params and cache committed to their shardings;
     host plan arrays are replicated); the packed output is replicated and the new cache keeps

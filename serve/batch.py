@@ -43,6 +43,8 @@ def register(subparsers, engine_args) -> None:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--logprobs", type=int, default=None)
+    g.add_argument("--prompt-logprobs", type=int, default=None,
+                   help="logprob + top-n of each prompt token (computed in prefill)")
     g.add_argument("--ignore-eos", action="store_true")
     p.set_defaults(fn=cmd_batch)
 
@@ -53,6 +55,7 @@ def cmd_batch(args) -> int:
     sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, min_p=args.min_p, seed=args.seed,
                     stop=tuple(args.stop or ()), logprobs=args.logprobs,
+                    prompt_logprobs=args.prompt_logprobs,
                     ignore_eos=args.ignore_eos)
     try:
         prepare_output(args.output, args.resume, args.overwrite)

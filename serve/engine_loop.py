@@ -71,6 +71,8 @@ class SampleUpdate:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     result: RequestOutput | None = None  # when finished: full text, usage, metrics
+    # with the sample's first tokens when it asked for them: RequestState.prompt_logprobs
+    prompt_logprobs: list[dict | None] | None = None
 
 
 _END = object()
@@ -146,6 +148,7 @@ class _Pending:
     params: list[SamplingParams]
     live: dict[str, int] = field(default_factory=dict)  # engine rid -> sample index
     lp_sent: dict[str, int] = field(default_factory=dict)  # engine rid -> logprobs delivered
+    prompt_sent: set[str] = field(default_factory=set)  # engine rids whose prompt logprobs went
 
 
 class EngineLoop:
@@ -383,6 +386,9 @@ class EngineLoop:
             lp = st.logprobs[p.lp_sent[d.request_id]:]
             p.lp_sent[d.request_id] = len(st.logprobs)
             u = SampleUpdate(p.live[d.request_id], d.text, list(d.token_ids), list(lp))
+            if st.params.prompt_logprobs is not None and d.request_id not in p.prompt_sent:
+                p.prompt_sent.add(d.request_id)
+                u.prompt_logprobs = list(st.prompt_logprobs)
             if d.finished:
                 u.finished, u.finish_reason = True, d.finish_reason
                 st = self.engine.pop(d.request_id)

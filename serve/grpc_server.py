@@ -83,7 +83,8 @@ def generate_inputs(req, tokenizer, limits: Limits) -> tuple[list[int], Sampling
     else:
         _, ids = parse_prompt(list(req.prompt_token_ids), tokenizer, limits, "prompt_token_ids")
     fields = {f: getattr(req, f) for f in ("max_tokens", "temperature", "top_k", "top_p", "min_p",
-                                            "seed", "logprobs") if req.HasField(f)}
+                                            "seed", "logprobs", "prompt_logprobs")
+              if req.HasField(f)}
     fields.update(stop=list(req.stop), stop_token_ids=list(req.stop_token_ids),
                   ignore_eos=req.ignore_eos)
     if req.HasField("structured_outputs"):
@@ -166,10 +167,13 @@ class GenerationServicer(_Base, jaxinfer_pb2_grpc.GenerationServicer):
         async for ups in self._updates(context, handle):
             for u in ups:
                 msg = jaxinfer_pb2.GenerateResponse(text=u.text, token_ids=u.token_ids)
-                for lp in u.logprobs:
-                    msg.logprobs.add(token_id=lp["token_id"], logprob=lp["logprob"],
-                                     top=[jaxinfer_pb2.TopLogprob(token_id=i, logprob=v)
-                                          for i, v in lp["top"]])
+                for field_, entries in (("logprobs", u.logprobs),
+                                        ("prompt_logprobs", (u.prompt_logprobs or [None])[1:])):
+                    for lp in entries:
+                        getattr(msg, field_).add(
+                            token_id=lp["token_id"], logprob=lp["logprob"],
+                            top=[jaxinfer_pb2.TopLogprob(token_id=i, logprob=v)
+                                 for i, v in lp["top"]])
                 if u.finished:
                     out = u.result
                     m = out.metrics

@@ -71,7 +71,7 @@ _IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
 _COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "n", "stop",
            "seed", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
            "top_k", "min_p", "ignore_eos", "stop_token_ids", "response_format",
-           "structured_outputs"} | _IGNORED
+           "structured_outputs", "prompt_logprobs"} | _IGNORED
 _COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
                           "tool_choice", "functions", "function_call", "modalities"}
@@ -169,6 +169,8 @@ class _Job:
     echo: bool = False
     model: str = ""
     tools: ToolPlan | None = None  # chat with tools: replies may be tool calls
+    # vLLM's `prompt_logprobs` field was sent: each choice (chat: the response) carries them
+    prompt_logprobs: bool = False
 
 
 def _check_fields(body: dict, allowed: set[str]) -> None:
@@ -211,7 +213,7 @@ def _structured(body: dict, limits) -> StructuredOutputs | None:
 
 
 def _sampling(b: _Body, *, max_tokens_key: str, default_max_tokens: int, logprobs: int | None,
-              n: int, limits) -> list[SamplingParams]:
+              n: int, limits, prompt_logprobs: int | None = None) -> list[SamplingParams]:
     """The n samples' SamplingParams: fields and ranges from the request door; the OpenAI
     fields this server does not implement are refused unless they are no-ops."""
     for k in ("presence_penalty", "frequency_penalty"):
@@ -225,7 +227,8 @@ def _sampling(b: _Body, *, max_tokens_key: str, default_max_tokens: int, logprob
     fields["max_tokens"] = b.d.get(max_tokens_key)
     fields["structured_outputs"] = _structured(b.d, limits)
     try:
-        sp = sampling_from_json(fields, {"max_tokens": default_max_tokens, "logprobs": logprobs})
+        sp = sampling_from_json(fields, {"max_tokens": default_max_tokens, "logprobs": logprobs,
+                                         "prompt_logprobs": prompt_logprobs})
     except RequestError as e:
         field_ = max_tokens_key if e.field == "max_tokens" else e.field
         raise bad(str(e).replace("max_tokens", field_), field_) from None
@@ -325,6 +328,7 @@ class _Choice:
     logprobs: list[dict] = field(default_factory=list)
     finish_reason: str | None = None
     completion_tokens: int = 0
+    prompt_logprobs: list[dict | None] | None = None
 
 
 class OpenAIApp:
@@ -459,14 +463,14 @@ class OpenAIApp:
         include_usage = _stream_opts(b, stream)
         logprobs = b.int("logprobs", None, 0, MAX_LOGPROBS)
         echo = b.bool("echo", False)
-        if echo and logprobs is not None:
-            raise bad("'echo' with 'logprobs' (prompt logprobs) is not supported", "echo")
         longest = max(len(p) for p in prompts)
+        # echo with logprobs scores the prompt too: its logprobs come from the prefill
         params = _sampling(b, max_tokens_key="max_tokens", logprobs=logprobs, n=n,
                            limits=self.loop.limits,
-                           default_max_tokens=min(16, self.loop.limits.max_new_tokens(longest)))
+                           default_max_tokens=min(16, self.loop.limits.max_new_tokens(longest)),
+                           prompt_logprobs=logprobs if echo else None)
         job = _Job(prompts, texts, [params] * len(prompts), n, stream, include_usage, logprobs,
-                   echo, body["model"])
+                   echo, body["model"], prompt_logprobs=b.d.get("prompt_logprobs") is not None)
         return await self._run(request, job, chat=False)
 
     async def _prompts(self, p) -> tuple[list[list[int]], list[str | None]]:
@@ -541,7 +545,8 @@ class OpenAIApp:
                 raise bad(f"tools: {e.reason}", "tools") from None
             params = [dataclasses.replace(p, structured_outputs=forced) for p in params]
         job = _Job([ids], [None], [params], n, stream, include_usage, top if want_lp else None,
-                   model=body["model"], tools=tools if tools and tools.mode != "none" else None)
+                   model=body["model"], tools=tools if tools and tools.mode != "none" else None,
+                   prompt_logprobs=b.d.get("prompt_logprobs") is not None)
         return await self._run(request, job, chat=True)
 
     # ---- running a job --------------------------------------------------------------------
@@ -603,6 +608,8 @@ class OpenAIApp:
                     c.text += u.text
                     c.token_ids += u.token_ids
                     c.logprobs += u.logprobs
+                    if u.prompt_logprobs is not None:
+                        c.prompt_logprobs = u.prompt_logprobs
                     if u.finished:
                         c.finish_reason = u.finish_reason
                         if u.result is not None:
@@ -627,18 +634,52 @@ class OpenAIApp:
                             "logprobs": self._chat_logprobs(c.logprobs) if job.logprobs is not None else None,
                             "finish_reason": reason})
             else:
-                prefix = ""
-                if job.echo:
-                    pi = i // job.n
-                    prefix = job.prompt_texts[pi] if job.prompt_texts[pi] is not None else \
-                        self.tokenizer.decode(job.prompts[pi])
-                out.append({"index": i, "text": prefix + c.text,
-                            "logprobs": self._completion_logprobs(c.logprobs, 0)
-                            if job.logprobs is not None else None,
+                prefix = self._echo(job, i) if job.echo else ""
+                lp = None
+                if job.logprobs is not None:
+                    lp = self._completion_logprobs(
+                        self._echo_entries(job, i, c.prompt_logprobs) + c.logprobs, 0)
+                out.append({"index": i, "text": prefix + c.text, "logprobs": lp,
                             "finish_reason": c.finish_reason})
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion",
+                if job.prompt_logprobs:
+                    out[-1]["prompt_logprobs"] = self._vllm_prompt_logprobs(c.prompt_logprobs)
+        resp = {"id": rid, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": job.model, "system_fingerprint": FINGERPRINT,
                 "choices": out, "usage": self._usage(job, sum(c.completion_tokens for c in choices))}
+        if chat and job.prompt_logprobs:
+            resp["prompt_logprobs"] = self._vllm_prompt_logprobs(choices[0].prompt_logprobs)
+        return resp
+
+    def _echo(self, job: _Job, i: int) -> str:
+        """The prompt text of choice i, as echoed."""
+        pi = i // job.n
+        text = job.prompt_texts[pi]
+        return text if text is not None else self.tokenizer.decode(job.prompts[pi])
+
+    def _echo_entries(self, job: _Job, i: int, prompt_lp: list[dict | None] | None) -> list[dict]:
+        """Choice i's echoed prompt as logprob entries (the first token's logprob and top
+        null: nothing predicts it), top-n cut to the request's `logprobs`; none without echo."""
+        if not job.echo or prompt_lp is None:
+            return []
+        first = job.prompts[i // job.n][0]
+        return [{"token_id": first, "logprob": None, "top": None} if e is None else
+                {**e, "top": e["top"][:job.logprobs]} for e in prompt_lp]
+
+    def _vllm_prompt_logprobs(self, entries: list[dict | None] | None) -> list | None:
+        """vLLM's `prompt_logprobs`: None, then {token id: {logprob, decoded_token}} per prompt
+        token (the token itself and its top-n)."""
+        if entries is None:
+            return None
+        out = []
+        for e in entries:
+            if e is None:
+                out.append(None)
+                continue
+            d = {str(t): {"logprob": v, "decoded_token": self.token_text(t)} for t, v in e["top"]}
+            d[str(e["token_id"])] = {"logprob": e["logprob"],
+                                     "decoded_token": self.token_text(e["token_id"])}
+            out.append(d)
+        return out
 
     def _chat_logprobs(self, entries: list[dict]) -> dict:
         def one(tid, lp):
@@ -653,15 +694,19 @@ class OpenAIApp:
         return {"content": content, "refusal": None}
 
     def _completion_logprobs(self, entries: list[dict], offset: int) -> dict:
+        """The legacy logprobs object (an echoed prompt's first entry: logprob and top null)."""
         tokens, lps, tops, offsets = [], [], [], []
         for e in entries:
             s = self.token_text(e["token_id"])
             tokens.append(s)
             lps.append(e["logprob"])
-            top: dict[str, float] = {}
-            for t, v in e["top"]:
-                top.setdefault(self.token_text(t), v)
-            tops.append(top)
+            if e["top"] is None:
+                tops.append(None)
+            else:
+                top: dict[str, float] = {}
+                for t, v in e["top"]:
+                    top.setdefault(self.token_text(t), v)
+                tops.append(top)
             offsets.append(offset)
             offset += len(s)
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
@@ -685,11 +730,9 @@ class OpenAIApp:
             if chat:
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None} for i in range(total)])
-            elif job.echo:
-                yield chunk([{"index": i, "text": job.prompt_texts[i // job.n] if
-                              job.prompt_texts[i // job.n] is not None else
-                              self.tokenizer.decode(job.prompts[i // job.n]),
-                              "logprobs": None, "finish_reason": None} for i in range(total)])
+            elif job.echo and job.logprobs is None:  # with logprobs: with the first tokens
+                yield chunk([{"index": i, "text": self._echo(job, i), "logprobs": None,
+                              "finish_reason": None} for i in range(total)])
             async for hi, ups in _merge(handles):
                 out = []
                 for u in ups:
@@ -713,19 +756,25 @@ class OpenAIApp:
                         lp = self._chat_logprobs(held_lp[i]) if job.logprobs is not None else None
                         out.append({"index": i, "delta": delta, "logprobs": lp, "finish_reason": fr})
                         continue
-                    lp = None
+                    lp, text = None, u.text
                     if job.logprobs is not None:
                         if chat:
                             lp = self._chat_logprobs(u.logprobs)
+                        elif job.echo and u.prompt_logprobs is not None:  # the first update
+                            text = self._echo(job, i) + u.text
+                            lp = self._completion_logprobs(
+                                self._echo_entries(job, i, u.prompt_logprobs) + u.logprobs, 0)
                         else:
                             lp = self._completion_logprobs(u.logprobs, offsets[i])
-                    offsets[i] += len(u.text)
+                    offsets[i] += len(text)
                     fr = u.finish_reason if u.finished else None
                     if chat:
-                        delta = {"content": u.text} if u.text else {}
+                        delta = {"content": text} if text else {}
                         out.append({"index": i, "delta": delta, "logprobs": lp, "finish_reason": fr})
                     else:
-                        out.append({"index": i, "text": u.text, "logprobs": lp, "finish_reason": fr})
+                        out.append({"index": i, "text": text, "logprobs": lp, "finish_reason": fr})
+                    if job.prompt_logprobs and u.prompt_logprobs is not None:
+                        out[-1]["prompt_logprobs"] = self._vllm_prompt_logprobs(u.prompt_logprobs)
                 if out:
                     yield chunk(out)
             if job.include_usage:

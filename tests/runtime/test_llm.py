@@ -35,20 +35,42 @@ def _hf_greedy(hf, ids, n):
     return out[0, len(ids):].tolist()
 
 
+def _hf_log_softmax(hf, ids) -> np.ndarray:
+    with torch.no_grad():
+        return torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1).numpy()
+
+
 def test_batched_greedy_with_chunking_and_preemption_equals_alone_and_hf(tiny_dir, hf):
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    # every third request also scores its prompt (prompt logprobs, top 3)
+    scored = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
     # 4 slots, 19 usable pages of 8 tokens: the long prompts need up to 14 pages each ->
     # preemption; a 16-token budget chunks every prompt longer than that.
     small = LLM(str(tiny_dir), max_slots=4, page_size=8, num_pages=20, max_model_len=128,
                 prefill_chunk=16)
-    batched = small.generate(PROMPTS, greedy)
+    batched = small.generate(PROMPTS, [scored if i % 3 == 0 else greedy
+                                       for i in range(len(PROMPTS))])
     assert small.engine.scheduler.num_preemptions > 0
     alone = LLM(str(tiny_dir), max_slots=1, page_size=8, max_model_len=256)
-    for p, out in zip(PROMPTS, batched):
+    for i, (p, out) in enumerate(zip(PROMPTS, batched)):
         single = alone.generate([p], greedy)[0]
         assert out.token_ids == single.token_ids, p
         assert out.token_ids == _hf_greedy(hf, out.prompt_token_ids, 24), p
         assert out.finish_reason == "length"
+        if i % 3:
+            assert out.prompt_logprobs is None
+            continue
+        # computed in the (chunked, possibly preempted and recomputed) prefill steps: equal to
+        # HF's log-softmax over the same prompt, the token's own and the top 3
+        ids, lp = out.prompt_token_ids, _hf_log_softmax(hf, out.prompt_token_ids)
+        assert len(out.prompt_logprobs) == len(ids) and out.prompt_logprobs[0] is None
+        for j in range(1, len(ids)):
+            e, want = out.prompt_logprobs[j], lp[j - 1]
+            assert e["token_id"] == ids[j]
+            assert abs(e["logprob"] - want[ids[j]]) < 1e-4, (p, j)
+            assert [t for t, _ in e["top"]] == list(np.argsort(-want)[:3]), (p, j)
+            np.testing.assert_allclose([v for _, v in e["top"]], np.sort(want)[::-1][:3],
+                                       atol=1e-4)
     assert small.engine.scheduler.free_pages == 19  # nothing leaked
 
 

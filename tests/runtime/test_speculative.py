@@ -138,11 +138,16 @@ def test_stops_and_max_tokens_with_several_tokens_per_step(plain, spec):
     # streaming carries the same tokens
     streamed = [t for d in spec.stream(prompt, GREEDY) for t in d.token_ids]
     assert streamed == free
-    # logprobs requests decode without proposals and get the plain logprobs
-    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
+    # logprobs requests decode without proposals and get the plain logprobs; a request scoring
+    # its prompt holds proposals back while it prefills and gets the plain prompt logprobs
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3,
+                        prompt_logprobs=2)
     a, b = plain.generate([prompt], sp)[0], spec.generate([prompt, PROMPTS[9]],
                                                           [sp, GREEDY])[0]
     assert b.token_ids == a.token_ids
+    assert [x["token_id"] for x in b.prompt_logprobs[1:]] == a.prompt_token_ids[1:]
+    assert np.allclose([x["logprob"] for x in b.prompt_logprobs[1:]],
+                       [x["logprob"] for x in a.prompt_logprobs[1:]], atol=1e-5)
     assert [[i for i, _ in x["top"]] for x in b.logprobs] == [[i for i, _ in x["top"]] for x in a.logprobs]
     assert np.allclose([[v for _, v in x["top"]] for x in b.logprobs],
                        [[v for _, v in x["top"]] for x in a.logprobs], atol=1e-4)

@@ -54,7 +54,8 @@ def _by_id(records):
 def test_malformed_lines_become_error_records_and_good_lines_complete(llm, tmp_path):
     good = [{"id": f"g{i}", "prompt": _prompt(i), "max_tokens": 6} for i in range(5)]
     good.append({"id": 99, "prompt_token_ids": [1, 40, 41, 42], "max_tokens": 3,
-                 "temperature": 0, "stop": ["\n"], "seed": 1, "logprobs": 2})
+                 "temperature": 0, "stop": ["\n"], "seed": 1, "logprobs": 2,
+                 "prompt_logprobs": 1})
     good.append({"id": "json", "prompt": "Hello", "max_tokens": 30, "temperature": 0,
                  "ignore_eos": False, "structured_outputs": {"choice": ["Hamlet", "Lear"]}})
     bad = {  # line content -> a word the error must contain
@@ -132,6 +133,9 @@ def test_malformed_lines_become_error_records_and_good_lines_complete(llm, tmp_p
     tok = results[99]
     assert tok["usage"] == {**tok["usage"], "prompt_tokens": 4, "completion_tokens": 3}
     assert len(tok["logprobs"]) == 3 and len(tok["logprobs"][0]["top"]) == 2
+    plp = tok["prompt_logprobs"]  # null for the first prompt token, then each with its top 1
+    assert plp[0] is None and [e["token_id"] for e in plp[1:]] == [40, 41, 42]
+    assert all(len(e["top"]) == 1 and e["logprob"] <= e["top"][0][1] + 1e-6 for e in plp[1:])
 
 
 # ------------------------------------------------------------------------------- ordering

@@ -77,7 +77,7 @@ def collect(responses):
 @pytest.mark.parametrize("kw", [
     dict(max_tokens=24, temperature=0.0),
     dict(max_tokens=24, temperature=0.9, top_k=40, top_p=0.9, seed=1234),
-    dict(max_tokens=20, temperature=1.0, min_p=0.05, seed=7, logprobs=3),
+    dict(max_tokens=20, temperature=1.0, min_p=0.05, seed=7, logprobs=3, prompt_logprobs=2),
 ])
 def test_generate_matches_llm_generate(channel, ref_llm, kw):
     prompt = "To be, or not to be, that is the question"
@@ -98,6 +98,14 @@ def test_generate_matches_llm_generate(channel, ref_llm, kw):
         assert all(len(lp.top) == 3 and lp.logprob <= 0 for lp in lps)
         want_lp = [d["logprob"] for d in want.logprobs]
         assert [lp.logprob for lp in lps] == pytest.approx(want_lp, abs=1e-4)
+    if kw.get("prompt_logprobs"):  # on the first message, one per prompt token after the first
+        ms = list(gen_stub(channel).Generate(req, timeout=30))
+        got = [list(m.prompt_logprobs) for m in ms]
+        assert len(got[0]) == len(want.prompt_token_ids) - 1 and not any(got[1:])
+        assert [e.token_id for e in got[0]] == want.prompt_token_ids[1:]
+        assert [e.logprob for e in got[0]] == pytest.approx(
+            [e["logprob"] for e in want.prompt_logprobs[1:]], abs=1e-5)
+        assert all(len(e.top) == 2 for e in got[0])
 
 
 def test_generate_structured_outputs(channel, ref_llm):

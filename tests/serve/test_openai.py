@@ -194,6 +194,35 @@ def test_completion_token_prompts_batch_and_echo(client, ref_llm):
     assert [c.text for c in r.choices] == [p + w.text for p, w in zip(prompts, want)]
     assert r.usage.prompt_tokens == sum(len(w.prompt_token_ids) for w in want)
 
+    # echo + logprobs: the prompt's tokens are scored too (first: null), streamed and not;
+    # vLLM's `prompt_logprobs` field adds {token id: {logprob, decoded_token}} per prompt token
+    scored = ref_llm.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0.0,
+                                                       logprobs=2, prompt_logprobs=2))[0]
+    n_prompt = len(scored.prompt_token_ids)
+    want_lps = [None] + [e["logprob"] for e in scored.prompt_logprobs[1:]] + \
+        [e["logprob"] for e in scored.logprobs]
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
+                                  echo=True, logprobs=2, extra_body={"prompt_logprobs": 1})
+    c = r.choices[0]
+    assert c.text == PROMPT + scored.text
+    lp = c.logprobs
+    assert len(lp.tokens) == n_prompt + 4 and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(want_lps[1:], abs=1e-5)
+    assert all(len(t) <= 2 for t in lp.top_logprobs[1:])
+    vllm = c.model_extra["prompt_logprobs"]
+    assert vllm[0] is None and len(vllm) == n_prompt
+    for j in range(1, n_prompt):
+        tid = str(scored.prompt_token_ids[j])
+        assert vllm[j][tid]["logprob"] == pytest.approx(want_lps[j], abs=1e-5)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4,
+                                            temperature=0, echo=True, logprobs=2, stream=True))
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    streamed = [v for ch in chunks if ch.choices and ch.choices[0].logprobs
+                for v in ch.choices[0].logprobs.token_logprobs]
+    assert text == PROMPT + scored.text
+    assert streamed[0] is None and streamed[1:] == pytest.approx(want_lps[1:], abs=1e-5)
+
 
 # ---- chat ----------------------------------------------------------------------------------------
 MESSAGES = [{"role": "system", "content": "You are terse."},
