@@ -186,7 +186,7 @@ class Engine:
         self.step_stats = dict(steps=0, step_s=0.0, wait_s=0.0)
         self.requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
-        self._zero_mask = None  # device zeros [S, W]: the bitmask of steps with no constraint
+        self._zero_masks = {}  # shape -> device zeros: the bitmasks of steps with no constraint
         self.limits = Limits.of(self)
         self.faults = 0  # steps that raised (their requests failed, the engine went on)
         self.spec_proposed = 0  # proposals verified, all requests since start
@@ -304,7 +304,8 @@ class Engine:
                         arrays = verify_inputs(padding_arrays(
                             STEP_GROUPS + ("speculative",), T=t, S=s, P=p, K=self.spec.k, W=w))
                         self.cache = self._verify(
-                            self.params, self.cache, arrays, None, np.zeros(s, np.int32),
+                            self.params, self.cache, self._device_masks(arrays), None,
+                            np.zeros(s, np.int32),
                             max_q_len=q, num_logprobs=n_lp, filtered=filtered)[1]
         if self.proposer is not None:
             self.proposer.warmup()
@@ -339,18 +340,25 @@ class Engine:
 
             arrays = global_plan(arrays, self.mesh)
         elif self.mesh is None:
-            # no row constrained: the device's zeros, not [S, W] words from the host each step
-            # (both a device array, so the two are one program)
-            if arrays["constrained"].any():
-                mask = jax.device_put(arrays["token_bitmask"])
-            else:
-                if self._zero_mask is None:
-                    self._zero_mask = jnp.zeros(arrays["token_bitmask"].shape, jnp.int32)
-                mask = self._zero_mask
-            arrays = {**arrays, "token_bitmask": mask}
+            arrays = self._device_masks(arrays)
         return self._step(self.params, self.cache, arrays, max_q_len=max_q_len,
                           num_logprobs=LOGPROBS_BUCKET if logprobs else 0, filtered=filtered,
                           prompt_logprobs=prompt, prev=prev)
+
+    def _device_masks(self, arrays: dict) -> dict:
+        """The plan's token masks (token_bitmask, and draft_bitmask of a verify step) as device
+        arrays: the device's zeros when no row is constrained, not [S, (K,) W] words from the
+        host each step (both device arrays, so the two are one program)."""
+        names = [k for k in ("token_bitmask", "draft_bitmask") if k in arrays]
+        if arrays["constrained"].any():
+            return {**arrays, **{k: jax.device_put(arrays[k]) for k in names}}
+        out = dict(arrays)
+        for k in names:
+            shape = arrays[k].shape
+            if shape not in self._zero_masks:
+                self._zero_masks[shape] = jnp.zeros(shape, jnp.int32)
+            out[k] = self._zero_masks[shape]
+        return out
 
     def release_followers(self) -> None:
         """Multi-host leader: tell the follower processes (in `runtime.sharding.follow`) to stop."""
@@ -488,7 +496,7 @@ class Engine:
             for s, rid in enumerate(plan.request_ids):
                 q_rows[s] = props.q_rows.get(rid, 0)
         packed, self.cache = self._verify(
-            self.params, self.cache, plan.verify_arrays(), q_probs, q_rows,
+            self.params, self.cache, self._device_masks(plan.verify_arrays()), q_probs, q_rows,
             max_q_len=plan.max_q_len, num_logprobs=plan.num_logprobs, filtered=filtered)
         host, _ = self._fetch(packed)  # [S, 2 + K (+ 1 + 2n)]
         now = self._mark_scheduled(plan)

@@ -64,6 +64,7 @@ PLAN_FIELDS = (
     PlanField("num_draft",        np.int32,   "S",     "speculative"),
     PlanField("draft_ids",        np.int32,   "S,K",   "speculative"),
     PlanField("verify_indices",   np.int32,   "S,K+1", "speculative"),
+    PlanField("draft_bitmask",    np.int32,   "S,K,W", "speculative"),  # masks after proposals
     PlanField("feed_rows",        np.int32,   "T",     "feed",        -1),
     PlanField("samples",          np.bool_,   "S",     "host"),  # the row yields a token
 )
@@ -75,7 +76,8 @@ PLAN_FIELDS = (
 # prompt_targets (prompt logprobs): the prompt token after row t's, scored by row t's logits;
 # -1: none wanted (no such token, the request asks for none, or a decode row).
 # host: bookkeeping never sent to the device. constrained / token_bitmask (structured output):
-# the scheduler flags the rows, the engine fills their masks (runtime/structured.py).
+# the scheduler flags the rows, the engine fills their masks (runtime/structured.py);
+# draft_bitmask[s, j]: the mask of verify row j + 1, after the row's first j + 1 proposals.
 
 GROUPS = tuple(dict.fromkeys(f.group for f in PLAN_FIELDS))  # every field
 STEP_GROUPS = ("tokens", "sequences", "sampling")  # the jitted step's inputs (and the codec's)
@@ -119,10 +121,12 @@ def plan_dims(arrays: dict[str, np.ndarray], fields: Sequence[PlanField]) -> dic
 
 def verify_inputs(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The verify step's arrays from a plan's step and speculative arrays: logits at every
-    verify row (logits_indices [S*(K+1)]), the proposals draft_ids [S, K] and num_draft [S]."""
+    verify row (logits_indices [S*(K+1)]), the proposals draft_ids [S, K] and num_draft [S],
+    the constrained rows' masks after each proposal draft_bitmask [S, K, W]."""
     out = {f.name: arrays[f.name] for f in fields_of(*STEP_GROUPS)}
     out["logits_indices"] = arrays["verify_indices"].reshape(-1)
-    out["num_draft"], out["draft_ids"] = arrays["num_draft"], arrays["draft_ids"]
+    for name in ("num_draft", "draft_ids", "draft_bitmask"):
+        out[name] = arrays[name]
     return out
 
 

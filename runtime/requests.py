@@ -253,7 +253,13 @@ def check_request(prompt_ids: Sequence[int], params: SamplingParams, limits: Lim
                                          f"holds ({limits.num_pages} pages of {limits.page_size} "
                                          f"tokens)")
     if params.structured_outputs is not None:
-        check_structured(params.structured_outputs, limits)
+        so = params.structured_outputs
+        check_structured(so, limits)
+        need = limits.grammars.min_tokens(so)
+        if need > m:
+            raise RequestError("max_tokens", f"{m} tokens cannot hold any output "
+                                             f"structured_outputs.{so.kind} allows: it needs at "
+                                             f"least {need}")
 
 
 def check_structured(so: StructuredOutputs, limits: Limits) -> None:

@@ -425,9 +425,10 @@ class Scheduler:
             return out
         for seq in self._running:
             p = seq.req.params
-            # rows wanting logprobs or under a structured-output constraint take no proposals
+            # rows wanting logprobs take no proposals (constrained rows do: the engine masks
+            # every verify row with the grammar's state after the proposals before it)
             if (not seq.prefilled or seq.pending or seq.num_computed != seq.num_tokens - 1
-                    or p.logprobs is not None or p.structured_outputs is not None):
+                    or p.logprobs is not None):
                 continue
             cap = min(self.num_spec_tokens, p.max_tokens - len(seq.output_ids) - 1)
             if cap <= 0:

@@ -152,10 +152,12 @@ def verify(
     S, K = arrays["draft_ids"].shape
     md = _metadata(arrays, max_q_len)
     logits, cache = forward(params, arrays["token_ids"], cache, md, cfg, backend)  # [S*(K+1), V]
-    logits = mask_vocab(logits.reshape(S, K + 1, -1), vocab_limit)
-    # constrained rows take no proposals: their one token is drawn at the first verify row
-    raw = logits[:, 0]  # logprobs are the model's own (before any constraint)
-    logits = logits.at[:, 0].set(allow_tokens(raw, arrays["token_bitmask"], arrays["constrained"]))
+    logits = mask_vocab(logits, vocab_limit)  # [S*(K+1), V]
+    raw = logits.reshape(S, K + 1, -1)[:, 0]  # logprobs are the model's own (before any constraint)
+    # a constrained row's verify row j takes the grammar's mask after its first j proposals
+    masks = jnp.concatenate([arrays["token_bitmask"][:, None], arrays["draft_bitmask"]], 1)
+    logits = allow_tokens(logits, masks.reshape(S * (K + 1), -1),
+                          jnp.repeat(arrays["constrained"], K + 1)).reshape(S, K + 1, -1)
     q = None if q_probs is None else q_probs[q_rows]
     n_acc, tokens = accept(
         logits, arrays["draft_ids"], arrays["num_draft"], q, arrays["temperature"],

@@ -238,6 +238,24 @@ class Grammars:
         """The door: a constraint llguidance cannot compile raises RequestError naming it."""
         checked_grammar(so)
 
+    def min_tokens(self, so: StructuredOutputs) -> int:
+        """Fewer tokens than this cannot spell any output `so` allows (a lower bound: the
+        shortest match's bytes over the longest piece's; runtime/shortest_output.py)."""
+        from jaxinfer.runtime.shortest_output import shortest_bytes
+
+        return -(-shortest_bytes(so) // self.longest_piece)
+
+    @functools.cached_property
+    def longest_piece(self) -> int:
+        """The most bytes one token of the vocabulary spells (computed once, on first use)."""
+        from jaxinfer.runtime.tokenizer import HFTokenizer
+
+        if isinstance(self.tokenizer, HFTokenizer):  # UTF-8 of byte-level pieces: an upper bound
+            pieces = self.tokenizer.backend.get_vocab(with_added_tokens=False)
+            return max(1, max(len(p.encode()) for p in pieces))
+        return max(1, max(len(b) for b in token_bytes(self.tokenizer, self.vocab_size)
+                          if not b.startswith(b"\xff")))
+
     def start(self, so: StructuredOutputs) -> Future:
         """A fresh matcher for one request, built in the pool."""
         return self._pool.submit(self._matcher, so)
@@ -260,12 +278,27 @@ class Grammars:
         return base.deep_copy()
 
     def fill(self, rows: list[tuple[object, int]], bitmask: np.ndarray) -> None:
-        """Write each (matcher, row)'s next-token mask into bitmask [S, W] (int32, C-order)."""
-        if bitmask.shape[1] != self.words or not bitmask.flags["C_CONTIGUOUS"]:
-            raise ValueError(f"bitmask {bitmask.shape} is not [S, {self.words}] in C order")
+        """Write each (matcher, row)'s next-token mask into bitmask [N, W] (int32, C order)."""
+        self._check(bitmask)
         if rows:
             self._executor.unsafe_compute_mask_ptr(rows, bitmask.ctypes.data, self.words * 4,
                                                    bitmask.shape[0])
+
+    def fill_drafts(self, rows: list[tuple[object, int, list[int]]], bitmask: np.ndarray) -> None:
+        """Speculative rows: for each (matcher, row r, proposals d), bitmask[r + j] = the mask
+        after the first j proposals, j = 0..len(d), stopping after a proposal the grammar
+        refuses (verify rejects it there; later rows keep what they held). Matchers are left as
+        they were."""
+        self._check(bitmask)
+        if rows:
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(
+                rows, bitmask.ctypes.data, self.words * 4, bitmask.shape[0])
+
+    def _check(self, bitmask: np.ndarray) -> None:
+        if (bitmask.ndim != 2 or bitmask.shape[1] != self.words or bitmask.dtype != np.int32
+                or not bitmask.flags["C_CONTIGUOUS"]):
+            raise ValueError(f"bitmask {bitmask.dtype}{list(bitmask.shape)} is not int32 "
+                             f"[N, {self.words}] in C order")
 
 
 class Constraints:
@@ -305,10 +338,23 @@ class Constraints:
         return any(rid in self.live for rid in plan.request_ids)
 
     def fill(self, plan) -> None:
-        """The next-token masks of the plan's constrained rows (plan.token_bitmask)."""
-        rows = [(self.live[rid], s) for s, rid in enumerate(plan.request_ids)
+        """The masks of the plan's constrained rows: the next token's (plan.token_bitmask) and,
+        for rows with proposals, those after each proposal (plan.draft_bitmask)."""
+        live = [(self.live[rid], s) for s, rid in enumerate(plan.request_ids)
                 if plan.constrained[s] and rid in self.live]
-        self.grammars.fill(rows, plan.token_bitmask)
+        if not plan.has_drafts:
+            self.grammars.fill(live, plan.token_bitmask)
+            return
+        k = plan.spec_k
+        masks = np.full((len(live), k + 1, self.grammars.words), -1, np.int32)  # [L, K+1, W]
+        flat = masks.reshape(-1, self.grammars.words)
+        rows = [(m, i * (k + 1), [int(t) for t in plan.draft_ids[s, :plan.num_draft[s]]])
+                for i, (m, s) in enumerate(live)]
+        self.grammars.fill_drafts([r for r in rows if r[2]], flat)
+        self.grammars.fill([(m, r) for m, r, d in rows if not d], flat)
+        for i, (_, s) in enumerate(live):
+            plan.token_bitmask[s] = masks[i, 0]
+            plan.draft_bitmask[s] = masks[i, 1:]
 
     def advance(self, request_id: str, token_ids: Sequence[int]) -> tuple[str | None, str]:
         """Feed a step's tokens to the request's matcher -> (None, "") to go on, ("stop", "")

@@ -57,7 +57,8 @@ from starlette.routing import Route
 from jaxinfer.runtime.requests import (MAX_LOGPROBS, RequestError, SamplingParams, check_samples,
                               check_structured, parse_prompt, sampling_from_json)
 from jaxinfer.runtime.structured import StructuredOutputs
-from jaxinfer.serve.tool_calls import ToolPlan, parse_tools, with_tools
+from jaxinfer.serve.tool_calls import (ToolPlan, check_tool_calls, parse_tools, plain_turns,
+                                       tool_result, with_tools)
 from jaxinfer.serve.chat_template import ChatTemplate, ChatTemplateError
 from jaxinfer.serve.engine_loop import EngineFault, EngineLoop, QueueFull, ShuttingDown
 from jaxinfer.serve.offload import Offload
@@ -75,7 +76,7 @@ _COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature", "to
 _COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
                           "tool_choice", "functions", "function_call", "modalities"}
-_ROLES = ("system", "developer", "user", "assistant")
+_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class ApiError(Exception):
@@ -274,6 +275,7 @@ def _messages(body: dict) -> list[dict]:
     if not isinstance(msgs, list) or not msgs:
         raise bad("'messages' must be a non-empty list", "messages")
     out = []
+    calls: dict[str, str] = {}  # the latest assistant tool calls: id -> function name
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
             raise bad(f"messages[{i}] must be an object", f"messages[{i}]")
@@ -281,10 +283,24 @@ def _messages(body: dict) -> list[dict]:
         if role not in _ROLES:
             raise bad(f"messages[{i}].role must be one of {list(_ROLES)}, got {_brief(role)}",
                       f"messages[{i}].role")
-        if m.get("tool_calls") or m.get("function_call"):
-            raise bad(f"messages[{i}]: tool calls are not supported", f"messages[{i}]")
+        if m.get("function_call"):
+            raise bad(f"messages[{i}].function_call (deprecated) is not supported: use "
+                      "tool_calls", f"messages[{i}].function_call")
         # "developer" is OpenAI's newer name for the system role.
-        out.append({"role": "system" if role == "developer" else role, "content": _message_text(m, i)})
+        msg = {"role": "system" if role == "developer" else role, "content": _message_text(m, i)}
+        try:
+            if role == "tool":
+                msg.update(tool_result(m, calls, f"messages[{i}]"))
+            elif m.get("tool_calls") is not None:
+                if role != "assistant":
+                    raise RequestError(f"messages[{i}].tool_calls", "only assistant messages "
+                                                                    "carry tool calls")
+                msg["tool_calls"] = check_tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")
+        except RequestError as e:
+            raise bad(str(e), e.field) from None
+        if role != "tool":
+            calls = {c["id"]: c["function"]["name"] for c in msg.get("tool_calls", ())}
+        out.append(msg)
     return out
 
 
@@ -513,6 +529,8 @@ class OpenAIApp:
             raise bad("this model has no chat template (none in the checkpoint): use "
                       "/v1/completions, or start the server with --chat-template FILE", "messages")
         extra = {}
+        if "tool_calls" not in self.chat_template.source:  # calls and results as plain turns
+            messages = plain_turns(messages)
         if tools is not None:
             messages, extra = with_tools(messages, tools, self.chat_template)
         try:

@@ -6,6 +6,12 @@ a constraint when a call is required, and `tool_calls` parsed back from the mode
     so = plan.constraint                           # StructuredOutputs when a call is forced
     calls = plan.calls(text)                       # [{"id", "type", "function"}] or None
 
+Earlier turns may hold calls and their results: an assistant message with `tool_calls` and
+`role: "tool"` messages answering them by `tool_call_id` (checked by `check_tool_calls` and
+`tool_result`). Templates that render `tool_calls` get them as they are (arguments as objects);
+for the others `plain_turns` writes a call as the JSON the model was told to answer with and
+the results as one user message.
+
 Templates that take a `tools` variable render the tools themselves (passed as `tools=`); for
 the others (Gemma's has none) a system message lists each function and the call format. The
 call format is one JSON object per call, `{"name": ..., "arguments": {...}}` (an array of them
@@ -128,6 +134,66 @@ def parse_tools(body: dict) -> ToolPlan | None:
     if not isinstance(parallel, bool):
         raise RequestError("parallel_tool_calls", "must be a boolean")
     return ToolPlan(tuple(out), mode, name, parallel)
+
+
+def check_tool_calls(calls, where: str) -> list[dict]:
+    """An assistant message's `tool_calls` -> [{"id", "type", "function": {"name", "arguments"
+    (an object)}}]; RequestError naming the entry otherwise."""
+    if not isinstance(calls, list) or not 1 <= len(calls) <= MAX_TOOLS:
+        raise RequestError(where, f"must be a list of 1..{MAX_TOOLS} calls")
+    out = []
+    for j, c in enumerate(calls):
+        at = f"{where}[{j}]"
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or c.get("type", "function") != "function":
+            raise RequestError(at, 'must be {"id", "type": "function", "function": {...}}')
+        if not isinstance(c.get("id"), str) or not c["id"]:
+            raise RequestError(f"{at}.id", "must be a non-empty string")
+        if not isinstance(fn.get("name"), str) or not _NAME.match(fn["name"]):
+            raise RequestError(f"{at}.function.name", "must be 1-64 letters, digits, _ or -")
+        args = fn.get("arguments", "{}")
+        try:
+            args = json.loads(args) if isinstance(args, str) else args
+        except ValueError:
+            args = None
+        if not isinstance(args, dict):
+            raise RequestError(f"{at}.function.arguments", "must be a JSON object (as text)")
+        out.append({"id": c["id"], "type": "function",
+                    "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def tool_result(m: dict, calls: dict[str, str], where: str) -> dict:
+    """A `role: "tool"` message answering one of `calls` (id -> function name, the calls of
+    the assistant message before it) -> {"role": "tool", "tool_call_id", "name"}."""
+    tid = m.get("tool_call_id")
+    if not isinstance(tid, str) or tid not in calls:
+        known = ", ".join(map(repr, calls)) or "none: no assistant tool_calls precede it"
+        raise RequestError(f"{where}.tool_call_id", f"must name a call of the assistant message "
+                                                    f"before it ({known}), got {tid!r}"[:300])
+    return {"role": "tool", "tool_call_id": tid, "name": calls[tid]}
+
+
+def plain_turns(messages: list[dict]) -> list[dict]:
+    """Tool turns for a template that renders no `tool_calls`: a call becomes the assistant's
+    JSON answer in the format `with_tools` asks for, and each run of results one user message."""
+    out: list[dict] = []
+    for m in messages:
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                     for c in m["tool_calls"]]
+            text = json.dumps(calls[0] if len(calls) == 1 else calls, ensure_ascii=False)
+            out.append({"role": "assistant",
+                        "content": f"{m['content']}\n{text}" if m["content"] else text})
+        elif m["role"] == "tool":
+            line = f"Result of {m['name']} (call {m['tool_call_id']}): {m['content']}"
+            if out and out[-1].get("tool_results"):
+                out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + line}
+            else:
+                out.append({"role": "user", "content": line, "tool_results": True})
+        else:
+            out.append(m)
+    return [{k: v for k, v in m.items() if k != "tool_results"} for m in out]
 
 
 def with_tools(messages: list[dict], plan: ToolPlan, template) -> tuple[list[dict], dict]:

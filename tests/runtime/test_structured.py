@@ -99,6 +99,39 @@ def test_bad_constraints_are_refused_at_the_door_naming_the_field(llm, so, field
     assert not llm.engine.has_unfinished()
 
 
+def test_shortest_bytes_is_the_shortest_match_by_hand():
+    from jaxinfer.runtime.shortest_output import shortest_bytes
+
+    shortest = '{"name": "", "age": 0, "tags": []}'  # written by hand, valid, nothing shorter
+    assert _valid_json(shortest, SCHEMA)
+    nested = {"type": "object", "required": ["p"], "properties": {"p": {
+        "anyOf": [{"type": "array", "minItems": 2, "items": {"enum": ["ab", 7]}},
+                  {"type": "string", "minLength": 9}]}}}
+    cases = [({"json": SCHEMA}, len(shortest)), ({"json": nested}, len('{"p": [7, 7]}')),
+             ({"regex": r"[a-z]{3,6} [0-9]{2}"}, 6), ({"choice": ["Hamlet", "Lear"]}, 4),
+             ({"json_object": True}, 2), ({"grammar": 'start: "abc"'}, 0)]  # Lark: no bound
+    for so, want in cases:
+        assert shortest_bytes(StructuredOutputs.from_json(so)) == want, so
+
+
+def test_a_constraint_that_cannot_fit_in_max_tokens_is_refused(llm):
+    """The shortest match of [a-z]{n} is n bytes; no token spells more than the vocabulary's
+    longest piece (read off sentencepiece here), so fewer than ceil(n / longest) tokens cannot
+    hold it: refused at the door naming max_tokens. One more char per token always fits."""
+    sp = llm.engine.tokenizer.processor
+    longest = max(len(sp.IdToPiece(i).replace("\u2581", " ").encode()) for i in range(sp.GetPieceSize())
+                  if not (sp.IsControl(i) or sp.IsUnknown(i) or sp.IsUnused(i) or sp.IsByte(i)))
+    n = 2 * longest + 1
+    so = {"regex": f"[a-z]{{{n}}}"}
+    with pytest.raises(RequestError) as e:
+        llm.generate(["Hello"], SamplingParams(max_tokens=2, structured_outputs=so))
+    assert e.value.field == "max_tokens" and "at least 3" in str(e.value)
+    out = llm.generate(["Hello"], SamplingParams(max_tokens=n + 1, temperature=0,
+                                                 structured_outputs=so))[0]
+    assert re.fullmatch(f"[a-z]{{{n}}}", out.text) and out.finish_reason == "stop"
+    assert not llm.engine.has_unfinished()
+
+
 def test_ignore_eos_with_a_constraint_is_refused():
     with pytest.raises(RequestError) as e:
         SamplingParams(ignore_eos=True, structured_outputs={"regex": "a"})
@@ -130,14 +163,25 @@ def test_constrained_rows_match_and_the_others_are_untouched(llm, tiny_dir):
 
 
 def test_constrained_requests_under_speculative_decoding(tiny_dir, llm):
-    """Constrained rows take no proposals; they emit what plain decoding emits."""
+    """Constrained rows take proposals, each verify row masked by the grammar's state after the
+    proposals before it: greedy rows emit what plain decoding emits, proposals the grammar
+    refuses are never emitted, sampled rows still match."""
     spec = LLM(str(tiny_dir), max_slots=4, page_size=8, max_model_len=256,
-               speculative={"method": "ngram", "k": 3, "n": 2})
+               speculative={"method": "ngram", "k": 3, "n": 1})
     sps = [SamplingParams(max_tokens=48, temperature=0.0, structured_outputs=so)
            for so, _ in CONSTRAINTS]
     got = spec.generate(PROMPTS[:4], sps)
     want = llm.generate(PROMPTS[:4], sps)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    proposed = sum(o.metrics["spec_proposed"] for o in got)
+    accepted = sum(o.metrics["spec_accepted"] for o in got)
+    assert proposed > 0 and 0 < accepted < proposed, (proposed, accepted)
+    sampled = spec.generate(PROMPTS[4:], [SamplingParams(
+        max_tokens=48, temperature=1.0, seed=i, structured_outputs=so)
+        for i, (so, _) in enumerate(CONSTRAINTS)])
+    for (so, check), o in zip(CONSTRAINTS, sampled):
+        assert o.finish_reason == "stop" and check(o.text), (so, o.text)
+    assert sum(o.metrics["spec_accepted"] for o in sampled) > 0
 
 
 def test_a_grammar_complete_before_max_tokens_stops_and_max_tokens_truncates(llm):

@@ -401,6 +401,28 @@ def test_tool_calls_named_required_and_auto_streamed_and_not(client):
         assert isinstance(c.message.content, str)
 
 
+def test_tool_results_continue_the_conversation(client):
+    """A call and its result sent back (role "tool" answering the call's id): this template
+    renders no tool_calls, so the call is the assistant's JSON answer and the result a user
+    turn, as the plain turns written out by hand here."""
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = client.chat.completions.create(
+        model=MODEL, messages=ask, tools=[WEATHER], temperature=0, max_tokens=60,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    call = r.choices[0].message.tool_calls[0]
+    turns = ask + [r.choices[0].message.model_dump(exclude_none=True),
+                   {"role": "tool", "tool_call_id": call.id, "content": "18C and sunny"}]
+    got = client.chat.completions.create(model=MODEL, messages=turns, temperature=0,
+                                         max_tokens=8)
+    answer = json.dumps({"name": "get_weather", "arguments": json.loads(call.function.arguments)})
+    plain = ask + [{"role": "assistant", "content": answer}, {
+        "role": "user", "content": f"Result of get_weather (call {call.id}): 18C and sunny"}]
+    want = client.chat.completions.create(model=MODEL, messages=plain, temperature=0,
+                                          max_tokens=8)
+    assert got.usage.prompt_tokens == want.usage.prompt_tokens
+    assert got.choices[0].message.content == want.choices[0].message.content
+
+
 # ---- models, health, auth, errors ----------------------------------------------------------------
 def test_models_health_and_auth(client, server):
     assert [m.id for m in client.models.list().data] == [MODEL]
@@ -469,6 +491,19 @@ MALFORMED = [  # (path, body or raw bytes, status, param)
      "tools[0].function.parameters"),
     (CH, {**OK_CH, "tools": [{"type": "function", "function": {"name": "f"}}],
           "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice"),
+    (CH, {**OK_CH, "messages": [{"role": "user", "content": "hi"}, {
+        "role": "tool", "tool_call_id": "call_1", "content": "18C"}]}, 400,
+     "messages[1].tool_call_id"),
+    (CH, {**OK_CH, "messages": [{"role": "user", "content": "hi"}, {
+        "role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "f", "arguments": "{not json"}}]}, {"role": "user", "content": "go"}]}, 400,
+     "messages[1].tool_calls[0].function.arguments"),
+    (CH, {**OK_CH, "messages": [{"role": "user", "content": "hi", "tool_calls": []}]}, 400,
+     "messages[0].tool_calls"),
+    (CH, {**OK_CH, "max_tokens": 1, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "required": ["a_property_name_of_many_tokens"],
+                                "properties": {"a_property_name_of_many_tokens": {
+                                    "type": "string", "minLength": 30}}}}}}, 400, "max_tokens"),
     (CH, {**OK_CH, "response_format": {"type": "xml"}}, 400, "response_format.type"),
     (CH, {**OK_CH, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400,
      "response_format.json_schema.schema"),
