@@ -76,13 +76,15 @@ class ToolPlan:
             return None
         items = got if isinstance(got, list) else [got]
         names = {f["name"] for f in self.tools}
+        # Llama 3.x templates ask for "parameters" where others say "arguments"
+        args = [c.get("arguments", c.get("parameters", {})) if isinstance(c, dict) else None
+                for c in items]
         if not items or not all(isinstance(c, dict) and c.get("name") in names
-                                and isinstance(c.get("arguments", {}), dict) for c in items):
+                                and isinstance(a, dict) for c, a in zip(items, args)):
             return None
         return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                 "function": {"name": c["name"],
-                              "arguments": json.dumps(c.get("arguments", {}), ensure_ascii=False)}}
-                for c in items]
+                 "function": {"name": c["name"], "arguments": json.dumps(a, ensure_ascii=False)}}
+                for c, a in zip(items, args)]
 
 
 def parse_tools(body: dict) -> ToolPlan | None:

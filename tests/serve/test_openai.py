@@ -401,6 +401,23 @@ def test_tool_calls_named_required_and_auto_streamed_and_not(client):
         assert isinstance(c.message.content, str)
 
 
+def test_tool_call_texts_the_models_write():
+    from jaxinfer.serve.tool_calls import parse_tools
+
+    plan = parse_tools({"tools": [WEATHER, CLOCK]})
+    for text in ('{"name": "get_weather", "arguments": {"city": "Oslo"}}',  # the prompted format
+                 '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+                 '{"name": "get_weather", "parameters": {"city": "Oslo"}}'):  # Llama 3.x
+        (call,) = plan.calls(text)
+        assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}, text
+    two = plan.calls('[{"name": "get_time"}, {"name": "get_weather", "arguments": {"city": "A"}}]')
+    assert [c["function"]["name"] for c in two] == ["get_time", "get_weather"]
+    assert len({c["id"] for c in two}) == 2
+    for text in ('{"name": "nope", "arguments": {}}', "Sunny.", '{"name": "get_time", '
+                 '"arguments": [1]}', "[]"):
+        assert plan.calls(text) is None, text
+
+
 def test_tool_results_continue_the_conversation(client):
     """A call and its result sent back (role "tool" answering the call's id): this template
     renders no tool_calls, so the call is the assistant's JSON answer and the result a user
