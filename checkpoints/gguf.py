@@ -1,7 +1,7 @@
 """Load a GGUF file (llama.cpp's format) into ModelConfig + Params.
 
 Supported architectures (`general.architecture`): "gemma3", "llama" (also Mistral converted by
-llama.cpp) and "qwen2". Quantized tensors (Q4_K, Q5_0, Q6_K, Q8_0, ... — whatever
+llama.cpp), "qwen2" and "qwen3" (per-head q/k norms). Quantized tensors (Q4_K, Q5_0, Q6_K, Q8_0, ... — whatever
 `gguf.quants.dequantize` implements) and F32 / F16 / BF16 are dequantized one tensor at a time to
 the runtime dtype, so peak host memory stays near one copy of the weights in that dtype plus one
 f32 tensor.
@@ -11,7 +11,7 @@ Facts about GGUF this loader relies on (checked numerically against HF transform
   is shaped `reversed(ne)`, i.e. `[out, in]` for a linear weight — the same as PyTorch/HF.
 - llama.cpp permutes the rows of q/k projections of the "llama" architecture so that its
   interleaved (GPT-J style) rope acts on pairs (2i, 2i+1). Our forward uses the rotate-half
-  layout (pairs i, i + Dh/2), so those rows are un-permuted here. "gemma3" and "qwen2" use
+  layout (pairs i, i + Dh/2), so those rows are un-permuted here. "gemma3" and "qwen2/3" use
   NEOX-style rope in llama.cpp and are stored unpermuted.
 - Gemma norm weights are stored with the +1 already added (llama.cpp adds it at conversion), so
   they are the effective multiplier our forward expects; they are loaded unchanged.
@@ -48,7 +48,7 @@ except ImportError:  # pragma: no cover - gguf is a declared dependency
 if TYPE_CHECKING:
     from jaxinfer.checkpoints.gguf_header import GGUFFile
 
-ARCHITECTURES = ("gemma3", "llama", "qwen2")
+ARCHITECTURES = ("gemma3", "llama", "qwen2", "qwen3")
 
 
 def _require_gguf() -> None:
@@ -209,6 +209,7 @@ def gguf_config(reader, source: str) -> ModelConfig:
             rope_theta=float(m.get(a + "rope.freq_base", 10_000.0)),
             rope_scaling=rope_scaling,
             qkv_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensors,
+            qk_norm="blk.0.attn_q_norm.weight" in tensors,
             activation="silu",
             sliding_window=window,
             layer_types=("local",) * n_layers if window else (),

@@ -12,6 +12,7 @@ _FAMILIES = {
     "llama": "llama",
     "mistral": "llama",
     "qwen2": "llama",
+    "qwen3": "llama",
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",
 }
@@ -95,7 +96,7 @@ def _from_hf(hf: dict[str, Any], family: str, model_type: str) -> ModelConfig:
     )
     if family == "llama":
         window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
-        if model_type == "qwen2" and not hf.get("use_sliding_window", False):
+        if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
             window = None
         return ModelConfig(
             **common,
@@ -103,6 +104,7 @@ def _from_hf(hf: dict[str, Any], family: str, model_type: str) -> ModelConfig:
             rope_scaling=_rope_scaling(hf),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+            qk_norm=model_type == "qwen3",  # per-head RMSNorm of q and k before RoPE
             activation=_activation(hf.get("hidden_act", "silu")),
             sliding_window=window,
             layer_types=("local",) * common["num_layers"] if window else (),

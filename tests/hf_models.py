@@ -29,6 +29,11 @@ FAMILIES = {
         cls="Qwen2ForCausalLM", cfg="Qwen2Config",
         kw=dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
     ),
+    "qwen3": dict(  # per-head q/k RMSNorm, head_dim set apart from hidden / heads
+        cls="Qwen3ForCausalLM", cfg="Qwen3Config",
+        kw=dict(num_attention_heads=4, num_key_value_heads=2, head_dim=48,
+                tie_word_embeddings=False),
+    ),
 }
 
 

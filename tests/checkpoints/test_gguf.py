@@ -91,11 +91,14 @@ def test_llama_gguf_also_matches_hf_gguf_loader(tiny_llama_gguf):
     assert np.abs(prefill - hf_logits(other, PROMPT)).max() <= 1e-4
 
 
-def test_qwen2_gguf_bias_and_tied(tmp_path):
-    hf = make_hf_model("qwen2", tmp_path / "hf", hidden=64, layers=2)
-    path = write_gguf_like_llama_cpp(hf, tmp_path / "q.gguf", "qwen2")
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_gguf_bias_tied_and_qk_norm(tmp_path, arch):
+    hf = make_hf_model(arch, tmp_path / "hf", hidden=64, layers=2)
+    path = write_gguf_like_llama_cpp(hf, tmp_path / "q.gguf", arch)
     cfg, params = load_gguf(path)
-    assert cfg.qkv_bias and cfg.tie_word_embeddings
+    # qwen2: qkv bias, tied head; qwen3: per-head q/k norms, its own head, head_dim 48
+    assert (cfg.qkv_bias, cfg.tie_word_embeddings, cfg.qk_norm) == (
+        (True, True, False) if arch == "qwen2" else (False, False, True))
     prefill, _, _ = run_sequence(params, cfg, PROMPT, page_size=8)
     assert np.abs(prefill - hf_logits(hf, PROMPT)).max() <= 1e-4
 

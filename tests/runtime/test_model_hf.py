@@ -49,3 +49,6 @@ def test_config_fields_from_hf(family_model):
     assert cfg.tie_word_embeddings == bool(hf.config.tie_word_embeddings)
     assert cfg.qkv_bias == (name == "qwen2")
     assert (cfg.rope_scaling is not None) == (name == "llama3_rope")
+    assert cfg.qk_norm == (name == "qwen3")
+    c = hf.config
+    assert cfg.head_dim == (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
