@@ -93,10 +93,12 @@ def hf_tensor_plan(cfg: ModelConfig) -> dict[str, tuple[str, Callable]]:
             "self_attn.k_proj.weight": ("wk", lambda w: w.T.reshape(d, hkv, dh)),
             "self_attn.v_proj.weight": ("wv", lambda w: w.T.reshape(d, hkv, dh)),
             "self_attn.o_proj.weight": ("wo", lambda w: w.T.reshape(hq, dh, d)),
+            "input_layernorm.weight": ("attn_norm", norm),
+        }
+        layer |= _expert_plan(cfg) if cfg.num_experts else {
             "mlp.gate_proj.weight": ("w_gate", lambda w: w.T),
             "mlp.up_proj.weight": ("w_up", lambda w: w.T),
             "mlp.down_proj.weight": ("w_down", lambda w: w.T),
-            "input_layernorm.weight": ("attn_norm", norm),
         }
         if gemma:
             layer |= {
@@ -119,6 +121,21 @@ def hf_tensor_plan(cfg: ModelConfig) -> dict[str, tuple[str, Callable]]:
             }
         for k, (field, fn) in layer.items():
             plan[pre + k] = (pre + field, fn)
+    return plan
+
+
+def _expert_plan(cfg: ModelConfig) -> dict[str, tuple[str, Callable]]:
+    """A mixture-of-experts layer's tensors: the router [E, D] and each expert's [out, in]
+    projections, stacked by expert (`field#e`: row e of the [E, ...] param)."""
+    t = lambda w: w.T  # noqa: E731
+    if cfg.architecture.startswith("Mixtral"):  # w1 gate, w3 up, w2 down
+        pre, names = "block_sparse_moe.", ("w1", "w3", "w2")
+    else:  # Qwen3-MoE
+        pre, names = "mlp.", ("gate_proj", "up_proj", "down_proj")
+    plan = {f"{pre}gate.weight": ("router", t)}
+    for e in range(cfg.num_experts):
+        for name, field in zip(names, ("we_gate", "we_up", "we_down")):
+            plan[f"{pre}experts.{e}.{name}.weight"] = (f"{field}#{e}", t)
     return plan
 
 
@@ -149,6 +166,9 @@ def assemble_params(
                 continue
             arr = arr.dense()  # its groups do not fit the param's layout: dequantized
         value = fn(jnp.asarray(arr, jnp.float32))
+        if "#" in target:  # one expert's slice of a stacked [E, ...] weight
+            got[target] = value if place else jnp.asarray(value, dtype)
+            continue
         got[target] = place(target, value) if place else jnp.asarray(value, dtype)
     missing = [name for name, (target, _) in plan.items() if target not in got]
     if missing:
@@ -156,6 +176,7 @@ def assemble_params(
             f"checkpoint is missing {len(missing)} tensor(s) for {cfg.architecture}, e.g. "
             f"{missing[:3]}"
         )
+    _stack_experts(got, place)
     layers = []
     fields = LayerParams.__dataclass_fields__
     for i in range(cfg.num_layers):
@@ -165,6 +186,17 @@ def assemble_params(
         embed=got["embed"], layers=tuple(layers), final_norm=got["final_norm"],
         lm_head=got.get("lm_head"),
     )
+
+
+def _stack_experts(got: dict, place: Callable | None) -> None:
+    """Replace the `field#e` slices in `got` by the stacked `field` [E, ...] (placed whole)."""
+    parts: dict[str, dict[int, object]] = {}
+    for key in [k for k in got if "#" in k]:
+        base, e = key.split("#")
+        parts.setdefault(base, {})[int(e)] = got.pop(key)
+    for base, by_e in parts.items():
+        stacked = jnp.stack([by_e[e] for e in range(len(by_e))])
+        got[base] = place(base, stacked) if place else stacked
 
 
 def load_hf(path: str | Path, dtype=jnp.float32, place: Callable | None = None

@@ -13,6 +13,8 @@ _FAMILIES = {
     "mistral": "llama",
     "qwen2": "llama",
     "qwen3": "llama",
+    "qwen3_moe": "llama",
+    "mixtral": "llama",
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",
 }
@@ -96,7 +98,7 @@ def _from_hf(hf: dict[str, Any], family: str, model_type: str) -> ModelConfig:
     )
     if family == "llama":
         window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
-        if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+        if model_type in ("qwen2", "qwen3", "qwen3_moe") and not hf.get("use_sliding_window", False):
             window = None
         return ModelConfig(
             **common,
@@ -104,10 +106,11 @@ def _from_hf(hf: dict[str, Any], family: str, model_type: str) -> ModelConfig:
             rope_scaling=_rope_scaling(hf),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
-            qk_norm=model_type == "qwen3",  # per-head RMSNorm of q and k before RoPE
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),  # per-head RMSNorm of q, k before RoPE
             activation=_activation(hf.get("hidden_act", "silu")),
             sliding_window=window,
             layer_types=("local",) * common["num_layers"] if window else (),
+            **_experts(hf, model_type, common["num_layers"]),
         )
     # gemma3
     n = common["num_layers"]
@@ -140,6 +143,27 @@ def _from_hf(hf: dict[str, Any], family: str, model_type: str) -> ModelConfig:
         final_logit_softcap=hf.get("final_logit_softcapping"),
         attn_logit_softcap=hf.get("attn_logit_softcapping"),
     )
+
+
+def _experts(hf: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
+    """The mixture-of-experts fields (none for a dense model): Qwen3-MoE (`num_experts`,
+    `moe_intermediate_size`, `norm_topk_prob`) and Mixtral (`num_local_experts`, experts of
+    `intermediate_size`, weights always renormalised)."""
+    if model_type == "mixtral":
+        return dict(num_experts=int(hf["num_local_experts"]),
+                    experts_per_token=int(hf["num_experts_per_tok"]),
+                    moe_intermediate_size=int(hf["intermediate_size"]), norm_topk_prob=True)
+    if model_type != "qwen3_moe":
+        return {}
+    step, dense = int(hf.get("decoder_sparse_step", 1)), list(hf.get("mlp_only_layers") or [])
+    if step != 1 or dense:
+        raise ConfigError(f"dense layers between expert layers (decoder_sparse_step {step}, "
+                          f"mlp_only_layers {dense}) are not supported")
+    # Qwen's own configs say num_experts; transformers 5 writes num_local_experts
+    n = hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"]
+    return dict(num_experts=int(n), experts_per_token=int(hf["num_experts_per_tok"]),
+                moe_intermediate_size=int(hf["moe_intermediate_size"]),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
 
 
 def _activation(name: str) -> str:

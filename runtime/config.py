@@ -67,6 +67,11 @@ class ModelConfig:
     rope_local_theta: float | None = None
     final_logit_softcap: float | None = None
     attn_logit_softcap: float | None = None
+    # mixture of experts in every layer (0 experts: a dense MLP); runtime/moe.py
+    num_experts: int = 0
+    experts_per_token: int = 0  # top-k of the router's softmax
+    moe_intermediate_size: int = 0  # each expert's F
+    norm_topk_prob: bool = False  # renormalise the k routing weights to sum 1
     # tokens
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -79,6 +84,11 @@ class ModelConfig:
             )
         if self.layer_types and len(self.layer_types) != self.num_layers:
             raise ConfigError(f"{len(self.layer_types)} layer_types for {self.num_layers} layers")
+        if self.num_experts and not (1 <= self.experts_per_token <= self.num_experts
+                                     and self.moe_intermediate_size > 0):
+            raise ConfigError(f"{self.num_experts} experts need 1 <= experts_per_token "
+                              f"({self.experts_per_token}) <= num_experts and "
+                              f"moe_intermediate_size > 0 ({self.moe_intermediate_size})")
 
     @property
     def sm_scale(self) -> float:

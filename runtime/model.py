@@ -18,6 +18,7 @@ from flax import struct
 from jaxinfer.runtime.attention import AttentionMetadata, attend
 from jaxinfer.runtime.config import ModelConfig, RopeScaling
 from jaxinfer.runtime.kv_cache import KVCache, write_pages
+from jaxinfer.runtime.moe import moe_mlp
 from jaxinfer.runtime.quantization import einsum, take_rows
 
 
@@ -29,9 +30,13 @@ class LayerParams:
     wv: jax.Array  # [D, Hkv, Dh]
     wo: jax.Array  # [Hq, Dh, D]
     mlp_norm: jax.Array  # [D]
-    w_gate: jax.Array  # [D, F]
-    w_up: jax.Array  # [D, F]
-    w_down: jax.Array  # [F, D]
+    w_gate: jax.Array | None = None  # [D, F] (dense MLP; None in a mixture-of-experts layer)
+    w_up: jax.Array | None = None  # [D, F]
+    w_down: jax.Array | None = None  # [F, D]
+    router: jax.Array | None = None  # [D, E] (mixture of experts: runtime/moe.py)
+    we_gate: jax.Array | None = None  # [E, D, Fe]
+    we_up: jax.Array | None = None  # [E, D, Fe]
+    we_down: jax.Array | None = None  # [E, Fe, D]
     bq: jax.Array | None = None  # [Hq, Dh]
     bk: jax.Array | None = None  # [Hkv, Dh]
     bv: jax.Array | None = None  # [Hkv, Dh]
@@ -130,8 +135,12 @@ def _layer(
 
     h = rms_norm(x, lp.mlp_norm, eps)
     act = _activation(cfg.activation)
-    m = act(einsum("td,df->tf", h, lp.w_gate)) * einsum("td,df->tf", h, lp.w_up)  # [T, F]
-    m = einsum("tf,fd->td", m, lp.w_down)  # [T, D]
+    if lp.router is not None:  # experts, grouped by expert with ragged_dot
+        m = moe_mlp(h, lp.router, lp.we_gate, lp.we_up, lp.we_down,
+                    k=cfg.experts_per_token, norm_topk=cfg.norm_topk_prob, act=act)  # [T, D]
+    else:
+        m = act(einsum("td,df->tf", h, lp.w_gate)) * einsum("td,df->tf", h, lp.w_up)  # [T, F]
+        m = einsum("tf,fd->td", m, lp.w_down)  # [T, D]
     if lp.post_mlp_norm is not None:
         m = rms_norm(m, lp.post_mlp_norm, eps)
     return x + m, k_pages, v_pages
@@ -198,11 +207,14 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: floa
         return (1.0 + 0.1 * jax.random.normal(next(keys), (n,), jnp.float32)).astype(dtype)
 
     layers = []
+    ne, fe = cfg.num_experts, cfg.moe_intermediate_size
     for _ in range(cfg.num_layers):
+        mlp = dict(w_gate=w(d, f), w_up=w(d, f), w_down=w(f, d)) if not ne else dict(
+            router=w(d, ne), we_gate=w(ne, d, fe), we_up=w(ne, d, fe), we_down=w(ne, fe, d))
         layers.append(
             LayerParams(
                 attn_norm=norm(d), wq=w(d, hq, dh), wk=w(d, hkv, dh), wv=w(d, hkv, dh),
-                wo=w(hq, dh, d), mlp_norm=norm(d), w_gate=w(d, f), w_up=w(d, f), w_down=w(f, d),
+                wo=w(hq, dh, d), mlp_norm=norm(d), **mlp,
                 bq=w(hq, dh) if cfg.qkv_bias else None,
                 bk=w(hkv, dh) if cfg.qkv_bias else None,
                 bv=w(hkv, dh) if cfg.qkv_bias else None,

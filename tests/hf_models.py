@@ -34,6 +34,17 @@ FAMILIES = {
         kw=dict(num_attention_heads=4, num_key_value_heads=2, head_dim=48,
                 tie_word_embeddings=False),
     ),
+    "qwen3_moe": dict(  # 16 experts, top 4, weights not renormalised
+        cls="Qwen3MoeForCausalLM", cfg="Qwen3MoeConfig",
+        kw=dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=16,
+                num_experts_per_tok=4, moe_intermediate_size=48, norm_topk_prob=False,
+                tie_word_embeddings=False),
+    ),
+    "mixtral": dict(  # 8 experts, top 2, renormalised
+        cls="MixtralForCausalLM", cfg="MixtralConfig",
+        kw=dict(num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+                num_experts_per_tok=2, sliding_window=None, tie_word_embeddings=False),
+    ),
 }
 
 
@@ -54,6 +65,8 @@ def make_hf_model(family: str, out: Path, *, seed: int = 0, hidden=128, layers=2
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith(".bias"):
                 p.add_(0.1 * torch.randn_like(p))
+            if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+                p.mul_(50.0)  # routers far from uniform: no near-ties in the top-k choice
     model = model.to(dtype)
     model.save_pretrained(out, safe_serialization=True)
     return model

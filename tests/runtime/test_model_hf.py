@@ -49,6 +49,7 @@ def test_config_fields_from_hf(family_model):
     assert cfg.tie_word_embeddings == bool(hf.config.tie_word_embeddings)
     assert cfg.qkv_bias == (name == "qwen2")
     assert (cfg.rope_scaling is not None) == (name == "llama3_rope")
-    assert cfg.qk_norm == (name == "qwen3")
+    assert cfg.qk_norm == (name in ("qwen3", "qwen3_moe"))
+    assert cfg.num_experts == {"qwen3_moe": 16, "mixtral": 8}.get(name, 0)
     c = hf.config
     assert cfg.head_dim == (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
