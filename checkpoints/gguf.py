@@ -123,6 +123,9 @@ def gguf_config(reader, source: str) -> ModelConfig:
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise CheckpointError(f"{source}: GGUF has no 'token_embd.weight' tensor")
+    if any(name.endswith("_exps.weight") for name in tensors):
+        raise CheckpointError(f"{source}: mixture-of-experts GGUF files are not supported; "
+                              "load the model's HF safetensors")
     embd_ne = [int(x) for x in tensors["token_embd.weight"].shape]  # [D, V]
     hidden = int(m.need(a + "embedding_length"))
     n_layers = int(m.need(a + "block_count"))

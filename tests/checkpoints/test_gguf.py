@@ -215,6 +215,16 @@ def test_unknown_architecture(tmp_path):
     assert str(path) in str(e.value) and "gemma3" in str(e.value)
 
 
+def test_expert_tensors_are_refused_naming_the_way_out(tmp_path):
+    path = tmp_path / "moe.gguf"
+    w = _tiny_writer(path, "llama")
+    w.add_tensor("token_embd.weight", np.zeros((16, 32), np.float32))
+    w.add_tensor("blk.0.ffn_gate_exps.weight", np.zeros((4, 64, 32), np.float32))
+    _finish(w)
+    with pytest.raises(CheckpointError, match=r"mixture-of-experts GGUF.*safetensors"):
+        load_gguf(path)
+
+
 def test_unsupported_quant_type(tiny_gemma_gguf, tmp_path):
     """Q8_K (llama.cpp's internal activation format) cannot be dequantized."""
     hf, _ = tiny_gemma_gguf

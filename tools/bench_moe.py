@@ -1,0 +1,78 @@
+"""Mixture-of-experts feed-forward speed, side by side in one run.
+
+    python -m jaxinfer.tools.bench_moe [--experts 64] [--top-k 8] [--hidden 1024]
+                                       [--expert-ffn 256] [--tokens 1,16,128] [--repeats 20]
+
+For each token count (a decode batch, a prefill chunk): the grouped path the engine serves
+(runtime/moe.py: pairs sorted by expert, `ragged_dot`), the dense-over-experts reference (every
+expert on every token), and a dense gated MLP with the same *active* parameters (F = k x the
+expert's F). Milliseconds per call, median of `--repeats` after one compiling call (reported
+apart), f32. Prints a table; `--json` writes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+
+def _time(fn, args, repeats: int) -> tuple[float, float]:
+    """(first call s, median ms of the next `repeats`)."""
+    import jax
+
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    first = time.perf_counter() - t
+    runs = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        runs.append((time.perf_counter() - t) * 1e3)
+    return first, statistics.median(runs)
+
+
+def main(argv=None) -> int:
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer.runtime.moe import moe_mlp, moe_mlp_dense
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--expert-ffn", type=int, default=256)
+    p.add_argument("--tokens", default="1,16,128")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    e, k, d, f = a.experts, a.top_k, a.hidden, a.expert_ffn
+    ks = jax.random.split(jax.random.key(0), 8)
+    w = lambda i, *s: 0.05 * jax.random.normal(ks[i], s, jnp.float32)  # noqa: E731
+    router, wg, wu, wd = w(0, d, e), w(1, e, d, f), w(2, e, d, f), w(3, e, f, d)
+    dg, du, dd = w(4, d, k * f), w(5, d, k * f), w(6, k * f, d)
+    kw = dict(k=k, norm_topk=True, act=jax.nn.silu)
+    grouped = jax.jit(lambda h: moe_mlp(h, router, wg, wu, wd, **kw))
+    every = jax.jit(lambda h: moe_mlp_dense(h, router, wg, wu, wd, **kw))
+    dense = jax.jit(lambda h: (jax.nn.silu(h @ dg) * (h @ du)) @ dd)
+    rows = []
+    print(f"E={e} top-{k}, D={d}, expert F={f} (dense F={k * f}), f32, "
+          f"{jax.default_backend()}; ms per call, median of {a.repeats}")
+    print(f"{'tokens':>6} | {'grouped (ragged_dot)':>20} | {'dense over experts':>18} | "
+          f"{'dense MLP, same active':>22} | first calls s (g / e / d)")
+    for t in (int(x) for x in a.tokens.split(",")):
+        h = jax.random.normal(ks[7], (t, d), jnp.float32)
+        (g1, g), (e1, ev), (d1, dn) = (_time(fn, (h,), a.repeats) for fn in (grouped, every, dense))
+        rows.append(dict(tokens=t, grouped_ms=g, dense_over_experts_ms=ev, dense_mlp_ms=dn,
+                         first_s=[g1, e1, d1]))
+        print(f"{t:>6} | {g:>20.3f} | {ev:>18.3f} | {dn:>22.3f} | {g1:.2f} / {e1:.2f} / {d1:.2f}")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(dict(experts=e, top_k=k, hidden=d, expert_ffn=f, rows=rows), fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
