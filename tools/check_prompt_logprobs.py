@@ -35,7 +35,8 @@ def main(argv=None) -> int:
     import numpy as np
     import torch
 
-    from jaxinfer import LLM, SamplingParams
+    from jaxinfer.runtime.llm import LLM
+    from jaxinfer.runtime.requests import SamplingParams
     from jaxinfer.checkpoints.named import resolve_named
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
