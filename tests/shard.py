@@ -27,7 +27,6 @@ FILES = (
     "tests/runtime/test_speculative.py",
     "tests/runtime/test_speculative_distribution.py",
     "tests/runtime/test_attention_backends.py",
-    "tests/runtime/test_quantization.py",
     "tests/pallas_kernels/test_ragged_paged_attention.py",
     "tests/runtime/test_prefix_cache.py",
     "tests/runtime/test_kv_int8.py",
