@@ -1,9 +1,10 @@
 """Mixture-of-experts feed-forward: a softmax router picks k of E experts per token, each a gated
 MLP, and the token's output is their routing-weighted sum (Qwen3-MoE, Mixtral).
 
-`moe_mlp` is the serving path: the T*k (token, expert) pairs are sorted by expert and the expert
-weights applied with `jax.lax.ragged_dot` over contiguous groups, so each pair meets only its
-own expert's weights and no token is dropped. `moe_mlp_dense` computes every expert for every
+`moe_mlp` is the serving path. Each (token, expert) pair meets only its own expert's weights and
+no token is dropped: up to E pairs (decode) gather the chosen experts' weights per pair; more
+pairs (prefill) are sorted by expert and the expert weights applied with `jax.lax.ragged_dot`
+over contiguous groups. `moe_mlp_dense` computes every expert for every
 token and masks: E/k times the work, kept as the test reference.
 
     logits = h @ router                        # [T, E], f32
@@ -29,10 +30,27 @@ def route(h: jax.Array, router: jax.Array, k: int, norm_topk: bool):
 
 def moe_mlp(h: jax.Array, router, we_gate, we_up, we_down, *, k: int, norm_topk: bool,
             act) -> jax.Array:
-    """h [T, D]; we_gate / we_up [E, D, F], we_down [E, F, D] -> [T, D]. Grouped by expert."""
-    t, _ = h.shape
-    e_count = we_gate.shape[0]
+    """h [T, D]; we_gate / we_up [E, D, F], we_down [E, F, D] -> [T, D]. At most E pairs (a
+    decode step): each pair gathers its expert's weights (`_gathered`); more: grouped by expert
+    through ragged_dot (`_grouped`). Both read only the chosen experts."""
     w, e = route(h, router, k, norm_topk)
+    fn = _gathered if h.shape[0] * k <= we_gate.shape[0] else _grouped
+    return fn(h, w, e, we_gate, we_up, we_down, act)
+
+
+def _gathered(h, w, e, we_gate, we_up, we_down, act) -> jax.Array:
+    """Pair (t, j) multiplies h[t] by expert e[t, j]'s own weights, gathered: [T, k, D, F]."""
+    x = h.astype(jnp.float32)
+    g = jnp.einsum("td,tkdf->tkf", x, we_gate[e].astype(jnp.float32))
+    u = jnp.einsum("td,tkdf->tkf", x, we_up[e].astype(jnp.float32))
+    y = jnp.einsum("tkf,tkfd->tkd", act(g) * u, we_down[e].astype(jnp.float32))  # [T, k, D]
+    return jnp.einsum("tkd,tk->td", y, w).astype(h.dtype)
+
+
+def _grouped(h, w, e, we_gate, we_up, we_down, act) -> jax.Array:
+    """The pairs sorted by expert, each group multiplied by its expert with ragged_dot."""
+    t, _ = h.shape
+    k, e_count = e.shape[1], we_gate.shape[0]
     flat_e = e.reshape(-1)  # [T*k] expert of pair p = t * k + j
     order = jnp.argsort(flat_e, stable=True)  # pairs grouped by expert
     tok = order // k  # [T*k] token of each sorted pair

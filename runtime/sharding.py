@@ -45,6 +45,7 @@ RULES: dict[str, str | None] = {
     "heads": "model",
     "kv_heads": "model",
     "mlp": "model",
+    "expert": "model",  # expert parallelism: each device holds E / tp experts
     "embed": None,
     "head_dim": None,
     "pages": None,
@@ -62,6 +63,10 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "w_gate": ("embed", "mlp"),  # [D, F]
     "w_up": ("embed", "mlp"),
     "w_down": ("mlp", "embed"),  # [F, D]
+    "router": ("embed", None),  # [D, E] (replicated: every device routes every token)
+    "we_gate": ("expert", "embed", "mlp"),  # [E, D, Fe]: split by expert first
+    "we_up": ("expert", "embed", "mlp"),
+    "we_down": ("expert", "mlp", "embed"),  # [E, Fe, D]
     "bq": ("heads", "head_dim"),
     "bk": ("kv_heads", "head_dim"),
     "bv": ("kv_heads", "head_dim"),

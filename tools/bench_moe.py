@@ -3,10 +3,10 @@
     python -m jaxinfer.tools.bench_moe [--experts 64] [--top-k 8] [--hidden 1024]
                                        [--expert-ffn 256] [--tokens 1,16,128] [--repeats 20]
 
-For each token count (a decode batch, a prefill chunk): the grouped path the engine serves
-(runtime/moe.py: pairs sorted by expert, `ragged_dot`), the dense-over-experts reference (every
-expert on every token), and a dense gated MLP with the same *active* parameters (F = k x the
-expert's F). Milliseconds per call, median of `--repeats` after one compiling call (reported
+For each token count (a decode batch, a prefill chunk): what the engine serves (runtime/moe.py:
+experts gathered per pair when T*k <= E, else grouped), the grouped form alone (pairs sorted by
+expert, `ragged_dot`), the dense-over-experts reference (every expert on every token), and a
+dense gated MLP with the same *active* parameters (F = k x the expert's F). Milliseconds per call, median of `--repeats` after one compiling call (reported
 apart), f32. Prints a table; `--json` writes it.
 """
 
@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     import jax
     import jax.numpy as jnp
 
-    from jaxinfer.runtime.moe import moe_mlp, moe_mlp_dense
+    from jaxinfer.runtime.moe import _grouped, moe_mlp, moe_mlp_dense, route
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--experts", type=int, default=64)
@@ -54,20 +54,26 @@ def main(argv=None) -> int:
     router, wg, wu, wd = w(0, d, e), w(1, e, d, f), w(2, e, d, f), w(3, e, f, d)
     dg, du, dd = w(4, d, k * f), w(5, d, k * f), w(6, k * f, d)
     kw = dict(k=k, norm_topk=True, act=jax.nn.silu)
-    grouped = jax.jit(lambda h: moe_mlp(h, router, wg, wu, wd, **kw))
-    every = jax.jit(lambda h: moe_mlp_dense(h, router, wg, wu, wd, **kw))
-    dense = jax.jit(lambda h: (jax.nn.silu(h @ dg) * (h @ du)) @ dd)
+    # weights are arguments, not constants folded into the programs
+    served = jax.jit(lambda h, ws: moe_mlp(h, *ws[:4], **kw))
+    grouped = jax.jit(lambda h, ws: _grouped(h, *route(h, ws[0], k, True), *ws[1:4], jax.nn.silu))
+    every = jax.jit(lambda h, ws: moe_mlp_dense(h, *ws[:4], **kw))
+    dense = jax.jit(lambda h, ws: (jax.nn.silu(h @ ws[4]) * (h @ ws[5])) @ ws[6])
+    ws = (router, wg, wu, wd, dg, du, dd)
     rows = []
     print(f"E={e} top-{k}, D={d}, expert F={f} (dense F={k * f}), f32, "
           f"{jax.default_backend()}; ms per call, median of {a.repeats}")
-    print(f"{'tokens':>6} | {'grouped (ragged_dot)':>20} | {'dense over experts':>18} | "
-          f"{'dense MLP, same active':>22} | first calls s (g / e / d)")
+    print(f"{'tokens':>6} | {'served':>8} | {'grouped (ragged_dot)':>20} | "
+          f"{'dense over experts':>18} | {'dense MLP, same active':>22} | first calls s")
     for t in (int(x) for x in a.tokens.split(",")):
         h = jax.random.normal(ks[7], (t, d), jnp.float32)
-        (g1, g), (e1, ev), (d1, dn) = (_time(fn, (h,), a.repeats) for fn in (grouped, every, dense))
-        rows.append(dict(tokens=t, grouped_ms=g, dense_over_experts_ms=ev, dense_mlp_ms=dn,
-                         first_s=[g1, e1, d1]))
-        print(f"{t:>6} | {g:>20.3f} | {ev:>18.3f} | {dn:>22.3f} | {g1:.2f} / {e1:.2f} / {d1:.2f}")
+        times = [_time(fn, (h, ws), a.repeats) for fn in (served, grouped, every, dense)]
+        (s1, sv), (g1, g), (e1, ev), (d1, dn) = times
+        form = "gathered" if t * k <= e else "grouped"
+        rows.append(dict(tokens=t, served=form, served_ms=sv, grouped_ms=g,
+                         dense_over_experts_ms=ev, dense_mlp_ms=dn, first_s=[s1, g1, e1, d1]))
+        print(f"{t:>6} | {sv:>8.3f} | {g:>20.3f} | {ev:>18.3f} | {dn:>22.3f} | "
+              f"{' / '.join(f'{x[0]:.2f}' for x in times)}  ({form})")
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(dict(experts=e, top_k=k, hidden=d, expert_ffn=f, rows=rows), fh, indent=1)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from jaxinfer.runtime.moe import moe_mlp, moe_mlp_dense, route
+from jaxinfer.runtime.moe import _gathered, _grouped, moe_mlp, moe_mlp_dense, route
 
 D, F, T = 32, 24, 13
 
@@ -24,12 +24,18 @@ def _weights(e: int, seed: int):
 
 
 @pytest.mark.parametrize("e,k", [(8, 2), (8, 8), (64, 2), (64, 8), (128, 2), (128, 8)])
-def test_grouped_experts_equal_the_dense_reference(e, k):
+def test_grouped_and_gathered_experts_equal_the_dense_reference(e, k):
     h, router, wg, wu, wd = _weights(e, seed=e + k)
     kw = dict(k=k, norm_topk=k == 2, act=jax.nn.silu)
-    got = jax.jit(lambda *a: moe_mlp(*a, **kw))(h, router, wg, wu, wd)
     want = jax.jit(lambda *a: moe_mlp_dense(*a, **kw))(h, router, wg, wu, wd)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+    def path(fn):  # one of moe_mlp's two forms, whatever T * k is
+        return jax.jit(lambda h, *ws: fn(h, *route(h, ws[0], k, k == 2), *ws[1:], jax.nn.silu))
+
+    for fn in (_grouped, _gathered, None):
+        got = (jax.jit(lambda *a: moe_mlp(*a, **kw)) if fn is None else path(fn))(
+            h, router, wg, wu, wd)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
     used = np.unique(np.asarray(route(h, router, k, False)[1]))
     assert len(used) < e or e == 8  # experts that receive no token are in the mix
     # hand-worked: one token, top-1 with renormalisation is exactly its expert's MLP
@@ -45,9 +51,11 @@ def test_grouped_experts_equal_the_dense_reference(e, k):
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 def test_grouped_experts_lower_for_accelerators(platform):
     args = [jax.ShapeDtypeStruct(a.shape, jnp.bfloat16) for a in _weights(64, 0)]
-    fn = jax.jit(lambda *a: moe_mlp(*a, k=8, norm_topk=True, act=jax.nn.silu))
-    exported = jax.export.export(fn, platforms=[platform])(*args)
-    assert exported.platforms == (platform,) and exported.out_avals[0].shape == (T, D)
+    for k in (2, 8):  # T * k = 26 <= E: gathered; 104 > E: grouped (ragged_dot)
+        fn = jax.jit(lambda *a: moe_mlp(*a, k=k, norm_topk=True, act=jax.nn.silu))
+        exported = jax.export.export(fn, platforms=[platform])(*args)
+        assert exported.platforms == (platform,) and exported.out_avals[0].shape == (T, D)
+        assert ("ragged" in exported.mlir_module()) == (k == 8) or platform == "cuda"
 
 
 @pytest.fixture(scope="module")

@@ -44,6 +44,12 @@ GEMMA = ModelConfig(  # Gemma 3 style: 4 q heads / 1 kv head, tied embeddings, q
     sliding_window=8, layer_types=("local", "global"), rope_local_theta=10000.0,
 )
 
+MOE = ModelConfig(  # Qwen3-MoE style: 16 experts (top 4), q/k norms; experts split up to tp 8
+    family="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+    num_heads=8, num_kv_heads=4, head_dim=16, qk_norm=True, tie_word_embeddings=False,
+    num_experts=16, experts_per_token=4, moe_intermediate_size=32,
+)
+
 
 def on_8_devices(fn):
     """Run the test body with 8 host devices: one child pytest, started when collection ends
@@ -255,8 +261,11 @@ def test_follower_replaying_broadcast_plans_matches_leader(tiny_dir):
 
 @on_8_devices
 def test_forward_logits_match_across_tp_and_gqa_replication():
-    for cfg in (LLAMA, GEMMA):
+    for cfg in (LLAMA, GEMMA, MOE):
         params = init_params(cfg, jax.random.key(1))
+        if cfg is MOE:  # routers far from uniform: no near-ties in the top-k choice
+            params = params.replace(layers=tuple(
+                lp.replace(router=lp.router * 100) for lp in params.layers))
         ref, _ = _run_forward(params, cfg)
         for tp in TPS[1:]:
             mesh = shd.make_mesh(tp)
@@ -265,11 +274,16 @@ def test_forward_logits_match_across_tp_and_gqa_replication():
             assert (got.argmax(-1) == ref.argmax(-1)).all()
             sh = shd.shard_params(params, mesh)
             wq, wk = sh.layers[0].wq.sharding.spec, sh.layers[0].wk.sharding.spec
+            if cfg is MOE:  # expert parallel: each device holds 16 / tp experts whole
+                experts = [sh.layers[0].we_gate, sh.layers[0].we_up, sh.layers[0].we_down]
+                assert all(a.sharding.spec == P("model") for a in experts)
+                assert shd.bytes_per_device(experts) * tp == sum(a.nbytes for a in experts)
+                assert sh.layers[0].router.sharding.spec == P()
             if cfg is GEMMA:  # 1 kv head: replicated; 4 q heads split when they divide
                 assert wk == P() and cache.k[0].sharding.spec == P()
                 assert shd.bytes_per_device(cache) == cache.nbytes
                 assert wq == (P(None, "model") if tp <= 4 else P())
-            else:
+            elif cfg is LLAMA:
                 assert wk == P(None, "model") and wq == P(None, "model")
                 assert cache.k[0].sharding.spec == P("model")
                 assert shd.bytes_per_device(cache) * tp == cache.nbytes
