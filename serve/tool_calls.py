@@ -72,7 +72,7 @@ class ToolPlan:
         m = re.fullmatch(r"<tool_call>(.*)</tool_call>", s, re.S)  # Hermes-style tags
         try:
             got = json.loads(m.group(1) if m else s)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser
             return None
         items = got if isinstance(got, list) else [got]
         names = {f["name"] for f in self.tools}
@@ -156,7 +156,7 @@ def check_tool_calls(calls, where: str) -> list[dict]:
         args = fn.get("arguments", "{}")
         try:
             args = json.loads(args) if isinstance(args, str) else args
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser
             args = None
         if not isinstance(args, dict):
             raise RequestError(f"{at}.function.arguments", "must be a JSON object (as text)")

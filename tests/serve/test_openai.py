@@ -414,7 +414,7 @@ def test_tool_call_texts_the_models_write():
     assert [c["function"]["name"] for c in two] == ["get_time", "get_weather"]
     assert len({c["id"] for c in two}) == 2
     for text in ('{"name": "nope", "arguments": {}}', "Sunny.", '{"name": "get_time", '
-                 '"arguments": [1]}', "[]"):
+                 '"arguments": [1]}', "[]", "[" * 100_000):
         assert plan.calls(text) is None, text
 
 
@@ -517,6 +517,10 @@ MALFORMED = [  # (path, body or raw bytes, status, param)
      "messages[1].tool_calls[0].function.arguments"),
     (CH, {**OK_CH, "messages": [{"role": "user", "content": "hi", "tool_calls": []}]}, 400,
      "messages[0].tool_calls"),
+    (CH, {**OK_CH, "messages": [{"role": "user", "content": "hi"}, {
+        "role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "f", "arguments": "[" * 100_000}}]}, {"role": "user", "content": "go"}]},
+     400, "messages[1].tool_calls[0].function.arguments"),
     (CH, {**OK_CH, "max_tokens": 1, "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object", "required": ["a_property_name_of_many_tokens"],
                                 "properties": {"a_property_name_of_many_tokens": {
