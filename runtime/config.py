@@ -193,6 +193,9 @@ class EngineConfig:
     # a step's token rows are padded to a power-of-two bucket from this one up. None: the
     # platform's (MIN_TOKEN_BUCKET; env JAXINFER_MIN_TOKEN_BUCKET overrides it)
     min_token_bucket: int | None = None
+    # a step's page-table width (pages per sequence) is padded to a power-of-4 bucket from this
+    # one up (capped at pages_per_seq). None: 1, or env JAXINFER_MIN_PAGE_BUCKET
+    min_page_bucket: int | None = None
     enable_prefix_caching: bool = True  # share KV pages of common full-page prompt prefixes
     # a dict like {"method": "ngram", "k": 4} is parsed into a SpecConfig on construction
     speculative: SpecConfig | None = None
@@ -222,6 +225,8 @@ class EngineConfig:
         object.__setattr__(self, "speculative", _parse_speculative(self.speculative))
         if self.min_token_bucket is not None and self.min_token_bucket < 1:
             raise ValueError(f"min_token_bucket must be >= 1, got {self.min_token_bucket}")
+        if self.min_page_bucket is not None and self.min_page_bucket < 1:
+            raise ValueError(f"min_page_bucket must be >= 1, got {self.min_page_bucket}")
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is the null page), got {self.num_pages}")
 

@@ -101,16 +101,30 @@ class Delta:
     finish_reason: str | None
 
 
+def _floor(value: int | None, env: str, default: int) -> int:
+    """A bucket floor: the config field, else env ENV (an integer >= 1), else `default`."""
+    if value is not None:
+        return value
+    raw = os.environ.get(env)
+    if raw:
+        if not raw.isdigit() or int(raw) < 1:
+            raise ValueError(f"{env} must be an integer >= 1, got {raw!r}")
+        return int(raw)
+    return default
+
+
 def min_token_bucket(ecfg: EngineConfig) -> int:
     """ecfg.min_token_bucket, else env JAXINFER_MIN_TOKEN_BUCKET, else the platform's."""
-    if ecfg.min_token_bucket is not None:
-        return ecfg.min_token_bucket
-    env = os.environ.get("JAXINFER_MIN_TOKEN_BUCKET")
-    if env:
-        if not env.isdigit() or int(env) < 1:
-            raise ValueError(f"JAXINFER_MIN_TOKEN_BUCKET must be an integer >= 1, got {env!r}")
-        return int(env)
-    return MIN_TOKEN_BUCKET.get(jax.default_backend(), 1)
+    return _floor(ecfg.min_token_bucket, "JAXINFER_MIN_TOKEN_BUCKET",
+                  MIN_TOKEN_BUCKET.get(jax.default_backend(), 1))
+
+
+def page_buckets(ecfg: EngineConfig, max_pages: int) -> tuple[int, ...]:
+    """Page-table widths up to `max_pages`: powers of 4 from ecfg.min_page_bucket (else env
+    JAXINFER_MIN_PAGE_BUCKET, else 1), the last one `max_pages`. The XLA attention path reads
+    every page of the width, so short sequences get narrow tables; each width is a program."""
+    lo = min(_floor(ecfg.min_page_bucket, "JAXINFER_MIN_PAGE_BUCKET", 1), max_pages)
+    return pow_buckets(lo, max_pages, 4, cap=True)
 
 
 class Engine:
@@ -147,7 +161,7 @@ class Engine:
         # a full decode batch (with k proposals per row) always fits
         budget = max(ecfg.prefill_chunk, ecfg.max_slots * (1 + k))
         tokens = pow_buckets(min(min_token_bucket(ecfg), budget), budget, cap=True)
-        pages = pow_buckets(1, ecfg.pages_per_seq, 4, cap=True)
+        pages = page_buckets(ecfg, ecfg.pages_per_seq)
         self.scheduler = Scheduler(
             max_slots=ecfg.max_slots, num_pages=ecfg.total_pages, page_size=ecfg.page_size,
             max_model_len=ecfg.max_model_len, token_budget=budget, token_buckets=tokens,
@@ -217,8 +231,10 @@ class Engine:
             extra = e.max_slots * (-(-sp.k // e.page_size) + 1)  # proposals past max_model_len
             self.proposer = DraftModelProposer(
                 dcfg, dparams, k=sp.k, max_slots=e.max_slots, page_size=e.page_size,
-                num_pages=e.total_pages + extra, max_model_len=e.max_model_len,
-                token_budget=budget, backend=self.backend, dtype=kv_dtype)
+                num_pages=e.total_pages + extra, token_budget=budget, backend=self.backend,
+                # a shadow holds up to k proposals past max_model_len
+                page_buckets=page_buckets(e, -(-(e.max_model_len + sp.k) // e.page_size)),
+                dtype=kv_dtype)
         self._verify = make_verify(self.cfg, self.backend, vocab_limit=self.text_vocab)
 
     # ---- requests -------------------------------------------------------------------------

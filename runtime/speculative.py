@@ -30,7 +30,7 @@ from jaxinfer.runtime.attention import AttentionMetadata
 from jaxinfer.runtime.kv_cache import init_cache
 from jaxinfer.runtime.model import forward
 from jaxinfer.runtime.page_allocator import PageAllocator
-from jaxinfer.runtime.plan import STEP_GROUPS, padding_arrays, pow_buckets
+from jaxinfer.runtime.plan import STEP_GROUPS, bucket, padding_arrays, pow_buckets
 from jaxinfer.runtime.sampling import gumbel_pick, probs_of, row_keys
 from jaxinfer.runtime.steps import Launches, shared_jit
 
@@ -138,10 +138,11 @@ class DraftModelProposer(Proposer):
     All proposing sequences run together: one ragged catch-up call, then k - 1 decode calls."""
 
     def __init__(self, cfg, params, *, k: int, max_slots: int, page_size: int, num_pages: int,
-                 max_model_len: int, token_budget: int, backend: str, dtype=jnp.float32):
+                 token_budget: int, backend: str, page_buckets: tuple[int, ...],
+                 dtype=jnp.float32):
         self.cfg, self.params, self.k = cfg, params, k
         self.S, self.ps, self.budget = max_slots, page_size, max(token_budget, max_slots)
-        self.max_pages = -(-(max_model_len + k) // page_size)
+        self.page_buckets = page_buckets  # page-table widths, the last one a shadow's most pages
         self.allocator = PageAllocator(num_pages)
         self.cache = init_cache(cfg, num_pages, page_size, dtype)
         self.shadows: dict[str, _Shadow] = {}
@@ -154,11 +155,11 @@ class DraftModelProposer(Proposer):
 
     def warmup(self) -> None:
         """Every (T, P, max_q_len) shape `_run` can make, greedy (want_q False): T powers of two
-        from 16 to the budget's, P powers of two capped at max_pages, max_q_len T, or 1 when T
-        is small enough for one token per row."""
+        from 16 to the budget's, P from page_buckets, max_q_len T, or 1 when T is small enough
+        for one token per row."""
         S = self.S
         for T in pow_buckets(16, self.budget):
-            for P in pow_buckets(1, self.max_pages, cap=True):
+            for P in self.page_buckets:
                 a = padding_arrays(STEP_GROUPS, T=T, S=S, P=P, num_seqs=S)
                 for q in sorted({T} | ({1} if T <= pow_buckets(16, S)[-1] else set())):
                     self.cache = self._step(self.params, self.cache, a, max_q_len=q,
@@ -188,7 +189,7 @@ class DraftModelProposer(Proposer):
         Each row computes its new tokens after its shadow and samples at the last one."""
         ps = self.ps
         T = pow_buckets(16, sum(len(t) for _, _, t in rows))[-1]
-        P = min(pow_buckets(1, max(len(sh.pages) for _, sh, _ in rows))[-1], self.max_pages)
+        P = bucket(self.page_buckets, max(len(sh.pages) for _, sh, _ in rows))
         S = self.S
         a = padding_arrays(STEP_GROUPS, T=T, S=S, P=P, num_seqs=S)
         by_row = {i: (sh, t) for i, sh, t in rows}

@@ -34,6 +34,9 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-token-bucket", type=int, default=None,
                    help="smallest token-row bucket a step pads to (default: 16 on TPU/GPU, 1 "
                         "on CPU; env JAXINFER_MIN_TOKEN_BUCKET)")
+    p.add_argument("--min-page-bucket", type=int, default=None,
+                   help="narrowest page table a step pads to, in pages (default 1; env "
+                        "JAXINFER_MIN_PAGE_BUCKET): fewer step programs, more attention work")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="do not share KV pages of common prompt prefixes")
     p.add_argument("--no-async-scheduling", action="store_true",
@@ -57,6 +60,7 @@ def llm_from_args(args):
                 num_pages=args.num_pages, attention_backend=args.attention_backend,
                 quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                 prefill_chunk=args.prefill_chunk, min_token_bucket=args.min_token_bucket,
+                min_page_bucket=args.min_page_bucket,
                 enable_prefix_caching=not args.no_prefix_caching,
                 async_scheduling=not getattr(args, "no_async_scheduling", False),
                 speculative=args.speculative)

@@ -23,6 +23,10 @@ os.environ["XLA_FLAGS"] = " ".join(
 # engine compiles 4 fewer token buckets, the suite ~1/3 fewer programs. test_llm runs the CPU
 # default against it.
 os.environ.setdefault("JAXINFER_MIN_TOKEN_BUCKET", "16")
+# Page tables are always the full width (pages_per_seq) unless a test asks for narrower ones:
+# each width is a program per token bucket (test_speculative compiles 149 -> 85 programs);
+# the tiny model's attention over 32 pages costs nothing. test_llm runs the default (1) against it.
+os.environ.setdefault("JAXINFER_MIN_PAGE_BUCKET", "4096")
 
 import jax
 

@@ -214,6 +214,39 @@ def test_min_token_bucket_sets_the_smallest_step_and_changes_no_output(tiny_dir,
         EngineConfig(min_token_bucket=0)
 
 
+def test_min_page_bucket_sets_the_narrowest_page_table_and_changes_no_output(tiny_dir,
+                                                                              monkeypatch):
+    """Page tables of 1, 4 and 8 pages (and 1, 4, 9 for the draft model's shadows, k = 4 past
+    max_model_len) against one width: same tokens, plain and speculative."""
+    from jaxinfer.runtime.config import EngineConfig
+    from jaxinfer.runtime.engine import page_buckets
+
+    kw = dict(max_slots=4, page_size=8, max_model_len=64, prefill_chunk=16,
+              speculative={"method": "draft", "model": str(tiny_dir), "k": 4})
+    narrow = LLM(str(tiny_dir), min_page_bucket=1, **kw)
+    wide = LLM(str(tiny_dir), min_page_bucket=8, **kw)
+    assert narrow.engine.scheduler.page_buckets == (1, 4, 8)
+    assert narrow.engine.proposer.page_buckets == (1, 4, 9)
+    assert wide.engine.scheduler.page_buckets == (8,) and wide.engine.proposer.page_buckets == (8, 9)
+    prompts = ["To be, or not to be", "Hello " * 12, "Now is the winter of our discontent " * 3]
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    a, b = narrow.generate(prompts, sp), wide.generate(prompts, sp)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert all(o.metrics["acceptance_rate"] == 1.0 for o in a)  # draft = target
+    # the field, then env JAXINFER_MIN_PAGE_BUCKET, then 1; capped at the most pages
+    monkeypatch.setenv("JAXINFER_MIN_PAGE_BUCKET", "16")
+    assert page_buckets(EngineConfig(min_page_bucket=2), 40) == (2, 8, 32, 40)
+    assert page_buckets(EngineConfig(), 40) == (16, 40) and page_buckets(EngineConfig(), 5) == (5,)
+    monkeypatch.delenv("JAXINFER_MIN_PAGE_BUCKET")
+    assert page_buckets(EngineConfig(), 40) == (1, 4, 16, 40)
+    for bad in ("0", "-3"):
+        monkeypatch.setenv("JAXINFER_MIN_PAGE_BUCKET", bad)
+        with pytest.raises(ValueError, match="JAXINFER_MIN_PAGE_BUCKET"):
+            page_buckets(EngineConfig(), 8)
+    with pytest.raises(ValueError, match="min_page_bucket"):
+        EngineConfig(min_page_bucket=0)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(max_tokens=0), "max_tokens"),
     (dict(max_tokens=-3), "max_tokens"),

@@ -189,10 +189,12 @@ def test_config_errors(dirs, tmp_path):
 
 def test_no_new_compilations_after_warmup(dirs):
     """warmup() covers the verify step and the draft model's steps too: serving mixed greedy
-    requests (prefills, chunks, verify steps, plain decode steps) compiles nothing more."""
+    requests (prefills, chunks, verify steps, plain decode steps) compiles nothing more, with
+    every page-table width (1, 4; the draft's shadows 1, 4, 5)."""
     llm = LLM(str(dirs[0]), max_slots=2, speculative={"method": "draft", "model": str(dirs[0]),
                                                       "k": 3},
-              page_size=16, max_model_len=64, prefill_chunk=16)
+              page_size=16, max_model_len=64, prefill_chunk=16, min_page_bucket=1)
+    assert llm.engine.proposer.page_buckets == (1, 4, 5)
     compiled = llm.engine.warmup()
     assert compiled == llm.engine.compile_count > 0
     assert llm.engine._verify.count > 0 and llm.engine.proposer.compile_count > 0
