@@ -18,13 +18,15 @@ if (_os.path.isfile(_os.path.join(_ROOT, "pyproject.toml"))
         and _ROOT not in __path__):
     __path__.append(_ROOT)
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "RequestError", "EngineConfig", "ModelConfig"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "RequestError", "LoRARequest", "EngineConfig",
+           "ModelConfig"]
 
 _HOMES = {
     "LLM": "jaxinfer.runtime.llm",
     "SamplingParams": "jaxinfer.runtime.requests",
     "RequestOutput": "jaxinfer.runtime.requests",
     "RequestError": "jaxinfer.runtime.requests",
+    "LoRARequest": "jaxinfer.runtime.requests",
     "EngineConfig": "jaxinfer.runtime.config",
     "ModelConfig": "jaxinfer.runtime.config",
 }

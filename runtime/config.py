@@ -203,6 +203,12 @@ class EngineConfig:
     # plan and launch step n+1 while step n runs (decode inputs fed on the device); off, or
     # with speculative decoding or several hosts, every step waits for the previous one's tokens
     async_scheduling: bool = True
+    # LoRA adapters (runtime/lora.py): max_loras device slots of rank <= max_lora_rank; up to
+    # max_cpu_loras adapters (None: unbounded) stay read on the host, least recently used out
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self):
         if self.dtype not in COMPUTE_DTYPES:
@@ -225,6 +231,12 @@ class EngineConfig:
         object.__setattr__(self, "speculative", _parse_speculative(self.speculative))
         if self.min_token_bucket is not None and self.min_token_bucket < 1:
             raise ValueError(f"min_token_bucket must be >= 1, got {self.min_token_bucket}")
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                             f"({self.max_loras})")
         if self.min_page_bucket is not None and self.min_page_bucket < 1:
             raise ValueError(f"min_page_bucket must be >= 1, got {self.min_page_bucket}")
         if self.num_pages is not None and self.num_pages < 2:

@@ -26,6 +26,7 @@ import numpy as np
 
 from jaxinfer.runtime.attention import resolve_backend
 from jaxinfer.runtime.config import MIN_TOKEN_BUCKET, EngineConfig, ModelConfig
+from jaxinfer.runtime.request_error import RequestError
 from jaxinfer.runtime.requests import Limits, SamplingParams, check_request
 from jaxinfer.runtime.kv_cache import init_cache
 from jaxinfer.runtime.model import Params
@@ -88,6 +89,7 @@ class RequestState:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None  # why a failed step ended it (finish_reason "error")
+    lora: str | None = None  # the LoRA adapter's name (None: the base model)
 
 
 @dataclass
@@ -130,6 +132,9 @@ def page_buckets(ecfg: EngineConfig, max_pages: int) -> tuple[int, ...]:
 class Engine:
     def __init__(self, cfg: ModelConfig, params: Params, tokenizer: Tokenizer, ecfg: EngineConfig,
                  mesh=None, draft_model=None):
+        self.adapters = None  # runtime.adapters.Adapters with enable_lora
+        if ecfg.enable_lora:
+            params = self._init_lora(cfg, params, ecfg)
         self.cfg, self.params, self.tokenizer, self.ecfg = cfg, params, tokenizer, ecfg
         self.backend = resolve_backend(ecfg.attention_backend)
         dtype = jnp.bfloat16 if ecfg.dtype == "bfloat16" else jnp.float32
@@ -170,6 +175,7 @@ class Engine:
             q_buckets=tuple(sorted({1, tokens[-1]} | ({min(k + 1, tokens[-1])} if k else set()))),
             page_buckets=pages, enable_prefix_caching=ecfg.enable_prefix_caching,
             num_spec_tokens=k, mask_words=self.grammars.words if self.grammars else 1,
+            max_loras=ecfg.max_loras if ecfg.enable_lora else 0,
         )
         self.proposer, self._verify = None, None
         if self.spec is not None:
@@ -238,10 +244,62 @@ class Engine:
         self._verify = make_verify(self.cfg, self.backend, vocab_limit=self.text_vocab)
 
     # ---- requests -------------------------------------------------------------------------
+    # ---- LoRA adapters -------------------------------------------------------------------
+    def _init_lora(self, cfg: ModelConfig, params: Params, ecfg: EngineConfig) -> Params:
+        from jaxinfer.runtime.adapters import Adapters
+        from jaxinfer.runtime.lora import init_lora
+
+        if jax.process_count() > 1:
+            raise ValueError("LoRA adapters with several hosts are not supported yet")
+        self.adapters = Adapters(cfg, ecfg.max_lora_rank, ecfg.max_cpu_loras)
+        return params.replace(lora=init_lora(cfg, ecfg.max_loras, ecfg.max_lora_rank))
+
+    def add_lora(self, name: str, path: str):
+        """Register the PEFT adapter at `path` as `name` (read and checked now); -> Adapter."""
+        if self.adapters is None:
+            raise ValueError("this engine serves no LoRA adapters (enable_lora=False)")
+        return self.adapters.add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload `name`; refused (ValueError) while an unfinished request uses it."""
+        a = self.adapters.get(name) if self.adapters is not None else None
+        if a is None:
+            raise ValueError(f"unknown LoRA adapter {name!r}")
+        users = sum(1 for st in self.requests.values() if st.lora == name and not st.finished)
+        if users:
+            raise ValueError(f"LoRA adapter {name!r} is in use by {users} unfinished request(s)")
+        self.scheduler.lora_slots.evict(a.key)
+        self.adapters.remove(name)
+
+    def lora_key(self, name: str | None) -> str | None:
+        """The scheduler's key of adapter `name` (None: none); RequestError (field "lora") if
+        the engine serves no adapters or none of that name."""
+        if name is None:
+            return None
+        if self.adapters is None:
+            raise RequestError("lora", "this engine serves no LoRA adapters (start it with "
+                                       "enable_lora=True)")
+        a = self.adapters.get(name) if isinstance(name, str) else None
+        if a is None:
+            raise RequestError("lora", f"unknown LoRA adapter {name!r}; loaded: "
+                                       f"{self.adapters.names()}")
+        return a.key
+
+    def _load_lora_slots(self, loads: list[tuple[int, str]]) -> None:
+        """Copy the adapters the plan's new rows use into their device slots."""
+        from jaxinfer.runtime.lora import write_slot
+
+        stack = self.params.lora
+        for slot, key in loads:
+            stack = write_slot(stack, np.int32(slot), self.adapters.weights(key))
+        self.params = self.params.replace(lora=stack)
+
+    # ---- requests --------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, lora: str | None = None) -> str:
         """Queue a request (checked by the request door again: nothing unchecked reaches a
-        step). Raises RequestError naming the field."""
+        step), with the LoRA adapter named `lora` (None: the base model). Raises RequestError
+        naming the field."""
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise ValueError(f"duplicate request_id {rid!r}")
@@ -249,9 +307,10 @@ class Engine:
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         prompt_ids = [int(t) for t in prompt_ids]
         check_request(prompt_ids, params, self.limits)
+        key = self.lora_key(lora)
         now = time.monotonic()
         req = Request(request_id=rid, prompt_ids=prompt_ids, params=params, eos_ids=self.eos_ids,
-                      arrival_time=now)
+                      arrival_time=now, lora=key)
         if params.structured_outputs is not None:  # scheduled once its matcher is built
             self.constraints.hold(req, params.structured_outputs)
         else:
@@ -261,6 +320,7 @@ class Engine:
             detok=IncrementalDetokenizer(self.tokenizer, prompt_ids),
             metrics=RequestMetrics(arrival=now, speculative=self.spec is not None),
             prompt_logprobs=[None] * len(prompt_ids) if params.prompt_logprobs is not None else [],
+            lora=lora,
         )
         return rid
 
@@ -442,6 +502,8 @@ class Engine:
     def _schedule(self):
         """The next plan, with its constrained rows' token masks filled."""
         plan = self.scheduler.schedule()
+        if plan is not None and plan.lora_loads:
+            self._load_lora_slots(plan.lora_loads)
         if plan is not None and self.constraints is not None and plan.constrained.any():
             self.constraints.fill(plan)
         return plan

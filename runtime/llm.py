@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from jaxinfer.runtime.config import FORMATS, QUANTIZATIONS, EngineConfig
 from jaxinfer.runtime.engine import Engine
 from jaxinfer.runtime.quantization import default_mode, keeps_gguf_blocks
-from jaxinfer.runtime.requests import (Limits, RequestError, RequestOutput, SamplingParams, check_request,
-                              parse_prompt)
+from jaxinfer.runtime.requests import (Limits, LoRARequest, RequestError, RequestOutput,
+                                       SamplingParams, check_request, parse_prompt)
 
 
 @dataclass
@@ -122,8 +122,30 @@ class LLM:
                                                   f"got {len(sp)} items")
         return sp
 
+    def _lora_names(self, n: int, lora_request) -> list[str | None]:
+        """One adapter name (or None) per prompt; each adapter registered on first sight."""
+        if lora_request is None:
+            return [None] * n
+        reqs = [lora_request] * n if isinstance(lora_request, LoRARequest) else list(lora_request)
+        if len(reqs) != n:
+            raise RequestError("lora_request", f"needs one LoRARequest (or None) per prompt "
+                                               f"({n}), got {len(reqs)} items")
+        for r in reqs:
+            if r is not None and not isinstance(r, LoRARequest):
+                raise RequestError("lora_request", f"expected a LoRARequest or None, got "
+                                                   f"{type(r).__name__}")
+            if r is not None:
+                try:
+                    self.engine.add_lora(r.lora_name, r.lora_path)
+                except ValueError as e:
+                    raise RequestError("lora_request", str(e)) from None
+        return [None if r is None else r.lora_name for r in reqs]
+
     # ---- API ------------------------------------------------------------------------------
-    def generate(self, prompts, sampling_params=None, *, use_tqdm: bool = False) -> list[RequestOutput]:
+    def generate(self, prompts, sampling_params=None, *, use_tqdm: bool = False,
+                 lora_request=None) -> list[RequestOutput]:
+        """`lora_request`: a LoRARequest for every prompt, or a list with one (or None) per
+        prompt (needs enable_lora=True)."""
         if isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
@@ -133,10 +155,11 @@ class LLM:
         params = self._params_list(len(inputs), sampling_params)
         for (_, pids), sp in zip(inputs, params):  # validate all before admitting any
             check_request(pids, sp, limits)
+        loras = self._lora_names(len(inputs), lora_request)
         ids = []
         try:
-            for (_, pids), sp in zip(inputs, params):
-                ids.append(self.engine.add_request(pids, sp))
+            for (_, pids), sp, lora in zip(inputs, params, loras):
+                ids.append(self.engine.add_request(pids, sp, lora=lora))
         except Exception:
             for rid in ids:
                 self.engine.abort(rid)
@@ -152,9 +175,11 @@ class LLM:
         bar.close()
         return [RequestOutput.from_state(self.engine.pop(rid), text) for rid, (text, _) in zip(ids, inputs)]
 
-    def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
+    def stream(self, prompt, sampling_params: SamplingParams | None = None, *,
+               lora_request: LoRARequest | None = None) -> Iterator[StreamDelta]:
         _, pids = parse_prompt(prompt, self.tokenizer, Limits.of(self.engine))
-        rid = self.engine.add_request(pids, sampling_params or SamplingParams())
+        lora = self._lora_names(1, lora_request)[0]
+        rid = self.engine.add_request(pids, sampling_params or SamplingParams(), lora=lora)
         try:
             done = False
             while not done:

@@ -17,6 +17,7 @@ from flax import struct
 
 from jaxinfer.runtime.attention import AttentionMetadata, attend
 from jaxinfer.runtime.config import ModelConfig, RopeScaling
+from jaxinfer.runtime import lora as lora_ops
 from jaxinfer.runtime.kv_cache import KVCache, write_pages
 from jaxinfer.runtime.moe import moe_mlp
 from jaxinfer.runtime.quantization import einsum, take_rows
@@ -52,6 +53,8 @@ class Params:
     layers: tuple[LayerParams, ...]
     final_norm: jax.Array  # [D]
     lm_head: jax.Array | None = None  # [V, D]; None when tied to embed
+    # LoRA adapter slots (runtime/lora.py), per layer; None: the engine serves no adapters
+    lora: tuple[lora_ops.LoraLayer, ...] | None = None
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -106,12 +109,15 @@ def _layer(
     cfg: ModelConfig,
     i: int,
     backend: str,
+    lora: lora_ops.LoraLayer | None = None,
+    lora_mask: jax.Array | None = None,  # [T, L] each row's adapter slot, one-hot
 ):
     eps = cfg.rms_norm_eps
+    ad = lambda y, x_, t: lora_ops.add(y, x_, lora, t, lora_mask)  # noqa: E731
     h = rms_norm(x, lp.attn_norm, eps)
-    q = einsum("td,dhk->thk", h, lp.wq)  # [T, Hq, Dh]
-    k = einsum("td,dhk->thk", h, lp.wk)  # [T, Hkv, Dh]
-    v = einsum("td,dhk->thk", h, lp.wv)  # [T, Hkv, Dh]
+    q = ad(einsum("td,dhk->thk", h, lp.wq), h, "q")  # [T, Hq, Dh]
+    k = ad(einsum("td,dhk->thk", h, lp.wk), h, "k")  # [T, Hkv, Dh]
+    v = ad(einsum("td,dhk->thk", h, lp.wv), h, "v")  # [T, Hkv, Dh]
     if lp.bq is not None:
         q, k, v = q + lp.bq.astype(q.dtype), k + lp.bk.astype(k.dtype), v + lp.bv.astype(v.dtype)
     if lp.q_norm is not None:
@@ -128,7 +134,7 @@ def _layer(
         soft_cap=cfg.attn_logit_softcap,
         backend=backend,
     )  # [T, Hq, Dh]
-    o = einsum("thk,hkd->td", o, lp.wo)  # [T, D]
+    o = ad(einsum("thk,hkd->td", o, lp.wo), o, "o")  # [T, D]
     if lp.post_attn_norm is not None:
         o = rms_norm(o, lp.post_attn_norm, eps)
     x = x + o
@@ -139,8 +145,9 @@ def _layer(
         m = moe_mlp(h, lp.router, lp.we_gate, lp.we_up, lp.we_down,
                     k=cfg.experts_per_token, norm_topk=cfg.norm_topk_prob, act=act)  # [T, D]
     else:
-        m = act(einsum("td,df->tf", h, lp.w_gate)) * einsum("td,df->tf", h, lp.w_up)  # [T, F]
-        m = einsum("tf,fd->td", m, lp.w_down)  # [T, D]
+        m = (act(ad(einsum("td,df->tf", h, lp.w_gate), h, "gate"))
+             * ad(einsum("td,df->tf", h, lp.w_up), h, "up"))  # [T, F]
+        m = ad(einsum("tf,fd->td", m, lp.w_down), m, "down")  # [T, D]
     if lp.post_mlp_norm is not None:
         m = rms_norm(m, lp.post_mlp_norm, eps)
     return x + m, k_pages, v_pages
@@ -153,22 +160,30 @@ def forward(
     md: AttentionMetadata,
     cfg: ModelConfig,
     backend: str = "xla",
+    lora_ids: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Run T ragged tokens through the model, writing their K/V into the cache.
-    Returns f32 logits [N, V] for the rows in md.logits_indices, and the new cache."""
-    h, cache = forward_hidden(params, tokens, cache, md, cfg, backend)
+    Returns f32 logits [N, V] for the rows in md.logits_indices, and the new cache.
+    lora_ids [T] int32: each row's adapter slot in params.lora (0: none)."""
+    h, cache = forward_hidden(params, tokens, cache, md, cfg, backend, lora_ids)
     return compute_logits(params, h, cfg), cache
 
 
 def forward_hidden(params: Params, tokens: jax.Array, cache: KVCache, md: AttentionMetadata,
-                   cfg: ModelConfig, backend: str = "xla") -> tuple[jax.Array, KVCache]:
+                   cfg: ModelConfig, backend: str = "xla", lora_ids: jax.Array | None = None
+                   ) -> tuple[jax.Array, KVCache]:
     """The transformer body: final-normed hidden states [N, D] of the md.logits_indices rows."""
     x = take_rows(params.embed, tokens)  # [T, D]
     if cfg.embed_scale != 1.0:
         x = x * jnp.asarray(cfg.embed_scale, dtype=x.dtype)
     ks, vs = list(cache.k), list(cache.v)
+    adapters = params.lora if lora_ids is not None else None
+    mask = None
+    if adapters is not None:
+        mask = lora_ops.slot_mask(lora_ids, adapters[0].a["q"].shape[0], x.dtype)  # [T, L]
     for i, lp in enumerate(params.layers):
-        x, ks[i], vs[i] = _layer(lp, x, ks[i], vs[i], md, cfg, i, backend)
+        x, ks[i], vs[i] = _layer(lp, x, ks[i], vs[i], md, cfg, i, backend,
+                                 None if adapters is None else adapters[i], mask)
     x = x[md.logits_indices]  # [N, D]
     return rms_norm(x, params.final_norm, cfg.rms_norm_eps), KVCache(k=tuple(ks), v=tuple(vs))
 

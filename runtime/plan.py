@@ -48,6 +48,7 @@ PLAN_FIELDS = (
     PlanField("positions",        np.int32,   "T",     "tokens"),
     PlanField("slot_mapping",     np.int32,   "T",     "tokens"),  # page * page_size + offset
     PlanField("prompt_targets",   np.int32,   "T",     "tokens",      -1),  # next prompt token
+    PlanField("lora_ids",         np.int32,   "T",     "tokens"),  # adapter slot, 0 = none
     PlanField("cu_q_lens",        np.int32,   "S+1",   "sequences"),
     PlanField("kv_lens",          np.int32,   "S",     "sequences"),  # after this step's tokens
     PlanField("page_indices",     np.int32,   "S,P",   "sequences"),
@@ -75,6 +76,7 @@ PLAN_FIELDS = (
 # t takes the token sampled at row feed_rows[t] of the previous step, on the device; -1: token_ids[t].
 # prompt_targets (prompt logprobs): the prompt token after row t's, scored by row t's logits;
 # -1: none wanted (no such token, the request asks for none, or a decode row).
+# lora_ids: the LoRA adapter slot of row t's sequence (runtime/lora.py; 0: the base model).
 # host: bookkeeping never sent to the device. constrained / token_bitmask (structured output):
 # the scheduler flags the rows, the engine fills their masks (runtime/structured.py);
 # draft_bitmask[s, j]: the mask of verify row j + 1, after the row's first j + 1 proposals.
@@ -156,6 +158,7 @@ StepPlan = make_dataclass(
         ("num_logprobs", int),  # top-n logprobs wanted by any row (static: 0 or the bucket)
         ("prompt_logprobs", bool),  # some row scores prompt tokens (static): prompt_targets >= 0
         ("spec_k", int),  # K
+        ("lora_loads", list),  # [(slot, adapter key)] to copy to the device before this step
     ],
     bases=(_StepPlanViews,),
 )

@@ -270,6 +270,17 @@ def check_structured(so: StructuredOutputs, limits: Limits) -> None:
 
 
 # ---- results -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LoRARequest:
+    """A LoRA adapter for a request, as vLLM names it: `lora_name` is how requests and the API
+    refer to it, `lora_path` a PEFT adapter dir (adapter_config.json +
+    adapter_model.safetensors), `lora_int_id` the caller's id for it (> 0)."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -283,6 +294,7 @@ class RequestOutput:
     error: str | None = None  # why the engine failed this request (finish_reason "error")
     # one per prompt token: None for the first, then {"token_id", "logprob", "top"} as logprobs
     prompt_logprobs: list[dict | None] | None = None
+    lora_name: str | None = None  # the LoRA adapter that served it (None: the base model)
 
     @classmethod
     def from_state(cls, st, prompt: str | None = None) -> RequestOutput:
@@ -293,7 +305,8 @@ class RequestOutput:
                    logprobs=st.logprobs if st.params.logprobs is not None else None,
                    error=st.error,
                    prompt_logprobs=(st.prompt_logprobs if st.params.prompt_logprobs is not None
-                                    else None))
+                                    else None),
+                   lora_name=st.lora)
 
     @property
     def usage(self) -> dict:

@@ -95,6 +95,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from jaxinfer.runtime.lora_slots import LoraSlots
 from jaxinfer.runtime.page_allocator import PageAllocator, page_hashes
 from jaxinfer.runtime.requests import SamplingParams
 from jaxinfer.runtime.plan import GROUPS, StepPlan, bucket, padding_arrays, pow_buckets
@@ -113,6 +114,7 @@ class Request:
     params: SamplingParams
     eos_ids: tuple[int, ...] = ()  # the model's EOS ids (ignored when params.ignore_eos)
     arrival_time: float = field(default_factory=time.monotonic)
+    lora: str | None = None  # LoRA adapter key (one per loaded adapter version); None: base
 
 
 @dataclass
@@ -140,6 +142,7 @@ class _Seq:
     sample_row: int = 0  # the row of the latest plan that samples this sequence's next token
     pages: list[int] = field(default_factory=list)
     slot: int | None = None
+    lora_slot: int = 0  # the adapter's device slot while running (0: base model)
     hashes: list[bytes] = field(default_factory=list)  # prefix hashes of full pages, lazily grown
     num_registered: int = 0  # leading pages already hashed in the allocator (shared or registered)
     cached_tokens: int | None = None  # tokens taken from the prefix cache at first admission
@@ -197,6 +200,7 @@ class Scheduler:
         cache_salt: bytes = b"",
         num_spec_tokens: int = 0,
         mask_words: int = 1,
+        max_loras: int = 0,
     ):
         for name, v in (("max_slots", max_slots), ("page_size", page_size),
                         ("max_model_len", max_model_len), ("token_budget", token_budget)):
@@ -215,6 +219,7 @@ class Scheduler:
             raise ValueError(f"num_spec_tokens must be >= 0, got {num_spec_tokens}")
         self.num_spec_tokens = num_spec_tokens
         self.mask_words = mask_words
+        self.lora_slots = LoraSlots(max_loras)
 
         self.token_buckets = tuple(sorted(token_buckets or pow_buckets(8, token_budget)))
         if self.token_buckets[-1] < token_budget:
@@ -263,6 +268,8 @@ class Scheduler:
             )
         if req.request_id in self._live:
             raise ValueError(f"request id {req.request_id!r} is already in flight")
+        if req.lora is not None and not self.lora_slots.num_slots:
+            raise ValueError(f"request {req.request_id!r}: LoRA adapter given, no adapter slots")
         if self.max_queue is not None and len(self._waiting) >= self.max_queue:
             raise QueueFull(f"waiting queue is full ({self.max_queue} requests)")
         p = req.params
@@ -403,6 +410,13 @@ class Scheduler:
         for s in self._waiting:
             assert s.status == WAITING and not s.pages and s.slot is None and s.num_computed == 0
         assert set(self._live) == {s.req.request_id for s in [*self._waiting, *self._running]}
+        held: dict[str, int] = {}
+        for s in self._running:
+            assert bool(s.lora_slot) == (s.req.lora is not None)
+            if s.lora_slot:
+                assert self.lora_slots.loaded()[s.req.lora] == s.lora_slot
+                held[s.req.lora] = held.get(s.req.lora, 0) + 1
+        assert held == self.lora_slots.refs()
 
     # ------------------------------------------------------------------ the step
 
@@ -497,11 +511,18 @@ class Scheduler:
                 rows.append((seq, n))
                 budget -= n
 
-        # Admission, FCFS with no overtaking.
+        # Admission, FCFS with no overtaking (the head also waits for its adapter's slot).
         while self._waiting and self._free_slots and budget > 0 and not preempted:
             seq = self._waiting[0]
+            lora = seq.req.lora
+            if lora is not None:
+                got = self.lora_slots.acquire(lora)
+                if got is None:
+                    break
+                seq.lora_slot = got
             n = self._admit_pages(seq, budget)
             if n is None:
+                self._drop_lora(seq)
                 break
             self._waiting.popleft()
             seq.slot = heapq.heappop(self._free_slots)
@@ -568,7 +589,8 @@ class Scheduler:
             ps = self.page_size
             toks = [seq.token(i) for i in range(have * ps, n_pages * ps)]
             parent = seq.hashes[-1] if have else None
-            seq.hashes += page_hashes(toks, ps, self.cache_salt, parent=parent)
+            salt = self.cache_salt + (b"lora:" + seq.req.lora.encode() if seq.req.lora else b"")
+            seq.hashes += page_hashes(toks, ps, salt, parent=parent)
         return seq.hashes[:n_pages]
 
     def _cached_prefix(self, seq: _Seq) -> list[int]:
@@ -590,8 +612,14 @@ class Scheduler:
             self.allocator.register(seq.pages[j], hashes[j])
         seq.num_registered = full
 
+    def _drop_lora(self, seq: _Seq) -> None:
+        if seq.lora_slot:
+            self.lora_slots.release(seq.req.lora)
+            seq.lora_slot = 0
+
     def _release(self, seq: _Seq) -> None:
         self.allocator.free(reversed(seq.pages))
+        self._drop_lora(seq)
         seq.pages = []
         seq.num_registered = 0
         if seq.slot is not None:
@@ -635,7 +663,7 @@ class Scheduler:
         logits_indices, temperature, top_k = a["logits_indices"], a["temperature"], a["top_k"]
         top_p, min_p, seeds = a["top_p"], a["min_p"], a["seeds"]
         sample_positions, samples, feed_rows = a["sample_positions"], a["samples"], a["feed_rows"]
-        constrained, prompt_targets = a["constrained"], a["prompt_targets"]
+        constrained, prompt_targets, lora_ids = a["constrained"], a["prompt_targets"], a["lora_ids"]
         num_draft, draft_ids, verify_indices = a["num_draft"], a["draft_ids"], a["verify_indices"]
 
         t = 0
@@ -656,6 +684,7 @@ class Scheduler:
                 end = min(start + n, len(seq.req.prompt_ids) - 1)
                 if end > start:
                     prompt_targets[t:t + end - start] = seq.req.prompt_ids[start + 1:end + 1]
+            lora_ids[t:t + n] = seq.lora_slot
             t += n
             cu_q_lens[s + 1] = t
             kv_lens[s] = start + n
@@ -678,6 +707,7 @@ class Scheduler:
         return StepPlan(
             **a, max_q_len=max_q_len, request_ids=[seq.req.request_id for seq, _ in rows],
             num_logprobs=LOGPROBS_BUCKET if want_lp else 0, prompt_logprobs=prompt, spec_k=K,
+            lora_loads=self.lora_slots.take_loads(),
         )
 
     def update(self, plan: StepPlan, sampled: np.ndarray,

@@ -67,12 +67,14 @@ def step(
     if prompt_logprobs:  # every row's hidden state: [T, D]
         t = token_ids.shape[0]
         h_all, cache = forward_hidden(params, token_ids, cache,
-                                      md.replace(logits_indices=jnp.arange(t)), cfg, backend)
+                                      md.replace(logits_indices=jnp.arange(t)), cfg, backend,
+                                      arrays["lora_ids"])
         h = h_all[md.logits_indices]  # [S, D]
         prompt = prompt_logprob_rows(params, h_all, arrays["prompt_targets"], cfg,
                                      num_logprobs, vocab_limit)
     else:
-        h, cache = forward_hidden(params, token_ids, cache, md, cfg, backend)  # [S, D]
+        h, cache = forward_hidden(params, token_ids, cache, md, cfg, backend,
+                                  arrays["lora_ids"])  # [S, D]
     s = h.shape[0]
 
     def head_and_sample(rows: int) -> jax.Array:  # the first `rows` rows, padded back to S
@@ -151,7 +153,8 @@ def verify(
     want logprobs get no proposals, so that is their one token)."""
     S, K = arrays["draft_ids"].shape
     md = _metadata(arrays, max_q_len)
-    logits, cache = forward(params, arrays["token_ids"], cache, md, cfg, backend)  # [S*(K+1), V]
+    logits, cache = forward(params, arrays["token_ids"], cache, md, cfg, backend,
+                            arrays["lora_ids"])  # [S*(K+1), V]
     logits = mask_vocab(logits, vocab_limit)  # [S*(K+1), V]
     raw = logits.reshape(S, K + 1, -1)[:, 0]  # logprobs are the model's own (before any constraint)
     # a constrained row's verify row j takes the grammar's mask after its first j proposals

@@ -37,6 +37,7 @@ import queue
 import threading
 import time
 from collections import Counter, deque
+from concurrent.futures import Future
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -149,6 +150,7 @@ class _Pending:
     live: dict[str, int] = field(default_factory=dict)  # engine rid -> sample index
     lp_sent: dict[str, int] = field(default_factory=dict)  # engine rid -> logprobs delivered
     prompt_sent: set[str] = field(default_factory=set)  # engine rids whose prompt logprobs went
+    lora: str | None = None  # the LoRA adapter's name (None: the base model)
 
 
 class EngineLoop:
@@ -163,6 +165,7 @@ class EngineLoop:
         self._inbox_seqs = 0  # guarded by _cv: sequences (samples) in _inbox
         self._waiting = 0  # guarded by _cv: sequences waiting in the engine (refreshed each turn)
         self._cancels: set[str] = set()  # guarded by _cv
+        self._calls: deque[tuple[Callable, Future]] = deque()  # guarded by _cv: call()
         self._handles: dict[str, _Pending] = {}  # loop thread only
         self._in_flight = 0  # guarded by _cv: handles submitted and not yet ended
         self._closing = False
@@ -190,20 +193,23 @@ class EngineLoop:
             self._outcomes[outcome] += n
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams | Sequence[SamplingParams],
-               request_id: str | None = None, *, n: int = 1) -> Handle:
+               request_id: str | None = None, *, n: int = 1, lora: str | None = None) -> Handle:
         """Queue `n` samples of one prompt (each an independent engine request; `params` is one
         SamplingParams or one per sample). Raises at once: RequestError (a ValueError naming the
         field), QueueFull, ShuttingDown, EngineFault. From inside a running event loop the
         handle is async-iterable, otherwise sync-iterable."""
-        return self.submit_many([(prompt_ids, params, n)], [request_id])[0]
+        return self.submit_many([(prompt_ids, params, n)], [request_id], lora=lora)[0]
 
     def submit_many(self, items: Sequence[tuple[Sequence[int], object, int]],
-                    request_ids: Sequence[str | None] | None = None) -> list[Handle]:
-        """Queue several prompts (prompt_ids, params, n) as one request: every one is admitted,
-        or none (the first bad one raises, naming its field; a queue that cannot take all of
-        their sequences raises QueueFull)."""
+                    request_ids: Sequence[str | None] | None = None, *,
+                    lora: str | None = None) -> list[Handle]:
+        """Queue several prompts (prompt_ids, params, n) as one request, all on the LoRA
+        adapter `lora` (None: the base model): every one is admitted, or none (the first bad
+        one raises, naming its field; a queue that cannot take all of their sequences raises
+        QueueFull)."""
         pending = []
         try:
+            self.engine.lora_key(lora)
             for prompt_ids, params, n in items:
                 plist = list(params) if isinstance(params, (list, tuple)) else [params] * n
                 if len(plist) != n or n < 1:
@@ -237,12 +243,32 @@ class EngineLoop:
             handles = []
             for (prompt_ids, plist), rid in zip(pending, rids):
                 h = Handle(self, f"h{next(self._ids)}", len(plist), aloop, rid)
-                self._inbox.append(_Pending(h, prompt_ids, plist))
+                self._inbox.append(_Pending(h, prompt_ids, plist, lora=lora))
                 handles.append(h)
             self._inbox_seqs += total
             self._in_flight += len(handles)
             self._cv.notify()
         return handles
+
+    def load_lora(self, name: str, path: str):
+        """Register a PEFT adapter (read and checked on the caller's thread while the engine
+        serves on): -> runtime.adapters.Adapter. ValueError names the problem."""
+        return self.engine.add_lora(name, path)
+
+    def unload_lora(self, name: str, timeout: float | None = None) -> None:
+        """Unload an adapter between two steps; ValueError while a request still uses it."""
+        self.call(lambda: self.engine.remove_lora(name)).result(timeout)
+
+    def call(self, fn: Callable[[], object]) -> Future:
+        """Run `fn` on the loop thread between two steps; its result or exception in the
+        Future."""
+        fut: Future = Future()
+        with self._cv:
+            if self._stopped.is_set() or not self._thread.is_alive():
+                raise ShuttingDown("the engine loop has stopped")
+            self._calls.append((fn, fut))
+            self._cv.notify()
+        return fut
 
     def cancel(self, handle_id: str) -> None:
         with self._cv:
@@ -315,7 +341,7 @@ class EngineLoop:
     def _take_commands(self):
         with self._cv:
             while (not self._inbox and not self._cancels and not self._closing
-                   and not self.engine.has_work):
+                   and not self._calls and not self.engine.has_work):
                 self._cv.wait(self._idle_wait_s)
             # Admission is host-only bookkeeping; doing it under the lock keeps the queue depth
             # seen by submit() exact (inbox + engine waiting queue, never a gap between them).
@@ -326,12 +352,19 @@ class EngineLoop:
             self._waiting = self.engine.num_waiting
             cancels = set(self._cancels)
             self._cancels.clear()
+            calls, self._calls = list(self._calls), deque()
             stop = False
             if self._closing:
                 if not self._drain:
                     cancels |= set(self._handles)
                 stop = not self._handles and not cancels
-            return cancels, stop
+        for fn, fut in calls:
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except Exception as e:  # noqa: BLE001 - the caller gets it
+                    fut.set_exception(e)
+        return cancels, stop
 
     def _refresh_depth(self) -> None:
         with self._cv:
@@ -341,7 +374,7 @@ class EngineLoop:
         self._handles[p.handle.id] = p
         try:
             for i, sp in enumerate(p.params):
-                rid = self.engine.add_request(p.prompt_ids, sp, f"{p.handle.id}/{i}")
+                rid = self.engine.add_request(p.prompt_ids, sp, f"{p.handle.id}/{i}", lora=p.lora)
                 p.live[rid] = i
                 p.lp_sent[rid] = 0
         except Exception as e:  # checked at submit already; a last guard fails this handle only

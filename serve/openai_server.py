@@ -368,6 +368,8 @@ class OpenAIApp:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/v1/load_lora_adapter", self.load_lora, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", self.unload_lora, methods=["POST"]),
         ]
         self.app = Starlette(routes=routes, exception_handlers={HTTPException: self._http_error,
                                                                 Exception: self._internal_error})
@@ -416,11 +418,19 @@ class OpenAIApp:
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise bad("'model' is required (a string)", "model")
-        if model != self.model_name:
+        if model != self.model_name and model not in self._adapter_names():
             raise ApiError(404, f"The model {_brief(model)} does not exist; this server serves "
-                                f"'{self.model_name}'", "model", "invalid_request_error",
-                           "model_not_found")
+                                f"{[self.model_name] + self._adapter_names()}", "model",
+                           "invalid_request_error", "model_not_found")
         return body
+
+    def _adapter_names(self) -> list[str]:
+        adapters = getattr(self.loop.engine, "adapters", None)
+        return adapters.names() if adapters is not None else []
+
+    def _lora_of(self, job: _Job) -> str | None:
+        """The LoRA adapter a request's `model` names (None: the base model)."""
+        return None if job.model == self.model_name else job.model
 
     async def _guard(self, fn, request: Request) -> Response:
         try:
@@ -437,26 +447,82 @@ class OpenAIApp:
             return error_response(503, why, None, "service_unavailable", "unavailable")
         return JSONResponse({"status": "ok"})  # nothing about the model or the load
 
-    def _model_card(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": self.created,
+    def _model_card(self, name: str | None = None) -> dict:
+        """The base model's card, or (name) a LoRA adapter's, with its base as `parent`."""
+        card = {"id": name or self.model_name, "object": "model", "created": self.created,
                 "owned_by": "jaxinfer", "max_model_len": self.loop.limits.max_model_len}
+        if name is not None:
+            card |= {"parent": self.model_name, "root": self.loop.engine.adapters.get(name).path}
+        return card
 
     async def models(self, request: Request) -> Response:
         try:
             self._auth(request)
         except ApiError as e:
             return e.response()
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+        cards = [self._model_card()] + [self._model_card(n) for n in self._adapter_names()]
+        return JSONResponse({"object": "list", "data": cards})
 
     async def model(self, request: Request) -> Response:
         try:
             self._auth(request)
         except ApiError as e:
             return e.response()
-        if request.path_params["model"] != self.model_name:
-            return error_response(404, f"The model '{request.path_params['model']}' does not exist",
+        name = request.path_params["model"]
+        if name != self.model_name and name not in self._adapter_names():
+            return error_response(404, f"The model '{name}' does not exist",
                                   "model", "invalid_request_error", "model_not_found")
-        return JSONResponse(self._model_card())
+        return JSONResponse(self._model_card(None if name == self.model_name else name))
+
+    async def _lora_body(self, request: Request, fields: tuple[str, ...]) -> dict:
+        """vLLM's adapter endpoints: {"lora_name": ..., "lora_path": ...} (no `model`)."""
+        self._auth(request)
+        if getattr(self.loop.engine, "adapters", None) is None:
+            raise bad("this server serves no LoRA adapters (start it with --enable-lora)",
+                      "lora_name")
+        raw = await request.body()
+        if len(raw) > 64 * 1024:
+            raise ApiError(413, "request body exceeds 65536 bytes")
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            raise bad("request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise bad("request body must be a JSON object")
+        _check_fields(body, set(fields))
+        for f in fields:
+            if not isinstance(body.get(f), str) or not body[f]:
+                raise bad(f"'{f}' is required (a non-empty string)", f)
+        if body["lora_name"] == self.model_name:
+            raise bad("'lora_name' must differ from the base model's name", "lora_name")
+        return body
+
+    async def load_lora(self, request: Request) -> Response:
+        async def run(request):
+            body = await self._lora_body(request, ("lora_name", "lora_path"))
+            try:  # the adapter is read and checked off the event loop
+                a = await self.offload.run(self.loop.load_lora, body["lora_name"],
+                                           body["lora_path"])
+            except ValueError as e:
+                raise bad(str(e), "lora_path") from None
+            return JSONResponse({"lora_name": a.name, "lora_path": a.path, "rank": a.rank,
+                                 "target_modules": list(a.targets)})
+        return await self._guard(run, request)
+
+    async def unload_lora(self, request: Request) -> Response:
+        async def run(request):
+            body = await self._lora_body(request, ("lora_name",))
+            try:
+                await asyncio.wrap_future(self.loop.call(
+                    lambda: self.loop.engine.remove_lora(body["lora_name"])))
+            except ValueError as e:
+                status = 404 if "unknown" in str(e) else 409
+                raise ApiError(status, str(e), "lora_name", "invalid_request_error",
+                               "model_not_found" if status == 404 else "adapter_in_use") from None
+            except ShuttingDown as e:
+                raise ApiError(503, str(e), None, "service_unavailable", "unavailable") from None
+            return JSONResponse({"lora_name": body["lora_name"], "unloaded": True})
+        return await self._guard(run, request)
 
     async def completions(self, request: Request) -> Response:
         return await self._guard(self._completions, request)
@@ -578,7 +644,8 @@ class OpenAIApp:
         """All prompts x samples of the request are queued, or none (one door, one verdict)."""
         try:
             return self.loop.submit_many([(ids, params, job.n)
-                                          for ids, params in zip(job.prompts, job.params)])
+                                          for ids, params in zip(job.prompts, job.params)],
+                                         lora=self._lora_of(job))
         except RequestError as e:
             err = bad(str(e), e.field)
             err.counted = True  # EngineLoop.submit_many counted it
