@@ -8,7 +8,7 @@ Input: one request per line, `{"id": ..., "prompt": "..."}` or `{"id": ..., "pro
 `min_p`, `seed`, `stop`, `stop_token_ids`, `logprobs`, `prompt_logprobs`, `ignore_eos`, and
 `structured_outputs`
 {"json": schema} / {"regex": ...} / {"choice": [...]} / {"grammar": ...} / {"json_object": true})
-that override the command's defaults; lines are checked by the same request door (runtime/requests.py) as every other front
+that override the command's defaults, and `lora` (a loaded LoRA adapter's name); lines are checked by the same request door (runtime/requests.py) as every other front
 end. Output: one line per input line, either a result
 
     {"id", "text", "token_ids", "finish_reason",
@@ -71,7 +71,7 @@ from dataclasses import dataclass
 from jaxinfer.runtime.requests import (SAMPLING_FIELDS, Limits, RequestError, RequestOutput,
                               SamplingParams, check_request, parse_prompt, sampling_from_json)
 
-REQUEST_FIELDS = {"id", "prompt", "prompt_token_ids"}
+REQUEST_FIELDS = {"id", "prompt", "prompt_token_ids", "lora"}
 LINE_SAMPLING = {*SAMPLING_FIELDS, "structured_outputs"}  # per-line fields of SamplingParams
 METRIC_KEYS = ("queue_s", "ttft_s", "itl_s_mean", "e2e_s")
 FSYNC_MODES = ("step", "line", "none")
@@ -95,6 +95,7 @@ class _Job:
     prompt_ids: list[int]
     params: SamplingParams
     seq: int = -1
+    lora: str | None = None  # a LoRA adapter's name
 
 
 def id_key(uid) -> str:
@@ -163,9 +164,12 @@ class _Parser:
             params = (sampling_from_json(obj, self.defaults)
                       if any(k in LINE_SAMPLING for k in obj) else self.default_params)
             check_request(prompt_ids, params, self.limits)
+            lora = obj.get("lora")
+            if lora is not None and (not isinstance(lora, str) or not lora):
+                raise RequestError("lora", "must be a LoRA adapter's name (a non-empty string)")
         except RequestError as e:
             raise LineError(f"field {e.field!r}: {e.reason}" if e.field else e.reason) from None
-        return _Job(line=line, uid=uid, key=key, prompt_ids=prompt_ids, params=params)
+        return _Job(line=line, uid=uid, key=key, prompt_ids=prompt_ids, params=params, lora=lora)
 
 
 # ------------------------------------------------------------------------------------ output
@@ -436,8 +440,9 @@ def run_batch(engine, tokenizer, input_path, output_path, *, sampling: dict | No
         nonlocal next_seq, held
         rid = prefix + str(job.line)
         try:
-            engine.add_request(job.prompt_ids, job.params, rid)
-        except ValueError as e:  # prompt too long for the model, token ids out of range, ...
+            engine.add_request(job.prompt_ids, job.params, rid,
+                               **({"lora": job.lora} if job.lora else {}))
+        except ValueError as e:  # prompt too long for the model, an unknown adapter, ...
             error(job.line, job.uid, str(e).replace(f"request {rid!r}: ", ""))
             return True
         except Exception as e:

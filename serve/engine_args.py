@@ -45,6 +45,15 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative", default=None, type=json.loads,
                    help='speculative decoding, e.g. \'{"method": "ngram", "k": 4, "n": 3}\' or '
                         '\'{"method": "draft", "model": "PATH", "k": 4}\'')
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (implied by --lora-modules)")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="PEFT adapters to load at start; requests name them (HTTP `model`, "
+                        "gRPC `lora`, JSONL `lora`)")
+    p.add_argument("--max-loras", type=int, default=4, help="adapters on the device at once")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank served")
+    p.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept in host memory (default: all loaded)")
     p.add_argument("--tensor-parallel", type=int, default=1,
                    help="shard params and KV cache over N devices (multi-host: all devices)")
     p.add_argument("--distributed", action="store_true",
@@ -64,6 +73,10 @@ def llm_from_args(args):
                 enable_prefix_caching=not args.no_prefix_caching,
                 async_scheduling=not getattr(args, "no_async_scheduling", False),
                 speculative=args.speculative)
+    modules = lora_modules(getattr(args, "lora_modules", []))
+    if modules or getattr(args, "enable_lora", False):
+        opts.update(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                    max_cpu_loras=args.max_cpu_loras)
     if args.max_model_len:
         opts["max_model_len"] = args.max_model_len
     tp = getattr(args, "tensor_parallel", 1)
@@ -81,4 +94,23 @@ def llm_from_args(args):
 
         atexit.register(llm.engine.release_followers)
         return llm
-    return LLM(args.model, **opts)
+    llm = LLM(args.model, **opts)
+    for name, path in modules.items():
+        try:
+            llm.engine.add_lora(name, path)
+        except ValueError as e:
+            raise SystemExit(f"--lora-modules {name}={path}: {e}") from None
+    return llm
+
+
+def lora_modules(items: list[str]) -> dict[str, str]:
+    """["name=path", ...] -> {name: path}; SystemExit naming a malformed or repeated item."""
+    out = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"--lora-modules: expected NAME=PATH, got {item!r}")
+        if name in out:
+            raise SystemExit(f"--lora-modules: adapter name {name!r} given twice")
+        out[name] = path
+    return out

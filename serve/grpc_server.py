@@ -131,9 +131,9 @@ class _Base:
         self.loop.count("invalid")
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
-    async def _submit(self, context, ids, params, n=1, request_id=None):
-        try:
-            return self.loop.submit(ids, params, request_id or None, n=n)
+    async def _submit(self, context, ids, params, n=1, request_id=None, lora=""):
+        try:  # lora: a loaded adapter's name ("": the base model), checked by the loop's door
+            return self.loop.submit(ids, params, request_id or None, n=n, lora=lora or None)
         except ValueError as e:  # counted as invalid by the loop
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except QueueFull as e:
@@ -163,7 +163,8 @@ class GenerationServicer(_Base, jaxinfer_pb2_grpc.GenerationServicer):
     async def Generate(self, request, context):
         ids, params = await self._parse(context, generate_inputs, request, self.tokenizer,
                                          self.loop.limits)
-        handle = await self._submit(context, ids, params, request_id=request.request_id)
+        handle = await self._submit(context, ids, params, request_id=request.request_id,
+                                    lora=request.lora)
         async for ups in self._updates(context, handle):
             for u in ups:
                 msg = jaxinfer_pb2.GenerateResponse(text=u.text, token_ids=u.token_ids)
@@ -204,7 +205,7 @@ class OrchestratorServicer(_Base, jetstream_pb2_grpc.OrchestratorServicer):
     async def Decode(self, request, context):
         ids, params, n, text_mode = await self._parse(
             context, decode_inputs, request, self.tokenizer, self.loop.limits, self.cfg.max_samples)
-        handle = await self._submit(context, ids, params, n=n)
+        handle = await self._submit(context, ids, params, n=n, lora=request.lora_adapter_id)
         Sample = jetstream_pb2.DecodeResponse.StreamContent.Sample
         async for ups in self._updates(context, handle):
             by_index = {u.index: u for u in ups}

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("max_tokens", "text_content", "token_content", "metadata", "num_samples")
+    __slots__ = ("max_tokens", "text_content", "token_content", "metadata", "num_samples", "lora_adapter_id")
     class TextContent(_message.Message):
         __slots__ = ("text",)
         TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -28,12 +28,14 @@ class DecodeRequest(_message.Message):
     TOKEN_CONTENT_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     text_content: DecodeRequest.TextContent
     token_content: DecodeRequest.TokenContent
     metadata: DecodeRequest.Metadata
     num_samples: int
-    def __init__(self, max_tokens: _Optional[int] = ..., text_content: _Optional[_Union[DecodeRequest.TextContent, _Mapping]] = ..., token_content: _Optional[_Union[DecodeRequest.TokenContent, _Mapping]] = ..., metadata: _Optional[_Union[DecodeRequest.Metadata, _Mapping]] = ..., num_samples: _Optional[int] = ...) -> None: ...
+    lora_adapter_id: str
+    def __init__(self, max_tokens: _Optional[int] = ..., text_content: _Optional[_Union[DecodeRequest.TextContent, _Mapping]] = ..., token_content: _Optional[_Union[DecodeRequest.TokenContent, _Mapping]] = ..., metadata: _Optional[_Union[DecodeRequest.Metadata, _Mapping]] = ..., num_samples: _Optional[int] = ..., lora_adapter_id: _Optional[str] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("initial_content", "stream_content")

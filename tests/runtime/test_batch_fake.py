@@ -64,7 +64,8 @@ class FakeEngine:
                              f"max_tokens exceeds max_model_len {self.max_model_len}")
         self.requests[request_id] = SimpleNamespace(
             request_id=request_id, prompt_ids=list(prompt_ids), params=params, token_ids=[],
-            text="", finish_reason=None, finished=False, logprobs=[], metrics=None, error=None)
+            text="", finish_reason=None, finished=False, logprobs=[], metrics=None, error=None,
+            lora=None)
         self.queue.append(request_id)
         self.adds += 1
         return request_id

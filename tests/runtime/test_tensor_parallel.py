@@ -173,6 +173,7 @@ def _plan(t=16, s=4, p=3, seed=0, w=1):
     i32 = lambda *sh: rng.integers(-5, 1 << 20, sh, dtype=np.int32)
     return dict(
         token_ids=i32(t), positions=i32(t), slot_mapping=i32(t), prompt_targets=i32(t),
+        lora_ids=i32(t),
         cu_q_lens=i32(s + 1),
         kv_lens=i32(s), page_indices=i32(s, p), num_seqs=i32(1), logits_indices=i32(s),
         temperature=rng.random(s, dtype=np.float32),
