@@ -289,9 +289,11 @@ class Engine:
         """Copy the adapters the plan's new rows use into their device slots."""
         from jaxinfer.runtime.lora import write_slot
 
-        stack = self.params.lora
+        old = stack = self.params.lora
         for slot, key in loads:
             stack = write_slot(stack, np.int32(slot), self.adapters.weights(key))
+        if self.mesh is not None:  # keep the slots' layout: the step programs expect it
+            stack = jax.tree.map(lambda new, o: jax.device_put(new, o.sharding), stack, old)
         self.params = self.params.replace(lora=stack)
 
     # ---- requests --------------------------------------------------------------------------

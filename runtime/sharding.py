@@ -79,6 +79,15 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "final_norm": ("embed",),
 }
 
+# LoRA slots (runtime/lora.py): per target, the (input, output) axes of its flattened projection;
+# a [L, Din, R] splits its input like the base weight, b [L, R, Dout] its output (the rank and
+# slot axes stay whole), so x A and (x A) B follow the base matmul's layout
+LORA_AXES: dict[str, tuple[str, str]] = {
+    "q": ("embed", "heads"), "k": ("embed", "kv_heads"), "v": ("embed", "kv_heads"),
+    "o": ("heads", "embed"), "gate": ("embed", "mlp"), "up": ("embed", "mlp"),
+    "down": ("mlp", "embed"),
+}
+
 # KV page pool [Hkv, N, ps, Dh]; int8 pools' scales [Hkv, N, ps] take the leading axes
 CACHE_AXES: tuple[str, ...] = ("kv_heads", "pages", "page_slot", "head_dim")
 
@@ -138,6 +147,9 @@ def param_axes(path: str | list[str]) -> tuple[str, ...] | None:
     last path component that names a weight decides (wrappers such as `.values` / `.scales`
     inherit the weight's axes)."""
     names = path.split(".") if isinstance(path, str) else path
+    if len(names) >= 3 and names[0] == "lora" and names[-1] in LORA_AXES:  # lora.i.{a,b}.target
+        din, dout = LORA_AXES[names[-1]]
+        return (None, din, None) if names[-2] == "a" else (None, None, dout)
     for n in reversed(names):
         if n in PARAM_AXES:
             return PARAM_AXES[n]

@@ -429,6 +429,44 @@ def test_llm_greedy_tokens_identical_across_tp_and_no_recompiles(tmp_path):
 
 
 @on_8_devices
+def test_lora_adapters_under_tp_identical_to_one_device(tmp_path):
+    """Two PEFT adapters and the base model in one batch: the same tokens at tp 1, 2 and 4;
+    the adapters' B halves split over the model axis like their base weights' outputs."""
+    import copy
+
+    import peft
+    import torch
+    import transformers
+
+    from jaxinfer import LLM, LoRARequest, SamplingParams
+
+    d = _write_model(tmp_path / "llama", "llama")
+    reqs = []
+    for i, targets in enumerate((["q_proj", "v_proj", "o_proj"], ["gate_proj", "down_proj"])):
+        torch.manual_seed(i)
+        base = transformers.LlamaForCausalLM.from_pretrained(d)
+        pm = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
+        pm.save_pretrained(tmp_path / f"ad{i}")
+        reqs.append(LoRARequest(f"ad{i}", i + 1, str(tmp_path / f"ad{i}")))
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    which = [None, reqs[0], reqs[1], reqs[0]]
+    outs = {}
+    for tp in (1, 2, 4):
+        llm = LLM(str(d), tensor_parallel=tp, enable_lora=True, max_loras=2, max_lora_rank=8,
+                  max_slots=4, page_size=8, max_model_len=96, prefill_chunk=16)
+        outs[tp] = [o.token_ids for o in llm.generate(PROMPTS, greedy, lora_request=which)]
+        if tp > 1:
+            lp = llm.engine.params.lora[0]
+            assert lp.b["q"].sharding.spec == P(None, None, "model")
+            assert lp.a["o"].sharding.spec == P(None, "model")
+    plain = LLM(str(d), max_slots=4, page_size=8, max_model_len=96, prefill_chunk=16)
+    base_only = [o.token_ids for o in plain.generate(PROMPTS, greedy)]
+    assert outs[1][0] == base_only[0] and outs[1][1] != base_only[1]  # adapters took effect
+    assert outs[2] == outs[1] and outs[4] == outs[1]
+
+
+@on_8_devices
 def test_cli_tensor_parallel_flag(tmp_path):
     from jaxinfer.serve.cli import build_parser
     from jaxinfer.serve.engine_args import llm_from_args
