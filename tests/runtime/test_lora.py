@@ -143,6 +143,15 @@ def test_mixed_batch_gives_each_request_its_tokens_alone_and_hfs(family):
     again = llm.generate([p], sp, lora_request=reqs["qv-rs"])[0]
     assert other.metrics["cached_tokens"] == 0 and again.metrics["cached_tokens"] > 0
     assert again.token_ids == first.token_ids != other.token_ids
+    # speculative decoding (n-gram proposals): the verify step applies each row's adapter
+    spec = LLM(str(base), enable_lora=True, max_loras=2, max_lora_rank=16, max_slots=4,
+               page_size=8, max_model_len=128, speculative={"method": "ngram", "k": 3, "n": 2})
+    rep = [[5, 6, 7, 8] * 6, [9, 10, 11] * 7, PROMPTS[0], [40, 41] * 9]
+    names = [None, "every-proj", "qv-rs", "mlp-o"]
+    a = spec.generate(rep, sp, lora_request=[reqs.get(n) for n in names])
+    b = llm.generate(rep, sp, lora_request=[reqs.get(n) for n in names])
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert sum(o.metrics["spec_proposed"] for o in a) > 0
 
 
 def _write_adapter(src, dst, config_edit=None, tensors_edit=None):
