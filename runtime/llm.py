@@ -41,8 +41,10 @@ class LLM:
         if q in FORMATS:  # quantize each weight as it streams in (peak ~ the int8 model)
             from jaxinfer.checkpoints.quantize import placer
 
+            # LoRA adapters read the norms' outputs as trained: no SmoothQuant scales folded in
+            smooth = {"smooth_alpha": None} if options.get("enable_lora") else {}
             place = placer(q, options.get("dtype", "float32"), mode=options.get("quant_mode"),
-                           quantize_embeddings=options.get("quantize_embeddings", True))
+                           quantize_embeddings=options.get("quantize_embeddings", True), **smooth)
         config = EngineConfig(**options)  # every option checked (and parsed) before any loading
         if q == "gguf":
             from jaxinfer.checkpoints.loader import is_gguf_file, resolve
@@ -74,6 +76,14 @@ class LLM:
                 raise ValueError(f"{model}: holds {spec['fmt']} weights; cannot serve them as {q!r}")
             from_model["quantization"] = spec["fmt"]
             mode = config.quant_mode or default_mode(spec["fmt"])
+            from jaxinfer.checkpoints.orbax_io import is_converted
+
+            if (config.enable_lora and spec["fmt"] == "int8" and spec["mode"] == "w8a8"
+                    and is_converted(self.model.source)):
+                raise ValueError(
+                    f"{model}: LoRA adapters over an int8 W8A8 checkpoint converted ahead of time "
+                    "are not supported (its norms may hold SmoothQuant scales the adapters were "
+                    "not trained with); load the float checkpoint with quantization='int8'")
             if mode != spec["mode"]:
                 self.model.params = with_mode(self.model.params, mode)
         if "max_model_len" not in options:

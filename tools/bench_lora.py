@@ -7,7 +7,8 @@ Three workloads of `--requests` concurrent greedy requests (same prompts, `--max
 ignore_eos): on an engine without LoRA; on an engine with `--adapters` LoRA slots, all requests
 on the base model; and on that engine with the requests spread over `--adapters` random
 rank-`--rank` adapters (every projection of every layer adapted). Output tokens/s over the whole
-generate call, median of `--repeats` after one compiling run (reported apart). The adapters are
+generate call, median of `--repeats` taken round robin after one compiling run each (reported
+apart). The adapters are
 random PEFT-format directories written for the model's shapes.
 """
 
@@ -50,18 +51,10 @@ def write_random_adapter(out: Path, cfg, rank: int, seed: int, scale: float = 0.
     return out
 
 
-def _run(llm, prompts, params, loras, repeats: int) -> tuple[float, float, int]:
-    """(first run s, median tokens/s of the next `repeats`, tokens per run)."""
+def _timed(llm, prompts, params, loras) -> tuple[float, int]:
     t = time.perf_counter()
-    llm.generate(prompts, params, lora_request=loras)
-    first = time.perf_counter() - t
-    rates, n = [], 0
-    for _ in range(repeats):
-        t = time.perf_counter()
-        outs = llm.generate(prompts, params, lora_request=loras)
-        n = sum(len(o.token_ids) for o in outs)
-        rates.append(n / (time.perf_counter() - t))
-    return first, statistics.median(rates), n
+    outs = llm.generate(prompts, params, lora_request=loras)
+    return time.perf_counter() - t, sum(len(o.token_ids) for o in outs)
 
 
 def main(argv=None) -> int:
@@ -88,11 +81,17 @@ def main(argv=None) -> int:
                                                                   lora.model.cfg, a.rank, i)))
             for i in range(a.adapters)]
     mixed = [reqs[i % a.adapters] for i in range(a.requests)]
-    rows = {}
-    for name, llm, loras in (("no LoRA engine", plain, None), ("LoRA engine, base", lora, None),
-                             (f"LoRA engine, {a.adapters} adapters", lora, mixed)):
-        first, rate, n = _run(llm, prompts, sp, loras, a.repeats)
-        rows[name] = dict(first_s=first, tok_s=rate, tokens=n)
+    work = {"no LoRA engine": (plain, None), "LoRA engine, base": (lora, None),
+            f"LoRA engine, {a.adapters} adapters": (lora, mixed)}
+    rows = {name: dict(first_s=_timed(llm, prompts, sp, loras)[0], rates=[])
+            for name, (llm, loras) in work.items()}
+    for _ in range(a.repeats):  # round robin: drift on a shared machine hits every workload
+        for name, (llm, loras) in work.items():
+            s, n = _timed(llm, prompts, sp, loras)
+            rows[name]["rates"].append(n / s)
+            rows[name]["tokens"] = n
+    for r in rows.values():
+        r["tok_s"] = statistics.median(r["rates"])
     base = rows["no LoRA engine"]["tok_s"]
     import jax
 

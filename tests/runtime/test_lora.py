@@ -154,6 +154,34 @@ def test_mixed_batch_gives_each_request_its_tokens_alone_and_hfs(family):
     assert sum(o.metrics["spec_proposed"] for o in a) > 0
 
 
+def test_int8_base_weights_with_float_adapters(family):
+    """quantization="int8" (W8A8 on CPU) under adapters: the weights quantized, the adapters
+    f32, no SmoothQuant scales in the norms (the adapters read them as trained); greedy tokens
+    score the prompt like the f32 engine's on the same adapters (teacher-forced logprobs), far
+    closer than the adapters are to each other."""
+    base, adapters, _ = family
+    kw = dict(enable_lora=True, max_loras=3, max_lora_rank=16, max_slots=4, page_size=8,
+              max_model_len=128)
+    f32 = LLM(str(base), **kw)
+    q8 = LLM(str(base), quantization="int8", **kw)
+    lp8, lp32 = q8.engine.params.layers[0], f32.engine.params.layers[0]
+    assert type(lp8.wq).__name__ == "QuantizedArray" and lp8.wq.mode == "w8a8"
+    assert np.array_equal(np.asarray(lp8.attn_norm), np.asarray(lp32.attn_norm))
+    reqs = [None] + [LoRARequest(n, i + 1, str(adapters[n][0])) for i, n in enumerate(adapters)]
+    sp = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+    prompt = PROMPTS[2]  # teacher-forced: each prompt token's logprob, no divergence
+
+    def scores(llm):
+        outs = llm.generate([prompt] * 4, sp, lora_request=reqs)
+        return np.array([[x["logprob"] for x in o.prompt_logprobs[1:]] for o in outs])
+
+    a, b = scores(f32), scores(q8)
+    assert q8.engine.params.lora[0].a["q"].dtype == jnp.float32
+    int8_error = np.abs(a - b).mean(axis=1)  # per adapter (row 0: the base model)
+    adapter_effect = np.abs(a[1:] - a[0]).mean(axis=1)
+    assert (int8_error[1:] < 0.2 * adapter_effect).all(), (int8_error, adapter_effect)
+
+
 def _write_adapter(src, dst, config_edit=None, tensors_edit=None):
     from safetensors.numpy import load_file, save_file
 
