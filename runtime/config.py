@@ -209,6 +209,12 @@ class EngineConfig:
     max_loras: int = 4
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # latency targets (runtime/slo.py): steps with decodes fit itl_slo_ms by the measured step
+    # times; waiting requests go by priority, on-time before late for ttft_slo_ms; refuse_late
+    # refuses requests predicted to miss ttft_slo_ms instead of queueing them
+    itl_slo_ms: float | None = None
+    ttft_slo_ms: float | None = None
+    refuse_late: bool = False
 
     def __post_init__(self):
         if self.dtype not in COMPUTE_DTYPES:
@@ -231,6 +237,7 @@ class EngineConfig:
         object.__setattr__(self, "speculative", _parse_speculative(self.speculative))
         if self.min_token_bucket is not None and self.min_token_bucket < 1:
             raise ValueError(f"min_token_bucket must be >= 1, got {self.min_token_bucket}")
+        self.slo  # noqa: B018 - checks the latency targets
         for name in ("max_loras", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -241,6 +248,18 @@ class EngineConfig:
             raise ValueError(f"min_page_bucket must be >= 1, got {self.min_page_bucket}")
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is the null page), got {self.num_pages}")
+
+    @property
+    def slo(self):
+        from jaxinfer.runtime.slo import SloConfig
+
+        ms = lambda v: None if v is None else v / 1e3  # noqa: E731
+        try:
+            return SloConfig(itl_s=ms(self.itl_slo_ms), ttft_s=ms(self.ttft_slo_ms),
+                             refuse_late=self.refuse_late)
+        except ValueError as e:
+            raise ValueError(str(e).replace("_s ", "_slo_ms ").replace("a TTFT budget",
+                                                                        "ttft_slo_ms")) from None
 
     @property
     def pages_per_seq(self) -> int:

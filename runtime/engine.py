@@ -175,7 +175,7 @@ class Engine:
             q_buckets=tuple(sorted({1, tokens[-1]} | ({min(k + 1, tokens[-1])} if k else set()))),
             page_buckets=pages, enable_prefix_caching=ecfg.enable_prefix_caching,
             num_spec_tokens=k, mask_words=self.grammars.words if self.grammars else 1,
-            max_loras=ecfg.max_loras if ecfg.enable_lora else 0,
+            max_loras=ecfg.max_loras if ecfg.enable_lora else 0, slo=ecfg.slo,
         )
         self.proposer, self._verify = None, None
         if self.spec is not None:
@@ -204,6 +204,7 @@ class Engine:
         # step(): calls, seconds inside, seconds of those blocked on the device's results
         # (step_s - wait_s = host time the device did not hide)
         self.step_stats = dict(steps=0, step_s=0.0, wait_s=0.0)
+        self._rows = 0  # token rows of the plan the current step() call launched
         self.requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
         self._zero_masks = {}  # shape -> device zeros: the bitmasks of steps with no constraint
@@ -298,10 +299,12 @@ class Engine:
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None, lora: str | None = None) -> str:
+                    request_id: str | None = None, lora: str | None = None,
+                    refuse_late: bool = True) -> str:
         """Queue a request (checked by the request door again: nothing unchecked reaches a
         step), with the LoRA adapter named `lora` (None: the base model). Raises RequestError
-        naming the field."""
+        naming the field; scheduler.Overloaded when the engine refuses late requests
+        (refuse_late=False: the caller checked already)."""
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise ValueError(f"duplicate request_id {rid!r}")
@@ -310,6 +313,8 @@ class Engine:
         prompt_ids = [int(t) for t in prompt_ids]
         check_request(prompt_ids, params, self.limits)
         key = self.lora_key(lora)
+        if refuse_late:
+            self.scheduler.check_overload(rid, len(prompt_ids), params.priority)
         now = time.monotonic()
         req = Request(request_id=rid, prompt_ids=prompt_ids, params=params, eos_ids=self.eos_ids,
                       arrival_time=now, lora=key)
@@ -448,6 +453,8 @@ class Engine:
         """One engine step. A step that raises fails the requests it may have touched (finish
         reason "error", slots and pages freed) and the engine goes on with the rest."""
         t0 = time.perf_counter()
+        self._rows = 0  # token rows of the plan this call launches (step-time measurements)
+        programs = self.compile_count
         try:
             deltas = self._admit_constrained() if self.constraints and self.constraints.held else []
             deltas += self._step_async() if self.async_scheduling else self._step_sync()
@@ -456,7 +463,10 @@ class Engine:
             deltas = self._recover(exc)
         st = self.step_stats
         st["steps"] += 1
-        st["step_s"] += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        st["step_s"] += dt
+        if self._rows and self.compile_count == programs:  # a first launch would count compiling
+            self.scheduler.step_times.record(self._rows, dt)  # latency targets predict from these
         return deltas
 
     def _recover(self, exc: Exception) -> list[Delta]:
@@ -504,6 +514,8 @@ class Engine:
     def _schedule(self):
         """The next plan, with its constrained rows' token masks filled."""
         plan = self.scheduler.schedule()
+        if plan is not None:
+            self._rows = len(plan.token_ids)
         if plan is not None and plan.lora_loads:
             self._load_lora_slots(plan.lora_loads)
         if plan is not None and self.constraints is not None and plan.constrained.any():

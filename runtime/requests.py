@@ -64,6 +64,8 @@ SAMPLING_FIELDS: dict[str, Field] = {
                              doc="logprob and top-n of each prompt token after the first "
                                  "(computed in prefill); null: none"),
     "ignore_eos": Field("bool", False),
+    "priority": Field("int", 0, -(2**31), 2**31 - 1,
+                      doc="scheduling priority, lower first (vLLM's convention)"),
 }
 
 
@@ -139,6 +141,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs per generated token
     prompt_logprobs: int | None = None  # top-n logprobs per prompt token (the first gets None)
     ignore_eos: bool = False
+    priority: int = 0  # waiting requests are admitted lower priority first (runtime/slo.py)
     # the output must match a JSON schema / regex / choice / grammar (runtime.structured);
     # a dict {"json": schema, ...} is taken as StructuredOutputs(**dict)
     structured_outputs: StructuredOutputs | None = None

@@ -98,6 +98,7 @@ import numpy as np
 from jaxinfer.runtime.lora_slots import LoraSlots
 from jaxinfer.runtime.page_allocator import PageAllocator, page_hashes
 from jaxinfer.runtime.requests import SamplingParams
+from jaxinfer.runtime.slo import SloConfig, StepTimes, wait_key
 from jaxinfer.runtime.plan import GROUPS, StepPlan, bucket, padding_arrays, pow_buckets
 
 LOGPROBS_BUCKET = 20  # static top-n logprobs width when any row asks for logprobs
@@ -105,6 +106,15 @@ LOGPROBS_BUCKET = 20  # static top-n logprobs width when any row asks for logpro
 
 class QueueFull(Exception):
     """The waiting queue holds max_queue requests; the caller should retry later (back-pressure)."""
+
+
+class Overloaded(QueueFull):
+    """The queue ahead would make this request miss its TTFT budget (SloConfig.refuse_late);
+    `retry_after_s`: when the queue is predicted to have room."""
+
+    def __init__(self, message: str, retry_after_s: float):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 @dataclass
@@ -201,6 +211,9 @@ class Scheduler:
         num_spec_tokens: int = 0,
         mask_words: int = 1,
         max_loras: int = 0,
+        slo: SloConfig | None = None,
+        step_times: StepTimes | None = None,
+        clock=time.monotonic,
     ):
         for name, v in (("max_slots", max_slots), ("page_size", page_size),
                         ("max_model_len", max_model_len), ("token_budget", token_budget)):
@@ -220,6 +233,9 @@ class Scheduler:
         self.num_spec_tokens = num_spec_tokens
         self.mask_words = mask_words
         self.lora_slots = LoraSlots(max_loras)
+        self.slo = slo or SloConfig()
+        self.step_times = step_times or StepTimes()  # the engine records every step's time
+        self.clock = clock
 
         self.token_buckets = tuple(sorted(token_buckets or pow_buckets(8, token_budget)))
         if self.token_buckets[-1] < token_budget:
@@ -428,6 +444,54 @@ class Scheduler:
             return 0
         return seq.num_tokens - seq.num_computed + len(seq.draft)
 
+    def _wait_key(self, seq: _Seq, now: float) -> tuple:
+        if seq.cached_tokens is not None:  # preempted: readmitted before anyone new
+            return (-1, seq.order)
+        r = seq.req
+        return wait_key(r.params.priority, r.arrival_time, seq.order, now, self.slo)
+
+    def _order_waiting(self) -> None:
+        """Sort the waiting queue by slo.wait_key when latency targets or priorities are in
+        use (else it stays first come, first served, preempted sequences at its front)."""
+        if len(self._waiting) > 1 and (self.slo.active
+                                       or any(s.req.params.priority for s in self._waiting)):
+            now = self.clock()
+            self._waiting = deque(sorted(self._waiting, key=lambda s: self._wait_key(s, now)))
+
+    def predicted_wait(self, prompt_len: int, priority: int = 0) -> float:
+        """Seconds until a request arriving now would get its first token: the prompt tokens
+        of the requests queued ahead of it, of the running ones still prefilling, and its own,
+        at the prefill rate measured at the full token budget (0 while unmeasured). Reads
+        snapshots of the queues: another thread may call it while the scheduler works."""
+        rate = self.step_times.prefill_rate(bucket(self.token_buckets, self.token_budget))
+        if not rate:
+            return 0.0
+        now = self.clock()
+        mine = wait_key(priority, now, self._counter, now, self.slo)
+        waiting, running = list(self._waiting), list(self._running)
+        ahead = sum(s.num_tokens for s in waiting if self._wait_key(s, now) < mine)
+        ahead += sum(max(s.num_tokens - s.num_computed, 0) for s in running if not s.prefilled)
+        return (ahead + prompt_len) / rate
+
+    def check_overload(self, request_id: str, prompt_len: int, priority: int = 0) -> None:
+        """With slo.refuse_late: raise Overloaded when a request arriving now is predicted to
+        miss its TTFT budget."""
+        if not self.slo.refuse_late:
+            return
+        wait = self.predicted_wait(prompt_len, priority)
+        if wait > self.slo.ttft_s:
+            raise Overloaded(
+                f"request {request_id!r}: predicted time to first token {wait:.2f} s exceeds "
+                f"the {self.slo.ttft_s:.2f} s budget (server overloaded)",
+                retry_after_s=wait - self.slo.ttft_s)
+
+    def _itl_budget(self, decode_tokens: int) -> int:
+        """Tokens this step may carry under the ITL budget when it has decodes: the largest
+        count whose predicted step time fits (never below the decodes themselves)."""
+        fits = [b for b in self.token_buckets if self.step_times.fits(b, self.slo.itl_s)]
+        cap = fits[-1] if fits else self.token_buckets[0]
+        return max(min(self.token_budget, cap), decode_tokens)
+
     def decode_candidates(self) -> list:
         """Running sequences in pure decode that may take proposals this step, as
         `runtime.speculative.DraftRequest`-shaped records (duck-typed; no import of that module).
@@ -480,6 +544,11 @@ class Scheduler:
         if len(self._inflight) >= 2:
             raise ValueError("two plans are outstanding: update() the oldest before scheduling")
         budget = self.token_budget
+        if self.slo.itl_s is not None:
+            decode_tokens = sum(self._num_new_tokens(s) for s in self._running if s.prefilled)
+            if decode_tokens:
+                budget = self._itl_budget(decode_tokens)
+        self._order_waiting()
         rows: list[tuple[_Seq, int]] = []  # (sequence, tokens this step), in plan row order
         preempted = False
 

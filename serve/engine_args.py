@@ -54,6 +54,15 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank served")
     p.add_argument("--max-cpu-loras", type=int, default=None,
                    help="adapters kept in host memory (default: all loaded)")
+    p.add_argument("--itl-slo-ms", type=float, default=None,
+                   help="inter-token latency budget: steps with decodes carry only as many tokens "
+                        "as the measured step times fit (admissions and prefill chunks shrink)")
+    p.add_argument("--ttft-slo-ms", type=float, default=None,
+                   help="time-to-first-token budget: waiting requests go by priority, on-time "
+                        "ones before late ones (no request waits past 5x the budget)")
+    p.add_argument("--refuse-late", action="store_true",
+                   help="with --ttft-slo-ms: refuse requests predicted to miss it (429 / "
+                        "RESOURCE_EXHAUSTED with a retry hint) instead of queueing them")
     p.add_argument("--tensor-parallel", type=int, default=1,
                    help="shard params and KV cache over N devices (multi-host: all devices)")
     p.add_argument("--distributed", action="store_true",
@@ -72,7 +81,10 @@ def llm_from_args(args):
                 min_page_bucket=args.min_page_bucket,
                 enable_prefix_caching=not args.no_prefix_caching,
                 async_scheduling=not getattr(args, "no_async_scheduling", False),
-                speculative=args.speculative)
+                speculative=args.speculative,
+                itl_slo_ms=getattr(args, "itl_slo_ms", None),
+                ttft_slo_ms=getattr(args, "ttft_slo_ms", None),
+                refuse_late=getattr(args, "refuse_late", False))
     modules = lora_modules(getattr(args, "lora_modules", []))
     if modules or getattr(args, "enable_lora", False):
         opts.update(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,

@@ -233,6 +233,12 @@ class EngineLoop:
             if self._closing or self._stopped.is_set():
                 raise ShuttingDown("server is shutting down")
             depth = self._inbox_seqs + self._waiting
+            try:  # latency targets: a request predicted to miss its TTFT budget is refused now
+                for prompt_ids, plist in pending:
+                    self.engine.scheduler.check_overload("", len(prompt_ids), plist[0].priority)
+            except QueueFull:
+                self._outcomes["rejected"] += 1
+                raise
             if self.max_queue is not None and depth + total > self.max_queue:
                 self._outcomes["rejected"] += 1
                 if total > self.max_queue:
@@ -374,7 +380,8 @@ class EngineLoop:
         self._handles[p.handle.id] = p
         try:
             for i, sp in enumerate(p.params):
-                rid = self.engine.add_request(p.prompt_ids, sp, f"{p.handle.id}/{i}", lora=p.lora)
+                rid = self.engine.add_request(p.prompt_ids, sp, f"{p.handle.id}/{i}", lora=p.lora,
+                                              refuse_late=False)
                 p.live[rid] = i
                 p.lp_sent[rid] = 0
         except Exception as e:  # checked at submit already; a last guard fails this handle only

@@ -41,6 +41,7 @@ from grpc_reflection.v1alpha import reflection
 
 from jaxinfer.runtime.requests import (Limits, RequestError, SamplingParams, check_samples, parse_prompt,
                               sampling_from_json)
+from jaxinfer.runtime.scheduler import Overloaded
 from jaxinfer.serve.engine_loop import EngineFault, EngineLoop, QueueFull, ShuttingDown
 from jaxinfer.serve.metrics import ServingMetrics
 from jaxinfer.serve.offload import Offload
@@ -83,7 +84,8 @@ def generate_inputs(req, tokenizer, limits: Limits) -> tuple[list[int], Sampling
     else:
         _, ids = parse_prompt(list(req.prompt_token_ids), tokenizer, limits, "prompt_token_ids")
     fields = {f: getattr(req, f) for f in ("max_tokens", "temperature", "top_k", "top_p", "min_p",
-                                            "seed", "logprobs", "prompt_logprobs")
+                                            "seed", "logprobs", "prompt_logprobs",
+                                            "priority")
               if req.HasField(f)}
     fields.update(stop=list(req.stop), stop_token_ids=list(req.stop_token_ids),
                   ignore_eos=req.ignore_eos)
@@ -137,6 +139,9 @@ class _Base:
         except ValueError as e:  # counted as invalid by the loop
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except QueueFull as e:
+            if isinstance(e, Overloaded):  # gRPC's retry pushback: when to try again
+                context.set_trailing_metadata(
+                    (("grpc-retry-pushback-ms", str(max(1, int(e.retry_after_s * 1e3)))),))
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except (ShuttingDown, EngineFault) as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))

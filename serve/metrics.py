@@ -18,7 +18,7 @@ import threading
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest, make_wsgi_app
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
@@ -75,6 +75,14 @@ class ServingMetrics:
                                buckets=_LATENCY_BUCKETS)
         self.e2e = Histogram("jaxinfer_e2e_seconds", "Arrival to finish", registry=r,
                              buckets=_LATENCY_BUCKETS)
+        # latency targets (EngineConfig.itl_slo_ms / ttft_slo_ms): per completed request
+        self.slo = loop.engine.scheduler.slo if hasattr(loop, "engine") else None
+        self.slo_met = Counter("jaxinfer_slo_met", "Completed requests within a latency target",
+                               ["target"], registry=r)
+        self.slo_missed = Counter("jaxinfer_slo_missed", "Completed requests past a latency "
+                                  "target", ["target"], registry=r)
+        self.goodput = Counter("jaxinfer_goodput_requests", "Completed requests within every "
+                               "latency target set (all completed ones when none is)", registry=r)
         r.register(_StatsCollector(loop))
         loop.on_finish.append(self.observe)
         self._http = None
@@ -93,6 +101,21 @@ class ServingMetrics:
                 self.tpot.observe((m["e2e_s"] - m["ttft_s"]) / (n - 1))
         for x in m["itl_s"]:
             self.itl.observe(x)
+        if outcome in ("stop", "length"):
+            self._attainment(m)
+
+    def _attainment(self, m: dict) -> None:
+        """A request meets the TTFT target when its first token came within it, the ITL target
+        when its slowest gap did (every token on time, as a client sees it)."""
+        checks = {}
+        if self.slo is not None and self.slo.ttft_s is not None and m["ttft_s"] is not None:
+            checks["ttft"] = m["ttft_s"] <= self.slo.ttft_s
+        if self.slo is not None and self.slo.itl_s is not None:
+            checks["itl"] = max(m["itl_s"], default=0.0) <= self.slo.itl_s
+        for target, ok in checks.items():
+            (self.slo_met if ok else self.slo_missed).labels(target).inc()
+        if all(checks.values()):
+            self.goodput.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -38,6 +38,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import math
 import re
 import socket
 import time
@@ -60,6 +61,7 @@ from jaxinfer.runtime.structured import StructuredOutputs
 from jaxinfer.serve.tool_calls import (ToolPlan, check_tool_calls, parse_tools, plain_turns,
                                        tool_result, with_tools)
 from jaxinfer.serve.chat_template import ChatTemplate, ChatTemplateError
+from jaxinfer.runtime.scheduler import Overloaded
 from jaxinfer.serve.engine_loop import EngineFault, EngineLoop, QueueFull, ShuttingDown
 from jaxinfer.serve.offload import Offload
 
@@ -72,7 +74,7 @@ _IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
 _COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "n", "stop",
            "seed", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
            "top_k", "min_p", "ignore_eos", "stop_token_ids", "response_format",
-           "structured_outputs", "prompt_logprobs"} | _IGNORED
+           "structured_outputs", "prompt_logprobs", "priority"} | _IGNORED
 _COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
                           "tool_choice", "functions", "function_call", "modalities"}
@@ -85,9 +87,12 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
         self.counted = False  # already counted as "invalid" by the EngineLoop
+        self.headers: dict[str, str] = {}
 
     def response(self) -> JSONResponse:
-        return error_response(self.status, self.message, self.param, self.type, self.code)
+        r = error_response(self.status, self.message, self.param, self.type, self.code)
+        r.headers.update(self.headers)
+        return r
 
 
 def _dumps(obj) -> bytes:
@@ -651,7 +656,11 @@ class OpenAIApp:
             err.counted = True  # EngineLoop.submit_many counted it
             raise err from None
         except QueueFull as e:
-            raise ApiError(429, str(e), None, "rate_limit_exceeded", "queue_full") from None
+            err = ApiError(429, str(e), None, "rate_limit_exceeded",
+                           "overloaded" if isinstance(e, Overloaded) else "queue_full")
+            if isinstance(e, Overloaded):  # when the queue is predicted to have room
+                err.headers["Retry-After"] = str(max(1, math.ceil(e.retry_after_s)))
+            raise err from None
         except (ShuttingDown, EngineFault) as e:
             raise ApiError(503, str(e), None, "service_unavailable", "unavailable") from None
 

@@ -94,9 +94,11 @@ def _pct(xs, scale=1000.0) -> dict:
 
 async def run_load(target: str, requests, *, rate: float | None = None,
                    concurrency: int | None = None, seed: int = 0, metadata=(),
-                   tls_ca: str | None = None, server_name: str | None = None) -> dict:
+                   tls_ca: str | None = None, server_name: str | None = None,
+                   keep: bool = False) -> dict:
     """One load level: Poisson arrivals at `rate` req/s (inf: all at once) or `concurrency`
-    closed-loop clients. Returns the summary dict."""
+    closed-loop clients. Returns the summary dict (`keep`: with each request's record under
+    "requests")."""
     from jaxinfer.serve.proto import jaxinfer_pb2_grpc
 
     if (rate is None) == (concurrency is None):
@@ -136,7 +138,7 @@ async def run_load(target: str, requests, *, rate: float | None = None,
         "itl_ms": _pct([x for r in ok for x in r["itl"]]),
         "tpot_ms": _pct([r["tpot"] for r in ok if r["tpot"] is not None]),
         "e2e_ms": _pct([r["e2e"] for r in ok]),
-    }
+    } | ({"requests": results} if keep else {})
 
 
 async def server_vocab(target: str, metadata=(), tls_ca=None, server_name=None) -> int:

@@ -1,0 +1,108 @@
+"""Latency targets for the scheduler: step-time predictions and the waiting queue's order. No JAX.
+
+StepTimes keeps an exponential moving average of the measured seconds of a step per token bucket
+(the engine records every step) and predicts unmeasured buckets from the measured ones (linear
+between neighbours, proportional beyond them). The scheduler uses it two ways:
+
+* ITL budget (`itl_s`): a step that carries decodes takes at most the largest token count whose
+  predicted step time fits the budget, so the prefill chunk riding along and the sequences
+  admitted shrink when steps get slow, and grow back when there is room. The running decodes
+  themselves always go (they are what the budget protects). With nothing measured yet every
+  count is allowed: the first steps measure.
+* TTFT budget (`ttft_s`) and priorities: `wait_key` orders the waiting queue. A request's class
+  is (1) starving: it has waited longer than `max_wait_s` (default 5 x ttft_s, or 30 s): these go
+  first, oldest first, so no request waits forever; (2) everyone else by priority (lower first,
+  as vLLM), then on-time before late (a request past its TTFT deadline can no longer meet it;
+  serving the ones that still can raises attainment), then arrival.
+* Overload: `predicted_wait(tokens_ahead)` is the time to prefill the prompt tokens queued
+  ahead at the measured prefill rate; with refusal on, a request that would wait past its TTFT
+  budget is refused at once with a retry hint instead of queueing.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass
+
+STARVE_FACTOR = 5.0  # max wait = this x the TTFT budget
+DEFAULT_MAX_WAIT_S = 30.0  # ... without one
+
+
+@dataclass(frozen=True)
+class SloConfig:
+    itl_s: float | None = None  # decode steps' time budget
+    ttft_s: float | None = None  # time-to-first-token budget
+    refuse_late: bool = False  # refuse requests predicted to miss ttft_s
+    max_wait_s: float | None = None  # starvation bound (None: STARVE_FACTOR x ttft_s or default)
+
+    def __post_init__(self):
+        for name in ("itl_s", "ttft_s", "max_wait_s"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ValueError(f"{name} must be > 0, got {v}")
+        if self.refuse_late and self.ttft_s is None:
+            raise ValueError("refusing late requests needs a TTFT budget")
+
+    @property
+    def active(self) -> bool:
+        return self.itl_s is not None or self.ttft_s is not None
+
+    @property
+    def starve_s(self) -> float:
+        if self.max_wait_s is not None:
+            return self.max_wait_s
+        return STARVE_FACTOR * self.ttft_s if self.ttft_s is not None else DEFAULT_MAX_WAIT_S
+
+
+class StepTimes:
+    """Measured seconds per step by token bucket (EMA), and predictions between and beyond."""
+
+    def __init__(self, alpha: float = 0.25):
+        self.alpha = alpha
+        self._ema: dict[int, float] = {}
+        self._keys: list[int] = []  # sorted buckets with a measurement
+
+    def record(self, tokens: int, seconds: float) -> None:
+        old = self._ema.get(tokens)
+        if old is None:
+            self._keys.insert(bisect_left(self._keys, tokens), tokens)
+            self._ema[tokens] = seconds
+        else:
+            self._ema[tokens] = old + self.alpha * (seconds - old)
+
+    def predict(self, tokens: int) -> float | None:
+        """Seconds of a step of `tokens` rows (None: nothing measured)."""
+        ks = self._keys
+        if not ks:
+            return None
+        if tokens in self._ema:
+            return self._ema[tokens]
+        i = bisect_left(ks, tokens)
+        if i == 0:
+            return self._ema[ks[0]] * tokens / ks[0]
+        if i == len(ks):
+            return self._ema[ks[-1]] * tokens / ks[-1]
+        lo, hi = ks[i - 1], ks[i]
+        f = (tokens - lo) / (hi - lo)
+        return self._ema[lo] + f * (self._ema[hi] - self._ema[lo])
+
+    def fits(self, tokens: int, budget_s: float) -> bool:
+        t = self.predict(tokens)
+        return t is None or t <= budget_s
+
+    def prefill_rate(self, tokens: int) -> float | None:
+        """Prompt tokens per second in steps of `tokens` rows (None: not measured)."""
+        t = self.predict(tokens)
+        return tokens / t if t else None
+
+    def snapshot(self) -> dict[int, float]:
+        return dict(self._ema)
+
+
+def wait_key(priority: int, arrival: float, order: int, now: float, slo: SloConfig) -> tuple:
+    """Sort key of a waiting request (smallest first); see the module docstring."""
+    waited = now - arrival
+    if waited > slo.starve_s:
+        return (0, 0, 0, arrival, order)
+    late = slo.ttft_s is not None and waited > slo.ttft_s
+    return (1, priority, int(late), arrival, order)
