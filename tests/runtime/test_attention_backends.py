@@ -74,8 +74,11 @@ def test_xla_path_query_tiles(monkeypatch, seqs, max_q, window, gather_bytes):
         monkeypatch.setattr(ra, "_GATHER_BYTES", gather_bytes)
     case = make_case(seqs, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=8, seed=3)
     kw = dict(sm_scale=0.125, sliding_window=window, soft_cap=30.0)
-    out = np.asarray(ra.xla_ragged_paged_attention(*case.args, **kw, max_q_len=max_q))
-    ref = np.asarray(ragged_paged_attention_reference(*case.args, **kw))
+    # a jit of its own: _GATHER_BYTES (patched above) is read when the path traces
+    fresh = jax.jit(functools.partial(ra.xla_ragged_paged_attention),
+                    static_argnames=("sm_scale", "sliding_window", "soft_cap", "max_q_len"))
+    out = np.asarray(fresh(*case.args, **kw, max_q_len=max_q))
+    ref = np.asarray(_reference_jit(*case.args, **kw))
     assert not np.isnan(out).any()
     np.testing.assert_allclose(out[case.owned], ref[case.owned], atol=1e-5, rtol=1e-5)
     assert (out[~case.owned] == 0).all()
