@@ -7,7 +7,7 @@
 The model loads once; for each `--max-slots` an engine over the same weights is served in
 process (gRPC on a free port) and driven by the serving benchmark (tools/bench_serving.py: seeded
 prompts, Poisson arrivals at each `--rates` value, `inf` = all at once, greedy with ignore_eos)
-after one untimed pass that compiles its shapes. Each point reports output tokens/s, TTFT and
+after `engine.warmup()` compiled every step shape, so each point is steady state. Each point reports output tokens/s, TTFT and
 ITL p50/p99 and **goodput**: completed requests per second whose TTFT and slowest inter-token gap
 met `--ttft-slo-ms` / `--itl-slo-ms` (with neither given, every completed request counts). Points
 no other point beats on both throughput and ITL p99 form the Pareto front. The recommended
@@ -28,16 +28,15 @@ from types import SimpleNamespace
 
 
 def pareto(points: list[dict]) -> list[int]:
-    """Indices of points not dominated in (throughput up, ITL p99 down)."""
-    def key(p):
-        return p["output_token_throughput"], -(p["itl_ms"]["p99"] or 0.0)
+    """Indices of points no other point beats on both axes (throughput up, ITL p99 down)."""
+    def axes(p):
+        return p["output_token_throughput"], p["itl_ms"]["p99"] or 0.0
 
-    front = []
-    for i, p in enumerate(points):
-        a = key(p)
-        if not any(key(q) >= a and key(q) != a for j, q in enumerate(points) if j != i):
-            front.append(i)
-    return front
+    def beats(q, p):
+        (tq, lq), (tp, lp) = axes(q), axes(p)
+        return tq >= tp and lq <= lp and (tq > tp or lq < lp)
+
+    return [i for i, p in enumerate(points) if not any(beats(q, p) for q in points)]
 
 
 def goodput(results: list[dict], duration_s: float, ttft_ms: float | None,
@@ -63,11 +62,11 @@ def sweep(args) -> dict:
     from jaxinfer.runtime.engine import Engine
     from jaxinfer.runtime.llm import LLM
     from jaxinfer.serve.grpc_server import ServerConfig, ServerThread
-    from jaxinfer.tools.bench_serving import make_requests, run_load
+    from jaxinfer.tools.bench_serving import make_requests
 
     slots = [int(x) for x in args.max_slots.split(",")]
     rates = [float(x) for x in args.rates.split(",")]
-    opts = dict(max_model_len=args.max_model_len)
+    opts = dict(max_model_len=args.max_model_len, min_token_bucket=args.min_token_bucket)
     llm = LLM(args.model, max_slots=max(slots), **opts)
     reqs = make_requests(args.num_requests, args.input_len, args.output_len,
                          llm.model.cfg.vocab_size, args.seed)
@@ -79,8 +78,7 @@ def sweep(args) -> dict:
                                  tokenizer=llm.tokenizer, model=llm.model)
         server = ServerThread(served, ServerConfig(port=0, max_queue=None, model_name="sweep"))
         try:
-            target = f"127.0.0.1:{server.port}"
-            asyncio.run(run_load(target, reqs, rate=float("inf")))  # compiles its shapes
+            served.engine.warmup()  # every step shape compiled: the points are steady state
             for rate in rates:
                 r = asyncio.run(_point(server.port, reqs, rate, args))
                 r["max_slots"] = m
@@ -164,6 +162,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=_range, default=(16, 128))
     p.add_argument("--output-len", type=_range, default=(16, 64))
     p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--min-token-bucket", type=int, default=None,
+                   help="smallest step bucket (fewer programs to warm up per max_slots)")
     p.add_argument("--ttft-slo-ms", type=float, default=None)
     p.add_argument("--itl-slo-ms", type=float, default=None)
     p.add_argument("--schedule-slo", action="store_true",
