@@ -1,11 +1,13 @@
 """Latency targets for the scheduler: step-time predictions and the waiting queue's order. No JAX.
 
 StepTimes keeps an exponential moving average of the measured seconds of a step per token bucket
-(the engine records every step) and predicts unmeasured buckets from the measured ones (linear
-between neighbours, proportional beyond them). The scheduler uses it two ways:
+and of their mean deviation from it (the engine records every step; as TCP estimates round
+trips), and predicts unmeasured buckets from the measured ones (linear between neighbours,
+proportional beyond them). The scheduler uses it two ways:
 
 * ITL budget (`itl_s`): a step that carries decodes takes at most the largest token count whose
-  predicted step time fits the budget, so the prefill chunk riding along and the sequences
+  predicted step time plus DEVIATIONS x its deviation fits the budget (a budget is a tail
+  target: steps that merely average within it would miss it every other time), so the prefill chunk riding along and the sequences
   admitted shrink when steps get slow, and grow back when there is room. The running decodes
   themselves always go (they are what the budget protects). With nothing measured yet every
   count is allowed: the first steps measure.
@@ -25,6 +27,7 @@ from bisect import bisect_left
 from dataclasses import dataclass
 
 STARVE_FACTOR = 5.0  # max wait = this x the TTFT budget
+DEVIATIONS = 2.0  # margin of the ITL cap, in mean deviations of the step time
 DEFAULT_MAX_WAIT_S = 30.0  # ... without one
 
 
@@ -60,35 +63,44 @@ class StepTimes:
     def __init__(self, alpha: float = 0.25):
         self.alpha = alpha
         self._ema: dict[int, float] = {}
+        self._dev: dict[int, float] = {}  # mean |seconds - ema|
         self._keys: list[int] = []  # sorted buckets with a measurement
 
     def record(self, tokens: int, seconds: float) -> None:
         old = self._ema.get(tokens)
         if old is None:
             self._keys.insert(bisect_left(self._keys, tokens), tokens)
-            self._ema[tokens] = seconds
+            self._ema[tokens], self._dev[tokens] = seconds, 0.0
         else:
-            self._ema[tokens] = old + self.alpha * (seconds - old)
+            a = self.alpha
+            self._dev[tokens] += a * (abs(seconds - old) - self._dev[tokens])
+            self._ema[tokens] = old + a * (seconds - old)
+
+    def _estimate(self, table: dict[int, float], tokens: int) -> float:
+        ks = self._keys
+        if tokens in table:
+            return table[tokens]
+        i = bisect_left(ks, tokens)
+        if i == 0:
+            return table[ks[0]] * tokens / ks[0]
+        if i == len(ks):
+            return table[ks[-1]] * tokens / ks[-1]
+        lo, hi = ks[i - 1], ks[i]
+        f = (tokens - lo) / (hi - lo)
+        return table[lo] + f * (table[hi] - table[lo])
 
     def predict(self, tokens: int) -> float | None:
         """Seconds of a step of `tokens` rows (None: nothing measured)."""
-        ks = self._keys
-        if not ks:
-            return None
-        if tokens in self._ema:
-            return self._ema[tokens]
-        i = bisect_left(ks, tokens)
-        if i == 0:
-            return self._ema[ks[0]] * tokens / ks[0]
-        if i == len(ks):
-            return self._ema[ks[-1]] * tokens / ks[-1]
-        lo, hi = ks[i - 1], ks[i]
-        f = (tokens - lo) / (hi - lo)
-        return self._ema[lo] + f * (self._ema[hi] - self._ema[lo])
+        return self._estimate(self._ema, tokens) if self._keys else None
 
-    def fits(self, tokens: int, budget_s: float) -> bool:
+    def deviation(self, tokens: int) -> float:
+        return self._estimate(self._dev, tokens) if self._keys else 0.0
+
+    def fits(self, tokens: int, budget_s: float, deviations: float = DEVIATIONS) -> bool:
+        """Whether a step of `tokens` rows stays within `budget_s` with a margin of
+        `deviations` mean deviations (True while nothing is measured)."""
         t = self.predict(tokens)
-        return t is None or t <= budget_s
+        return t is None or t + deviations * self.deviation(tokens) <= budget_s
 
     def prefill_rate(self, tokens: int) -> float | None:
         """Prompt tokens per second in steps of `tokens` rows (None: not measured)."""

@@ -55,6 +55,10 @@ def test_step_times_average_and_predict_between_and_beyond_measurements():
     assert st.predict(40) == pytest.approx(0.015 + 0.5 * 0.045)  # between: linear
     assert st.predict(8) == pytest.approx(0.0075) and st.predict(128) == pytest.approx(0.12)
     assert st.prefill_rate(64) == pytest.approx(64 / 0.06)
+    # the ITL cap keeps a margin of 2 mean deviations: steady 15 ms steps fit 16 ms, jittery
+    # ones (mean deviation 5 ms) do not
+    assert st.deviation(16) == pytest.approx(0.005) and not st.fits(16, 0.020)
+    assert st.fits(16, 0.0251) and st.fits(16, 0.016, deviations=0)
     with pytest.raises(ValueError, match="ttft_s"):
         SloConfig(ttft_s=0)
     with pytest.raises(ValueError, match="TTFT budget"):
@@ -76,7 +80,7 @@ def test_itl_budget_caps_steps_with_decodes_and_rises_when_steps_get_faster():
     # every step carried the 4 decodes and at most 12 prompt tokens: 16 rows (1 + 300 / 12 steps)
     assert max(sizes) == 16 and len(sizes) == 25
     # faster steps: the cap rises to the whole token budget
-    for _ in range(10):  # the moving average follows
+    for _ in range(30):  # the moving average and the deviation follow
         for b in (8, 16, 32, 64):
             times.record(b, b * 0.1e-3)
     add(s, "long2", 300, 0.0, max_tokens=4)
