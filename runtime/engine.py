@@ -454,19 +454,19 @@ class Engine:
         reason "error", slots and pages freed) and the engine goes on with the rest."""
         t0 = time.perf_counter()
         self._rows = 0  # token rows of the plan this call launches (step-time measurements)
-        programs = self.compile_count
         try:
+            programs = self.compile_count
             deltas = self._admit_constrained() if self.constraints and self.constraints.held else []
             deltas += self._step_async() if self.async_scheduling else self._step_sync()
             self.consecutive_faults = 0
+            if self._rows and self.compile_count == programs:  # (a first launch compiles)
+                # what the latency targets predict from
+                self.scheduler.step_times.record(self._rows, time.perf_counter() - t0)
         except Exception as exc:  # noqa: BLE001 - a request may fail; the engine may not
             deltas = self._recover(exc)
         st = self.step_stats
         st["steps"] += 1
-        dt = time.perf_counter() - t0
-        st["step_s"] += dt
-        if self._rows and self.compile_count == programs:  # a first launch would count compiling
-            self.scheduler.step_times.record(self._rows, dt)  # latency targets predict from these
+        st["step_s"] += time.perf_counter() - t0
         return deltas
 
     def _recover(self, exc: Exception) -> list[Delta]:

@@ -3,12 +3,12 @@
 tokens as an engine that never faulted. A vocabulary padded past the tokenizer's never samples
 the padding rows."""
 
-import jax
 import pytest
 from safetensors.numpy import load_file, save_file
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.tools.make_test_model import make
+from tests.faults import fail_once
 
 ENGINE = dict(max_slots=2, page_size=8, max_model_len=128, prefill_chunk=32)
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -23,21 +23,8 @@ def ref(tiny_dir):
 
 
 def _fail_once(engine, on_call: int, delete_cache: bool = False):
-    """Make the engine's jitted step raise on its `on_call`-th call (after consuming the donated
-    cache when `delete_cache`), once."""
-    real, calls = engine._step, []
-
-    def step(params, cache, *a, **kw):
-        calls.append(1)
-        if len(calls) == on_call:
-            if delete_cache:
-                for x in jax.tree.leaves(cache):
-                    x.delete()
-            raise RuntimeError("injected device failure")
-        return real(params, cache, *a, **kw)
-
-    engine._step = step
-    return calls
+    """Make the engine's jitted step raise on its `on_call`-th call, once (tests/faults.py)."""
+    return fail_once(engine, on_call, delete_cache).calls
 
 
 def _run(engine, prompts, params):

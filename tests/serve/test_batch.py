@@ -315,15 +315,10 @@ def test_engine_fault_gives_retry_records_that_resume_completes(tiny_dir, tmp_pa
     llm = LLM(str(tiny_dir), **ENGINE)
     rows = [{"id": i, "prompt": _prompt(i), "max_tokens": 5} for i in range(8)]
     _write(tmp_path / "in.jsonl", rows)
-    real, calls = llm.engine._step, []
+    from tests.faults import fail_once
 
-    def step(*a, **kw):
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("injected device failure")
-        return real(*a, **kw)
-
-    llm.engine._step = step
+    real = llm.engine._step
+    fail_once(llm.engine, 2)
     s = llm.generate_jsonl(tmp_path / "in.jsonl", tmp_path / "out.jsonl", progress=False,
                            sampling={"ignore_eos": True})
     llm.engine._step = real

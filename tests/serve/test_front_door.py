@@ -216,15 +216,10 @@ def test_an_engine_fault_fails_its_request_and_the_server_keeps_serving(server):
     """A step that raises inside the engine: that request gets 500 / INTERNAL, health stays
     honest (still serving), the next request works and no page leaks."""
     eng = server.loop.engine
-    real, calls = eng._step, []
+    from tests.faults import fail_once
 
-    def step(*a, **kw):
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("injected device failure")
-        return real(*a, **kw)
-
-    eng._step = step
+    real = eng._step
+    fail_once(eng, 2)
     errors0 = server.loop.stats()["requests"]["error"]
     try:
         status, body = post(server, "/v1/completions", {"model": MODEL, "prompt": "hi",
