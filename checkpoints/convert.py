@@ -10,7 +10,7 @@ from jaxinfer.checkpoints.orbax_io import save_converted
 
 def convert(src: str, out: str | Path, *, dtype: str = "float32", overwrite: bool = False,
             quantize: str | None = None, quantize_embeddings: bool = True) -> Path:
-    """`quantize` "int8" | "fp8": weights are quantized as they stream in and saved quantized
+    """`quantize` "int8" | "fp8" | "int4": weights are quantized as they stream in and saved quantized
     (loading the output needs no re-quantization)."""
     place = None
     if quantize is not None:

@@ -1,18 +1,20 @@
 """Quantize while loading: which weights become QuantizedArrays (and along which axes), the
 loaders' `place` hook that quantizes each tensor as it is read (with SmoothQuant-style smoothing
-for int8 W8A8), whole-tree quantization, and the quantization spec saved with a converted model.
-The type and its matmuls live in runtime/quantization.py."""
+for int8 W8A8, activation-aware scaling for int4), whole-tree quantization, and the
+quantization spec saved with a converted model. The type and its matmuls live in
+runtime/quantization.py."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.checkpoints import awq
 from jaxinfer.checkpoints.smoothing import (SMOOTHED_WEIGHTS, calibration_tokens,
                                             norm_input_maxima, smooth_layers)
-from jaxinfer.runtime.quantization import (STORAGE_DTYPES, QuantizationError, QuantizedArray,
-                                           check_compute_dtype, check_format, check_mode,
-                                           default_mode, quantize)
+from jaxinfer.runtime.quantization import (INT4_GROUP, STORAGE_DTYPES, QuantizationError,
+                                           QuantizedArray, check_compute_dtype, check_format,
+                                           check_mode, default_mode, int4_group_size, quantize)
 from jaxinfer.runtime.tree_paths import path_str
 
 # Which weights are quantized, and the axes their einsum in runtime/model.py contracts.
@@ -42,18 +44,24 @@ def should_quantize(path: str, quantize_embeddings: bool = True) -> bool:
 # the migration strength alpha, None to switch it off. Only the W8A8 path quantizes activations,
 # so only it is smoothed.
 SMOOTH_ALPHA: float | None = 0.5
+# Activation-aware scaling (checkpoints/awq.py) of int4 weights at quantize time; False = plain
+# round-to-nearest.
+AWQ_SCALING: bool = True
 
 
 class Placer:
     """The loaders' `place(path, f32_array)` hook: each weight is quantized the moment it is read,
-    everything else cast to `dtype`. With smoothing (int8 W8A8), the float copies of the weights
-    that read an RMSNorm (q/k/v, gate/up) are also kept until `finish(cfg, params, tokenizer)`,
-    which calibrates on a fixed text, folds the smoothing scales into the norms and re-quantizes
-    those weights from their float copies (then drops them). Without `finish` the params are a
-    plain (unsmoothed) int8 model, so a wrapper that does not forward `finish` stays correct."""
+    everything else cast to `dtype`. With a calibration-time transform (smoothing for int8 W8A8,
+    activation-aware scaling for int4), the float copies of the weights it rescales are also
+    kept until `finish(cfg, params, tokenizer)`, which calibrates on a fixed text, folds the
+    scales into the norms (and w_up) and re-quantizes those weights from their float copies
+    (then drops them). Without `finish` the params are a plain round-to-nearest model, so a
+    wrapper that does not forward `finish` stays correct."""
 
     def __init__(self, fmt: str, dtype, *, mode: str | None = None,
-                 quantize_embeddings: bool = True, smooth_alpha: float | None | str = "default"):
+                 quantize_embeddings: bool = True, smooth_alpha: float | None | str = "default",
+                 activation_aware: bool = True, group_size: int = INT4_GROUP,
+                 zero_point: bool = True):
         self.fmt = check_format(fmt)
         self.mode = mode or default_mode(fmt)
         check_mode(self.fmt, self.mode)
@@ -62,26 +70,37 @@ class Placer:
         self.quantize_embeddings = quantize_embeddings
         if smooth_alpha == "default":
             smooth_alpha = SMOOTH_ALPHA if (self.fmt, self.mode) == ("int8", "w8a8") else None
-        self.smooth_alpha = smooth_alpha
-        self.pending: dict[str, jax.Array] = {}  # float copies of the weights to smooth
+        self.smooth_alpha = smooth_alpha if activation_aware else None
+        self.awq = activation_aware and AWQ_SCALING and self.fmt == "int4"
+        self.group_size, self.zero_point = group_size, zero_point
+        self.pending: dict[str, jax.Array] = {}  # float copies of the weights to rescale
 
     def quantize(self, path: str, arr) -> QuantizedArray:
         q = quantize(arr, self.fmt, WEIGHT_REDUCE_AXES[weight_name(path)], mode=self.mode,
-                     dtype=self.dtype)
+                     dtype=self.dtype, group_size=self.group_size, zero_point=self.zero_point,
+                     name=path)
         return jax.block_until_ready(q)
+
+    def _rescaled(self, path: str) -> bool:
+        if self.awq:
+            return weight_name(path) in awq.SCALED_WEIGHTS
+        return self.smooth_alpha is not None and weight_name(path) in SMOOTHED_WEIGHTS
 
     def __call__(self, path: str, arr):
         if should_quantize(path, self.quantize_embeddings):
-            if self.smooth_alpha is not None and weight_name(path) in SMOOTHED_WEIGHTS:
+            if self._rescaled(path):
                 self.pending[path] = jnp.asarray(arr, jnp.float32)
             return self.quantize(path, arr)
         return jnp.asarray(arr, self.dtype)
 
     def finish(self, cfg, params, tokenizer):
-        """Smooth and re-quantize the weights kept by __call__ (no-op when none were)."""
+        """Rescale and re-quantize the weights kept by __call__ (no-op when none were)."""
         if not self.pending:
             return params
         pending, self.pending = self.pending, {}
+        if self.awq:
+            return awq.scale_layers(params, cfg, tokenizer, pending, self.quantize,
+                                    self.group_size, self.zero_point)
         float_params = _with_leaves(with_mode(params, "weight_only"), pending)
         maxima = norm_input_maxima(float_params, cfg, calibration_tokens(tokenizer))
         del float_params
@@ -99,22 +118,30 @@ def _with_leaves(params, leaves: dict):
 
 
 def placer(fmt: str, dtype, *, mode: str | None = None, quantize_embeddings: bool = True,
-           smooth_alpha: float | None | str = "default") -> Placer:
+           smooth_alpha: float | None | str = "default", activation_aware: bool = True,
+           group_size: int = INT4_GROUP, zero_point: bool = True) -> Placer:
     """A `place(path, f32_array)` hook for the checkpoint loaders (see Placer); the loaders call
     its `finish` once all tensors are in. `smooth_alpha`: "default" = SMOOTH_ALPHA for int8
-    W8A8 and no smoothing otherwise; None = off."""
+    W8A8 and no smoothing otherwise; None = off. `activation_aware` False: no calibration-time
+    transform at all (plain round-to-nearest). `group_size` / `zero_point`: int4 groups."""
     return Placer(fmt, dtype, mode=mode, quantize_embeddings=quantize_embeddings,
-                  smooth_alpha=smooth_alpha)
+                  smooth_alpha=smooth_alpha, activation_aware=activation_aware,
+                  group_size=group_size, zero_point=zero_point)
 
 
 def quantize_params(params, fmt: str, dtype=jnp.float32, *, mode: str | None = None,
                     quantize_embeddings: bool = True, cfg=None, tokenizer=None,
-                    smooth_alpha: float | None | str = "default"):
+                    smooth_alpha: float | None | str = "default", activation_aware: bool = True,
+                    group_size: int = INT4_GROUP, zero_point: bool = True):
     """Quantize a loaded Params tree (weights per WEIGHT_REDUCE_AXES); other leaves -> dtype.
-    Smoothing (int8 W8A8) needs the model's `cfg` and `tokenizer` for its calibration pass;
-    without them the weights are quantized as they are."""
+    Smoothing (int8 W8A8) and activation-aware scaling (int4) need the model's `cfg` and
+    `tokenizer` for their calibration pass; without them the weights are quantized as they
+    are."""
+    calibrate = cfg is not None and tokenizer is not None
     place = placer(fmt, dtype, mode=mode, quantize_embeddings=quantize_embeddings,
-                   smooth_alpha=smooth_alpha if cfg is not None and tokenizer is not None else None)
+                   smooth_alpha=smooth_alpha if calibrate else None,
+                   activation_aware=activation_aware and calibrate, group_size=group_size,
+                   zero_point=zero_point)
 
     def one(kp, a):
         if isinstance(a, QuantizedArray):
@@ -127,7 +154,8 @@ def quantize_params(params, fmt: str, dtype=jnp.float32, *, mode: str | None = N
 
 
 def quantization_spec(params) -> dict | None:
-    """What is quantized in a Params tree: {"fmt", "mode", "weights": [paths]} or None."""
+    """What is quantized in a Params tree: {"fmt", "mode", "weights": [paths]} or None; int4
+    adds {"group_size": the requested group, "zero_point": bool}."""
     found = []
 
     def visit(kp, a):
@@ -142,7 +170,13 @@ def quantization_spec(params) -> dict | None:
     modes = {a.mode for _, a in found}
     if len(fmts) != 1 or len(modes) != 1:
         raise QuantizationError(f"mixed quantization formats/modes {fmts} {modes} in one model")
-    return {"fmt": fmts.pop(), "mode": modes.pop(), "weights": [p for p, _ in found]}
+    spec = {"fmt": fmts.pop(), "mode": modes.pop(), "weights": [p for p, _ in found]}
+    if spec["fmt"] == "int4":
+        zps = {a.offsets is not None for _, a in found}
+        if len(zps) != 1:
+            raise QuantizationError("int4 weights with and without zero points in one model")
+        spec.update(group_size=max(a.group_size for _, a in found), zero_point=zps.pop())
+    return spec
 
 
 def with_mode(params, mode: str):
@@ -156,10 +190,21 @@ def with_mode(params, mode: str):
     return jax.tree.map(one, params, is_leaf=lambda a: isinstance(a, QuantizedArray))
 
 
-def abstract_quantized(path: str, leaf, fmt: str, mode: str, dtype) -> QuantizedArray:
+def abstract_quantized(path: str, leaf, fmt: str, mode: str, dtype, *,
+                       group_size: int | None = None, zero_point: bool = True) -> QuantizedArray:
     """The ShapeDtypeStruct form of the QuantizedArray that `placer` makes for weight `path`
     from a leaf of shape `leaf.shape` (an orbax restore target; nothing is computed)."""
     axes = WEIGHT_REDUCE_AXES[weight_name(path)]
+    if fmt == "int4":
+        ax, shape = axes[-1], tuple(leaf.shape)
+        g = int4_group_size(shape, ax, group_size or INT4_GROUP, path)
+        packed = shape[:ax] + (shape[ax] // 2,) + shape[ax + 1:]
+        grouped = jax.ShapeDtypeStruct(shape[:ax] + (shape[ax] // g,) + shape[ax + 1:],
+                                       jnp.float32)
+        return QuantizedArray(
+            values=jax.ShapeDtypeStruct(packed, jnp.uint8), scales=grouped,
+            offsets=grouped if zero_point else None, fmt=fmt, mode=mode, reduce_axes=(ax,),
+            group_size=g, group_axis=ax, dtype=jnp.dtype(dtype).name)
     scale_shape = tuple(1 if i in axes else n for i, n in enumerate(leaf.shape))
     return QuantizedArray(
         values=jax.ShapeDtypeStruct(tuple(leaf.shape), STORAGE_DTYPES[fmt]),

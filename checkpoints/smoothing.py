@@ -41,10 +41,12 @@ _RECORDS: list[dict] = []  # the stack of open recordings (one per traced calibr
 
 @struct.dataclass
 class Observed:
-    """A weight that records max |x| per contracted input channel of every einsum it takes part
-    in (into the innermost open recording), then multiplies as the wrapped weight would."""
+    """A weight that records, into the innermost open recording under `key`, either the max |x|
+    per contracted input channel over every einsum it takes part in (`stat` "max"), or its 2-D
+    input itself ([T, Din], `stat` "rows"); then multiplies as the wrapped weight would."""
     w: object
     key: str = struct.field(pytree_node=False, default="")
+    stat: str = struct.field(pytree_node=False, default="max")
 
     @property
     def shape(self):
@@ -55,11 +57,14 @@ class Observed:
         return len(self.w.shape)
 
     def einsum(self, spec: str, x: jax.Array) -> jax.Array:
-        xs, ws, out = parse_einsum(spec, x.ndim, self.ndim)
-        kept = tuple(i for i, c in enumerate(xs) if c not in ws or c in out)  # not contracted
-        amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=kept)
         rec = _RECORDS[-1]
-        rec[self.key] = jnp.maximum(rec[self.key], amax) if self.key in rec else amax
+        if self.stat == "rows":
+            rec[self.key] = x.astype(jnp.float32)
+        else:
+            xs, ws, out = parse_einsum(spec, x.ndim, self.ndim)
+            kept = tuple(i for i, c in enumerate(xs) if c not in ws or c in out)  # not contracted
+            amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=kept)
+            rec[self.key] = jnp.maximum(rec[self.key], amax) if self.key in rec else amax
         return einsum(spec, x, self.w)
 
 
@@ -72,11 +77,19 @@ def calibration_tokens(tokenizer, max_tokens: int = MAX_CALIBRATION_TOKENS) -> l
 def norm_input_maxima(params, cfg, tokens: list[int]) -> dict[str, np.ndarray]:
     """{"layers.i.attn_norm" | "layers.i.mlp_norm": max |norm output| per channel [D]} over one
     forward pass of `tokens` (one sequence) through `params` (dense or weight-only weights)."""
+    return record_inputs(params, cfg, tokens, {"wq": "attn_norm", "w_gate": "mlp_norm"}, "max")
+
+
+def record_inputs(params, cfg, tokens: list[int], weights: dict[str, str], stat: str
+                  ) -> dict[str, np.ndarray]:
+    """{"layers.i.<label>": statistic of weight's input} for each {weight name: label} of every
+    layer, over one forward pass of `tokens` (one sequence) through `params`; `stat` as in
+    Observed ("max" per channel, or the "rows" [T, Din])."""
     layers = []
     for i, lp in enumerate(params.layers):
-        layers.append(lp.replace(
-            wq=Observed(lp.wq, f"layers.{i}.attn_norm"),
-            w_gate=Observed(lp.w_gate, f"layers.{i}.mlp_norm")))
+        layers.append(lp.replace(**{w: Observed(getattr(lp, w), f"layers.{i}.{label}", stat)
+                                    for w, label in weights.items()
+                                    if getattr(lp, w) is not None}))  # (None: an MoE layer)
     observed = params.replace(layers=tuple(layers))
     page_size = 16
     md, n_pages = whole_sequence_metadata(len(tokens), page_size, all_logits=False)

