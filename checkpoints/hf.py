@@ -16,6 +16,7 @@ from safetensors import SafetensorError, safe_open
 
 from jaxinfer.checkpoints.errors import CheckpointError
 from jaxinfer.checkpoints.hf_config import from_hf_config
+from jaxinfer.checkpoints.hf_int4 import group_linears, scheme_of
 from jaxinfer.runtime.config import ConfigError, ModelConfig
 from jaxinfer.runtime.model import LayerParams, Params
 
@@ -23,7 +24,7 @@ from jaxinfer.runtime.model import LayerParams, Params
 _PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
 
 
-def read_config(path: Path) -> ModelConfig:
+def read_hf_json(path: Path) -> dict:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise CheckpointError(f"{cfg_file}: not found (an HF checkpoint dir needs config.json)")
@@ -31,8 +32,14 @@ def read_config(path: Path) -> ModelConfig:
         hf = json.loads(cfg_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from None
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{cfg_file}: not a JSON object")
+    return hf
+
+
+def _translate(path: Path, hf: dict) -> ModelConfig:
     try:
-        return from_hf_config(hf, source=str(cfg_file))
+        return from_hf_config(hf, source=str(path / "config.json"))
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
 
@@ -149,8 +156,8 @@ def assemble_params(
     """Place streamed (name, array, source) tensors into Params via `plan`. Unknown names are
     ignored only when they are known extras (rotary caches); missing ones are an error.
     `place(path, f32_array)`, if given, makes each leaf (e.g. quantizes it as it streams in);
-    GGUF blocks (an object with `layout` and `dense`) arrive as a QuantizedArray when kept,
-    else as the f32 weight."""
+    GGUF blocks and 4-bit HF linears (objects with `layout` and `dense`) arrive as a
+    QuantizedArray when kept, else as the f32 weight."""
     got: dict[str, object] = {}
     for name, arr, src in tensors:
         key = _strip(name)
@@ -159,7 +166,7 @@ def assemble_params(
                 continue
             raise CheckpointError(f"{src}: unexpected tensor {name!r} for {cfg.architecture}")
         target, fn = plan[key]
-        if hasattr(arr, "layout"):  # GGUF blocks (checkpoints.gguf.KeptBlocks)
+        if hasattr(arr, "layout"):  # gguf.KeptBlocks, hf_int4.Int4Linear
             value = arr.layout(fn, target, dtype, jnp.float32 if place else dtype)
             if value is not None:
                 got[target] = place(target, value) if place else value
@@ -199,14 +206,21 @@ def _stack_experts(got: dict, place: Callable | None) -> None:
         got[base] = place(base, stacked) if place else stacked
 
 
-def load_hf(path: str | Path, dtype=jnp.float32, place: Callable | None = None
-            ) -> tuple[ModelConfig, Params]:
+def load_hf(path: str | Path, dtype=jnp.float32, place: Callable | None = None,
+            keep_int4: bool = True) -> tuple[ModelConfig, Params]:
+    """`keep_int4`: a 4-bit checkpoint's linears (checkpoints/hf_int4.py) stay int4
+    QuantizedArrays where their groups fit the param's layout; False: dequantized to f32."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory")
-    cfg = read_config(path)
+    hf = read_hf_json(path)
+    cfg = _translate(path, hf)
+    scheme = scheme_of(hf, str(path / "config.json"))
     files = safetensor_files(path)
-    params = assemble_params(cfg, iter_tensors(files), hf_tensor_plan(cfg), dtype, place)
+    tensors = iter_tensors(files)
+    if scheme is not None:
+        tensors = group_linears(tensors, scheme, keep=keep_int4)
+    params = assemble_params(cfg, tensors, hf_tensor_plan(cfg), dtype, place)
     _check_shapes(cfg, params, path)
     return cfg, params
 

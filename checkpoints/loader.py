@@ -46,10 +46,11 @@ def resolve(model: str | Path) -> Path:
 
 
 def load_model(model: str | Path, dtype: str = "float32", place=None, mesh=None,
-               keep_quantized: bool = False) -> LoadedModel:
+               keep_quantized: bool = False, keep_int4: bool = False) -> LoadedModel:
     """`place(path, f32_array)`: optional per-leaf hook (quantization while streaming); a
     converted dir that is already quantized is restored as saved. `keep_quantized`: a GGUF's
-    block-quantized matmul weights stay in their blocks (QuantizedArray fmt "gguf"). A hook with a
+    block-quantized matmul weights stay in their blocks (QuantizedArray fmt "gguf");
+    `keep_int4`: a 4-bit HF checkpoint's (AWQ, GPTQ, compressed-tensors) stay int4. A hook with a
     `finish(cfg, params, tokenizer)` method (checkpoints.quantize.Placer) gets the assembled
     params once everything is read (int8 smoothing calibrates there) and returns the final ones."""
     from jaxinfer.checkpoints.orbax_io import is_converted, load_converted
@@ -73,7 +74,7 @@ def load_model(model: str | Path, dtype: str = "float32", place=None, mesh=None,
     elif (path / "config.json").is_file():
         from jaxinfer.checkpoints.hf import load_hf
 
-        cfg, params = load_hf(path, dtype=jdtype, place=place)
+        cfg, params = load_hf(path, dtype=jdtype, place=place, keep_int4=keep_int4)
         tok = load_tokenizer(path, bos_id=cfg.bos_token_id, eos_ids=cfg.eos_token_ids or None)
     else:
         raise CheckpointError(

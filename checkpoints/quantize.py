@@ -87,6 +87,8 @@ class Placer:
         return self.smooth_alpha is not None and weight_name(path) in SMOOTHED_WEIGHTS
 
     def __call__(self, path: str, arr):
+        if isinstance(arr, QuantizedArray):  # quantized in the checkpoint: kept as it is
+            return arr
         if should_quantize(path, self.quantize_embeddings):
             if self._rescaled(path):
                 self.pending[path] = jnp.asarray(arr, jnp.float32)

@@ -63,7 +63,8 @@ class LLM:
             place = shard_placer(mesh, jnp.dtype(options.get("dtype", "float32")), inner=place)
         self.model = load_model(model, dtype=options.get("dtype", "float32"), place=place,
                                 mesh=mesh,
-                                keep_quantized=q == "gguf" or (q is None and keeps_gguf_blocks()))
+                                keep_quantized=q == "gguf" or (q is None and keeps_gguf_blocks()),
+                                keep_int4=q == "int4" or (q is None and keeps_gguf_blocks()))
         from jaxinfer.checkpoints.quantize import quantization_spec, with_mode
 
         from_model = {}
@@ -115,8 +116,9 @@ class LLM:
             from jaxinfer.checkpoints.quantize import placer
 
             place = placer(spec.quantization, dtype)
-        draft = load_model(spec.model, dtype=dtype, place=place,
-                           keep_quantized=spec.quantization is None and keeps_gguf_blocks())
+        keep = spec.quantization is None and keeps_gguf_blocks()
+        draft = load_model(spec.model, dtype=dtype, place=place, keep_quantized=keep,
+                           keep_int4=keep or spec.quantization == "int4")
         check_vocab(self.model.cfg, draft.cfg, repr(spec.model))
         return draft.cfg, draft.params
 
