@@ -4,7 +4,7 @@ Layout of a converted dir:
   jaxinfer.json   {"format": "jaxinfer-orbax", "version": 1, "model_config": {...},
                    "dtype": "float32", "source": "...",
                    "quantization": null | {"fmt": "int8"|"fp8"|"int4", "mode": ..., "weights": [paths],
-                                     int4: "group_size", "zero_point"}}
+                                     int4: "group_size", "zero_point", "embeddings"}}
   params/         orbax checkpoint of the Params pytree
   tokenizer files copied from the source (tokenizer.json / tokenizer.model / configs), or
   tokenizer.model written from a GGUF vocabulary
@@ -99,7 +99,9 @@ def load_converted(path: str | Path, dtype=None, place=None, mesh=None
                 return a
             return abstract_quantized(p, a, qspec["fmt"], qspec["mode"], saved,
                                       group_size=qspec.get("group_size"),
-                                      zero_point=qspec.get("zero_point", True))
+                                      zero_point=qspec.get("zero_point", True),
+                                      embeddings=qspec.get("embeddings"),
+                                      scale_dtype=qspec.get("scale_dtypes", {}).get(p, "float16"))
 
         target = jax.tree_util.tree_map_with_path(leaf, target)
     if mesh is not None:

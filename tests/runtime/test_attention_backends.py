@@ -243,4 +243,4 @@ def test_step_with_int4_weights_exports(platform):
     assert exported.out_avals[0].shape == (8, 1 + 1 + 2 * 20)
     text = exported.mlir_module()
     assert f"tensor<{cfg.vocab_size}x{cfg.hidden_size // 2}xui8>" in text
-    assert f"tensor<{cfg.vocab_size}x{cfg.hidden_size // 128}xf32>" in text
+    assert f"tensor<{cfg.vocab_size}x{cfg.hidden_size // 128}xf16>" in text

@@ -190,7 +190,7 @@ def test_bf16_activations_and_unfactorable_spec_and_take_rows():
 def test_bad_formats_and_modes():
     w = _rand((8, 8), 12)
     with pytest.raises(QuantizationError, match="quantization must be one of"):
-        quantize(w, "int4", (0,))
+        quantize(w, "nf4", (0,))
     with pytest.raises(QuantizationError, match="fp8 with mode 'w8a8'.*cannot run"):
         quantize(w, "fp8", (0,), mode="w8a8")
     with pytest.raises(QuantizationError, match="mode must be one of"):
@@ -314,13 +314,13 @@ def test_llm_bad_quantization_input(tiny_dir):
     from jaxinfer.serve.cli import main
 
     with pytest.raises(ValueError, match="quantization must be one of"):
-        LLM(str(tiny_dir), quantization="int4")
+        LLM(str(tiny_dir), quantization="nf4")
     with pytest.raises(QuantizationError, match="fp8 with mode 'w8a8'.*cannot run on 'cpu'"):
         LLM(str(tiny_dir), quantization="fp8", quant_mode="w8a8")
     with pytest.raises(QuantizationError, match="quantization mode must be one of"):
         LLM(str(tiny_dir), quantization="int8", quant_mode="fast")
     with pytest.raises(SystemExit):
-        main(["convert", str(tiny_dir), "/tmp/never", "--quantize", "int4"])
+        main(["convert", str(tiny_dir), "/tmp/never", "--quantize", "nf4"])
 
 
 def test_llm_keep_embeddings_and_bf16_int8(tiny_dir, f32_tokens):
