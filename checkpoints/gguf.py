@@ -37,7 +37,7 @@ from jaxinfer.checkpoints.hf import assemble_params
 from jaxinfer.checkpoints.quantize import WEIGHT_REDUCE_AXES, weight_name
 from jaxinfer.runtime.config import ConfigError, ModelConfig, RopeScaling
 from jaxinfer.runtime.model import Params, init_params
-from jaxinfer.runtime.quantization import QuantizedArray
+from jaxinfer.runtime.quantization import QuantizedArray, pack_nibbles
 
 try:  # the import is cheap, but keep a clear message if the package is absent
     import gguf
@@ -426,10 +426,13 @@ class KeptBlocks:
         if len(axes) != 1 or axes[0] not in reduce_axes or q.ndim != scale.ndim:
             return None
         offset = None if self.offset is None else jnp.asarray(fn(self.offset))
+        group = q.shape[axes[0]] // scale.shape[axes[0]]
+        if self.kind in gguf_blocks.PACKED_KINDS:  # 4-bit values: two a byte (signed when no offset)
+            q = pack_nibbles(q, axes[0])
         w = QuantizedArray(
             values=jnp.asarray(q), scales=jnp.asarray(scale), offsets=offset, fmt="gguf",
             mode="weight_only", reduce_axes=reduce_axes,
-            group_size=q.shape[axes[0]] // scale.shape[axes[0]], group_axis=axes[0],
+            group_size=group, group_axis=axes[0],
             dtype=jnp.dtype(dtype).name)
         return w if self.keep else _dequantize_on_device(w, jnp.dtype(widen_to))
 

@@ -16,9 +16,9 @@ Two matmul paths (a static `mode` field):
 Per-group scales (`group_size` > 0): one scale, and optionally one offset, per `group_size`
 consecutive weights along `group_axis` (a contracted axis): w = values * scales + offsets.
   fmt "gguf"  the blocks of a GGUF file kept as they are (checkpoints/gguf_blocks.py), values
-              int8, one per weight.
-  fmt "int4"  4-bit values, two per byte: uint8 [.., n/2 on group_axis, ..], element 2i in the
-              low nibble and 2i+1 in the high one. Signed (-8..7) without offsets (symmetric),
+              int8, one per weight; the 4-bit types (Q4_0, Q4_1, Q4_K) packed as below.
+  fmt "int4"  4-bit values, two per byte (values uint8 means packed, whatever the fmt):
+              uint8 [.., n/2 on group_axis, ..], element 2i in the low nibble, 2i+1 in the high. Signed (-8..7) without offsets (symmetric),
               unsigned (0..15) with them (asymmetric: offset = the group's minimum, or -zero *
               scale for AWQ/GPTQ zero points). Scales/offsets are f16 from our quantizer (f32
               from 4-bit checkpoints, exact there) and are widened in the matmul.
@@ -74,7 +74,7 @@ class QuantizedArray:
     def shape(self) -> tuple[int, ...]:
         """The dense weight's shape."""
         s = tuple(self.values.shape)
-        if self.fmt != "int4":
+        if not self.packed:
             return s
         ax = self.group_axis
         return s[:ax] + (2 * s[ax],) + s[ax + 1:]
@@ -92,9 +92,14 @@ class QuantizedArray:
         return _widen(self._ints(self.values), self.scales, self.offsets, self.group_size,
                       self.group_axis).astype(dtype)
 
+    @property
+    def packed(self) -> bool:
+        """Two 4-bit values a byte (uint8 values: int4, and GGUF's 4-bit block types)."""
+        return self.values.dtype == jnp.uint8
+
     def _ints(self, values: jax.Array) -> jax.Array:
-        """The integer values, one per weight (int4: the nibbles unpacked)."""
-        if self.fmt != "int4":
+        """The integer values, one per weight (4-bit: the nibbles unpacked)."""
+        if not self.packed:
             return values
         return unpack_nibbles(values, self.group_axis, signed=self.offsets is None)
 

@@ -118,11 +118,13 @@ def test_quantized_tensors_dequantize_exactly(tmp_path, qtype):
     assert np.abs(want - orig).max() <= 0.1 * np.abs(orig).max()
 
 
-@pytest.mark.parametrize("arch,qtype", [("gemma3", QT.Q8_0), ("llama", QT.Q4_1)])
+@pytest.mark.parametrize("arch,qtype", [("gemma3", QT.Q8_0), ("llama", QT.Q4_1),
+                                        ("llama", QT.Q4_0)])
 def test_kept_quantized_equals_dequantized(tmp_path, arch, qtype):
-    """keep_quantized: every matmul weight stays in its blocks (int8 values, per-group scales
-    and offsets laid out like the weight, llama's q/k rows un-permuted alike), dequantizes to
-    exactly the dequantizing loader's weight, and the model's logits agree."""
+    """keep_quantized: every matmul weight stays in its blocks (int8 values, or two 4-bit
+    values a byte for the 4-bit types, signed without an offset; per-group scales and offsets
+    laid out like the weight, llama's q/k rows un-permuted alike), dequantizes to exactly the
+    dequantizing loader's weight, and the model's logits agree."""
     import jax
 
     from jaxinfer.runtime.quantization import QuantizedArray, param_bytes
@@ -141,11 +143,14 @@ def test_kept_quantized_equals_dequantized(tmp_path, arch, qtype):
     for (kp, a), (_, b) in pairs:
         if is_q(a):
             names.add(jax.tree_util.keystr(kp).split(".")[-1])
-            assert a.fmt == "gguf" and a.values.dtype == jnp.int8 and a.group_size == 32
+            packed = qtype in (QT.Q4_0, QT.Q4_1)
+            assert a.fmt == "gguf" and a.group_size == 32
+            assert a.values.dtype == (jnp.uint8 if packed else jnp.int8)
+            assert a.values.shape[a.group_axis] * (2 if packed else 1) == b.shape[a.group_axis]
             assert (a.offsets is not None) == (qtype == QT.Q4_1)
             np.testing.assert_array_equal(np.asarray(a.dequantize()), np.asarray(b))
     assert names >= {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "embed"}, names
-    assert param_bytes(kept) < 0.45 * param_bytes(dense)
+    assert param_bytes(kept) < (0.3 if qtype != QT.Q8_0 else 0.45) * param_bytes(dense)
     _, kept16 = load_gguf(path, dtype=jnp.bfloat16, keep_quantized=True)
     assert kept16.embed.take_rows(jnp.asarray([1, 2])).dtype == jnp.bfloat16
     pk, dk, _ = run_sequence(kept, cfg, PROMPT, page_size=8, decode_steps=6)

@@ -299,7 +299,7 @@ def test_bad_prompts(llm):
 
 def test_unknown_options(tiny_dir):
     with pytest.raises(ValueError, match="quantization must be one of .*'gguf', 'dequantize'"):
-        LLM(str(tiny_dir), quantization="int4")
+        LLM(str(tiny_dir), quantization="nf4")
     # "gguf" keeps a GGUF file's blocks: refused for an HF dir before anything loads
     with pytest.raises(ValueError, match="not a GGUF file"):
         LLM(str(tiny_dir), quantization="gguf")
