@@ -155,35 +155,39 @@ def test_gptq_act_order_dequantized_exactly(tiny_dir, tmp_path):
     _check(cfg, params, expected, set())  # permuted groups do not fit the runs of a group
 
 
-def test_llm_serves_kept_and_dequantized_alike(tiny_dir, tmp_path):
-    """Groups of 16 fit every param (o_proj's heads too), so every linear stays int4. (A linear
-    whose groups do not fit is dequantized exactly and then handled as a float weight: with
-    quantization="int4" it is quantized again by us.)"""
+def test_llm_keeps_a_checkpoints_int4(tiny_dir, tmp_path):
+    """quantization="int4" on a 4-bit checkpoint: its own int4 weights kept (groups of 16 fit
+    every param here, o_proj's heads too) on any platform, the float embedding quantized by us;
+    served logits equal those of the exactly dequantized weights. (A linear whose groups do
+    not fit is dequantized exactly, then handled as a float weight: with quantization="int4"
+    it is quantized again by us.)"""
     from jaxinfer import LLM, SamplingParams
     from jaxinfer.checkpoints.quantize import quantization_spec
-
-    make_int4_dir(tiny_dir, tmp_path / "awq", "ct-asym", 16)
-    opts = dict(max_slots=2, page_size=8, max_model_len=64)
-    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    # quantization="int4": its own int4 weights kept on any platform, the float embedding
-    # quantized by us (round to nearest: nothing to calibrate against a kept checkpoint)
-    spec = quantization_spec(LLM(str(tmp_path / "awq"), quantization="int4", **opts)
-                             .engine.params)
-    assert spec["fmt"] == "int4" and {"layers.0.w_down", "embed"} <= set(spec["weights"])
-    kept = LLM(str(tmp_path / "awq"), quantization="int4", quantize_embeddings=False, **opts)
-    assert "embed" not in quantization_spec(kept.engine.params)["weights"]
-    dense = LLM(str(tmp_path / "awq"), quantization="dequantize", **opts)
-    assert quantization_spec(dense.engine.params) is None
-    # the same weights, widened in the step or at load: the same logits (this random model's
-    # are nearly flat, so greedy tokens could flip on float reassociation alone)
     from tests.model_utils import run_sequence
 
-    cfg = kept.model.cfg
+    expected = make_int4_dir(tiny_dir, tmp_path / "ct", "ct-asym", 16)
+    llm = LLM(str(tmp_path / "ct"), quantization="int4", max_slots=2, page_size=8,
+              max_model_len=64)
+    params = llm.engine.params
+    spec = quantization_spec(params)
+    assert spec["fmt"] == "int4" and spec["embeddings"]["fmt"] == "int8"
+    assert {"layers.0.wo", "layers.1.w_down", "embed"} <= set(spec["weights"])
+    assert spec["scale_dtypes"]["layers.0.wq"] == "float32"  # the checkpoint's, exact
+    plan = hf_tensor_plan(llm.model.cfg)
+    dense = params
+    for name, w in expected.items():
+        target, fn = plan[name.removeprefix("model.")]
+        i, field = int(target.split(".")[1]), target.split(".")[2]
+        layers = list(dense.layers)
+        layers[i] = layers[i].replace(**{field: fn(jnp.asarray(w))})
+        dense = dense.replace(layers=tuple(layers))
+    cfg = llm.model.cfg
     toks = list(np.random.default_rng(1).integers(3, cfg.vocab_size, 20))
-    a, _, _ = run_sequence(kept.engine.params, cfg, toks, page_size=8)
-    b, _, _ = run_sequence(dense.engine.params, cfg, toks, page_size=8)
+    a, _, _ = run_sequence(params, cfg, toks, page_size=8)
+    b, _, _ = run_sequence(dense, cfg, toks, page_size=8)
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
-    assert len(kept.generate(["O Romeo"], sp)[0].token_ids) == 8
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    assert len(llm.generate(["O Romeo"], sp)[0].token_ids) == 8
 
 
 @pytest.mark.parametrize("edit,match", [
