@@ -21,6 +21,7 @@ def test_smoke_runs_every_section_and_writes_both_reports(tmp_path):
     eng = secs["engine"]["rows"]
     steady = [r for r in eng if r["run"] == "steady"]
     assert {r["batch"] for r in steady} == {1, 4} and any("int8" in r["weights"] for r in steady)
+    assert any("int4" in r["weights"] for r in steady)
     assert all(r["compiles"] == 0 and r["decode_tok_s"] > 0 for r in steady)
     md = (tmp_path / "device.md").read_text()
     assert md == markdown(data) and "| layout | page_size | head_dim |" in md
