@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -152,12 +152,35 @@ def _dedupe(ids: Iterable[int | None]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _special_splitter(pieces: Iterable[str]) -> re.Pattern[str] | None:
-    """A regex matching any of `pieces` literally, longest first (so `<a>` never shadows `<ab>`)."""
-    uniq = sorted({p for p in pieces if p}, key=lambda p: (-len(p), p))
-    if not uniq:
-        return None
-    return re.compile("|".join(re.escape(p) for p in uniq))
+class _Literals:
+    """Finds any of some pieces in a text, leftmost first and then longest (as an alternation
+    regex of them, longest first, would). Built from a dict by first character and length: a
+    regex over Gemma's ~6k control pieces took 0.6 s to compile on every load."""
+
+    def __init__(self, pieces: Iterable[str]) -> None:
+        by_first: dict[str, dict[int, set[str]]] = {}
+        for p in {p for p in pieces if p}:
+            by_first.setdefault(p[0], {}).setdefault(len(p), set()).add(p)
+        self._by_first = {c: sorted(lens.items(), reverse=True) for c, lens in by_first.items()}
+        self._starts = re.compile("[" + "".join(re.escape(c) for c in by_first) + "]")
+
+    def finditer(self, text: str) -> Iterator[tuple[int, int, str]]:
+        """(start, end, piece) of each match, left to right, never overlapping."""
+        pos = 0
+        while (m := self._starts.search(text, pos)) is not None:
+            i = m.start()
+            pos = i + 1
+            for n, pieces in self._by_first[text[i]]:
+                if text[i:i + n] in pieces:
+                    yield i, i + n, text[i:i + n]
+                    pos = i + n
+                    break
+
+
+def _special_splitter(pieces: Iterable[str]) -> _Literals | None:
+    """A finder of `pieces` written literally, longest first (so `<a>` never shadows `<ab>`)."""
+    found = _Literals(pieces)
+    return found if found._by_first else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,9 +244,11 @@ class SentencePieceTokenizer(Tokenizer):
 
         n = sp.GetPieceSize()
         self.vocab_size = n
-        control = [i for i in range(n) if sp.IsControl(i)]
+        # from the parsed proto, not 2 x n library calls (Gemma's 262k pieces: ~0.9 s -> ~0.2 s)
+        control_type = sp_pb2.ModelProto.SentencePiece.CONTROL
+        self._pieces = [p.piece for p in proto.pieces]
+        control = [i for i, p in enumerate(proto.pieces) if p.type == control_type]
         self.special_ids = frozenset(control)
-        self._pieces = [sp.IdToPiece(i) for i in range(n)]
         self._piece_ids = {p: i for i, p in enumerate(self._pieces)}
         self._control_re = _special_splitter(self._pieces[i] for i in control)
         self._control_ids = {self._pieces[i]: i for i in control}
@@ -264,10 +289,10 @@ class SentencePieceTokenizer(Tokenizer):
         ids: list[int] = []
         pos = 0
         if self._control_re is not None:
-            for m in self._control_re.finditer(text):
-                ids += self._encode_plain(text[pos : m.start()], at_start=pos == 0)
-                ids.append(self._control_ids[m.group(0)])
-                pos = m.end()
+            for start, end, piece in self._control_re.finditer(text):
+                ids += self._encode_plain(text[pos:start], at_start=pos == 0)
+                ids.append(self._control_ids[piece])
+                pos = end
         ids += self._encode_plain(text[pos:], at_start=pos == 0)
         return self._with_specials(ids, add_special_tokens)
 

@@ -29,6 +29,7 @@ FILES = (
     "tests/runtime/test_attention_backends.py",
     "tests/pallas_kernels/test_ragged_paged_attention.py",
     "tests/runtime/test_prefix_cache.py",
+    "tests/runtime/test_int4.py",
 )
 CHILD_ENV = "JAXINFER_SHARD_CHILD"
 REPORT_ENV = "JAXINFER_TEST_REPORT"  # a child writes its outcomes and per-file table there

@@ -31,6 +31,9 @@ VARIANTS = {
     # plain round-to-nearest
     "int4": dict(dtype="float32", quantization="int4"),
     "int4-rtn": dict(dtype="float32", quantization="int4", awq=False),
+    # a GGUF file's own blocks kept quantized (GGUF models only; f32 there is those blocks
+    # dequantized, so quality equals f32 and the row shows what keeping the blocks costs)
+    "gguf": dict(dtype="float32", quantization="gguf"),
     "f32+kv8": dict(dtype="float32", kv_cache_dtype="int8"),
     "int8+kv8": dict(dtype="float32", quantization="int8", kv_cache_dtype="int8"),
 }
