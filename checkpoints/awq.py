@@ -20,6 +20,11 @@ The division by s is folded where it is free:
 (wo is left to round-to-nearest: its input is the attention output, with no linear op of its own
 in front under GQA.) X comes from one forward pass of the float weights over the calibration
 text (checkpoints/calibration.py), at most MAX_TOKENS tokens.
+
+Then, as AWQ's second step, each scaled weight's range is clipped per group and output channel:
+[lo, hi] -> [lo r, hi r] with r from CLIP_RATIOS minimising that group's own output error
+||X_g (W_g - Q(clip(W_g)))||^2 (r = 1 is no clipping, so again never worse on the calibration
+text); trading the rare largest weights' error for a finer step on all the others.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ FOLDS = (("attn_norm", "norm", ("wq", "wk", "wv")),
          ("w_up", "columns", ("w_down",)))
 SCALED_WEIGHTS = tuple(w for _, _, ws in FOLDS for w in ws)
 ALPHAS = tuple(np.linspace(0.0, 1.0, 11))
+CLIP_RATIOS = tuple(np.linspace(1.0, 0.5, 11))
 MAX_TOKENS = 512
 
 
@@ -96,11 +102,11 @@ def scale_layers(params, cfg, tokenizer, weights: dict[str, jax.Array],
             layers.append(lp)
             continue
         f32 = {w: jnp.asarray(weights[p], jnp.float32) for w, p in paths.items()}
-        new = {}
+        new, folded = {}, {}
         for target, kind, consumers in FOLDS:
             x = inputs[f"layers.{i}.{consumers[0]}"]
             s, _ = activation_scales(x, [f32[w] for w in consumers], group_size, zero_point)
-            s = jnp.asarray(s)
+            s = folded[target] = jnp.asarray(s)
             for w in consumers:
                 f32[w] = f32[w] * s.reshape((-1,) + (1,) * (f32[w].ndim - 1))
             if kind == "norm":
@@ -108,7 +114,47 @@ def scale_layers(params, cfg, tokenizer, weights: dict[str, jax.Array],
                 new[target] = (g.astype(jnp.float32) / s).astype(g.dtype)
             else:  # w_up [D, F]: output column j / s_j
                 f32[target] = f32[target] / s
+        for target, _, consumers in FOLDS:  # the clipping search, on the scaled weights
+            x = inputs[f"layers.{i}.{consumers[0]}"] / np.asarray(folded[target])
+            for w in consumers:
+                f32[w] = clip_search(x, f32[w], group_size, zero_point)
         for w, p in paths.items():
             new[w] = make(p, f32[w])
         layers.append(lp.replace(**new))
     return params.replace(layers=tuple(layers))
+
+
+def clip_search(x, w, group_size: int, zero_point: bool):
+    """`w` [Din, ...] with each group's range (per output channel) clipped by the ratio in
+    CLIP_RATIOS that minimises that group's share of ||x w - x Q(w)||^2 over `x` [N, Din]."""
+    shape = w.shape
+    w2 = jnp.asarray(w, jnp.float32).reshape(shape[0], -1)
+    g = min(group_size, shape[0])
+    best = _clip_best(jnp.asarray(x, jnp.float32), w2, jnp.asarray(CLIP_RATIOS, jnp.float32),
+                      g, zero_point)
+    return best.reshape(shape)
+
+
+@functools.partial(jax.jit, static_argnames=("group_size", "zero_point"))
+def _clip_best(x, w, ratios, group_size: int, zero_point: bool):
+    din, dout = w.shape
+    n_groups = din // group_size
+    xg = x.reshape(x.shape[0], n_groups, group_size)  # [N, G, g]
+    wg = w.reshape(n_groups, group_size, dout)  # [G, g, O]
+    lo, hi = jnp.min(wg, 1, keepdims=True), jnp.max(wg, 1, keepdims=True)
+
+    def clipped(r):
+        if zero_point:
+            return jnp.clip(wg, lo * r, hi * r)
+        amax = jnp.maximum(jnp.abs(lo), jnp.abs(hi)) * r
+        return jnp.clip(wg, -amax, amax)
+
+    def error(r):  # [G, O]: each group's own output error
+        q = int4_fake(clipped(r).reshape(din, dout), 0, group_size, zero_point)
+        d = wg - q.reshape(n_groups, group_size, dout)
+        return jnp.sum(jnp.square(jnp.einsum("ngk,gko->ngo", xg, d)), axis=0)
+
+    errs = jax.lax.map(error, ratios)  # [R, G, O]
+    pick = jnp.argmin(errs, axis=0)  # [G, O]; ratio 1 (index 0) wins ties
+    r = ratios[pick][:, None, :]
+    return clipped(r).reshape(din, dout)
