@@ -14,7 +14,7 @@ from pathlib import Path
 import jax.numpy as jnp
 from safetensors import SafetensorError, safe_open
 
-from jaxinfer.checkpoints.errors import CheckpointError
+from jaxinfer.checkpoints.errors import CheckpointError, read_json_object
 from jaxinfer.checkpoints.hf_config import from_hf_config
 from jaxinfer.checkpoints.hf_int4 import group_linears, scheme_of
 from jaxinfer.runtime.config import ConfigError, ModelConfig
@@ -25,16 +25,7 @@ _PREFIXES = ("model.language_model.", "language_model.model.", "language_model."
 
 
 def read_hf_json(path: Path) -> dict:
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise CheckpointError(f"{cfg_file}: not found (an HF checkpoint dir needs config.json)")
-    try:
-        hf = json.loads(cfg_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from None
-    if not isinstance(hf, dict):
-        raise CheckpointError(f"{cfg_file}: not a JSON object")
-    return hf
+    return read_json_object(path / "config.json", "an HF checkpoint dir")
 
 
 def _translate(path: Path, hf: dict) -> ModelConfig:

@@ -190,6 +190,16 @@ def _to_f32(a) -> np.ndarray:
     return np.asarray(jnp.asarray(a, jnp.float32))  # bf16 through jax (numpy has none)
 
 
+def _act_order(g_idx, n_in: int, groups: int) -> np.ndarray | None:
+    """The group of each input, or None when they are the plain runs of n_in / groups."""
+    gi = np.asarray(g_idx).astype(np.int64)
+    if gi.shape != (n_in,) or groups < 1 or gi.min() < 0 or gi.max() >= groups:
+        raise ValueError(f"g_idx of shape {gi.shape} must give each of {n_in} inputs a group "
+                         f"in [0, {groups})")
+    plain = n_in % groups == 0 and np.array_equal(gi, np.arange(n_in) // (n_in // groups))
+    return None if plain else gi
+
+
 def decode_linear(scheme: Scheme, name: str, t: dict[str, object]) -> Int4Linear:
     """The Int4Linear of the tensors `t` (suffix -> array) of linear `name`."""
     try:
@@ -205,11 +215,7 @@ def decode_linear(scheme: Scheme, name: str, t: dict[str, object]) -> Int4Linear
             n_in, groups = q.shape[1], s.shape[1]
             group_of = None
             if "g_idx" in t:
-                gi = np.asarray(t["g_idx"]).astype(np.int64)
-                if gi.shape != (n_in,) or gi.min() < 0 or gi.max() >= groups:
-                    raise ValueError(f"g_idx has shape {gi.shape} / values outside [0, {groups})")
-                if not np.array_equal(gi, np.arange(n_in) // (n_in // groups)):
-                    group_of = gi
+                group_of = _act_order(t["g_idx"], n_in, groups)
         else:
             out_in = tuple(int(x) for x in np.asarray(t["weight_shape"]).tolist())
             q = _nibbles(t["weight_packed"], 1)[:, :out_in[1]]  # [out, in]
@@ -226,9 +232,7 @@ def decode_linear(scheme: Scheme, name: str, t: dict[str, object]) -> Int4Linear
                 z = np.full(s.shape, 8, np.int32)
             group_of = None
             if "weight_g_idx" in t:
-                gi = np.asarray(t["weight_g_idx"]).astype(np.int64)
-                if not np.array_equal(gi, np.arange(q.shape[1]) // (q.shape[1] // s.shape[1])):
-                    group_of = gi
+                group_of = _act_order(t["weight_g_idx"], q.shape[1], s.shape[1])
             if q.shape != out_in:
                 raise ValueError(f"weight_packed holds {q.shape}, weight_shape says {out_in}")
     except KeyError as e:

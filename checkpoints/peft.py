@@ -9,7 +9,6 @@ runtime.lora (A [Din, r], B [r, Dout]).
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file
 
-from jaxinfer.checkpoints.errors import CheckpointError
+from jaxinfer.checkpoints.errors import CheckpointError, read_json_object
 from jaxinfer.runtime.config import ModelConfig
 from jaxinfer.runtime.lora import TARGETS, target_dims
 
@@ -38,14 +37,7 @@ class LoraAdapter:
 
 def _config(path: Path) -> dict:
     f = path / "adapter_config.json"
-    if not f.is_file():
-        raise CheckpointError(f"{f}: not found (a PEFT adapter dir needs adapter_config.json)")
-    try:
-        cfg = json.loads(f.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{f}: not valid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise CheckpointError(f"{f}: not a JSON object")
+    cfg = read_json_object(f, "a PEFT adapter dir")
     kind = str(cfg.get("peft_type", "LORA")).upper()
     if kind != "LORA":
         raise CheckpointError(f"{f}: peft_type {kind!r} is not supported (only LORA)")

@@ -70,3 +70,12 @@ def run_sequence(params, cfg, tokens, *, page_size=16, backend="xla", decode_ste
         last = lg[0]
         dec_logits.append(np.asarray(last))
     return np.asarray(logits), out, np.asarray(dec_logits)
+
+
+def assert_same_logits(params, other, cfg, *, seed: int = 0, n: int = 20, rtol: float = 1e-5):
+    """Prefill logits of `params` and `other` over n random tokens agree (rtol, and atol rtol
+    times their max |value|): the same function computed two ways."""
+    toks = list(np.random.default_rng(seed).integers(3, cfg.vocab_size, n))
+    a, _, _ = run_sequence(params, cfg, toks, page_size=8)
+    b, _, _ = run_sequence(other, cfg, toks, page_size=8)
+    np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * np.abs(b).max())

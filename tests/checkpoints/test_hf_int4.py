@@ -153,6 +153,14 @@ def test_gptq_act_order_dequantized_exactly(tiny_dir, tmp_path):
     expected = make_int4_dir(tiny_dir, tmp_path / "ao", "gptq", 32, act_order=True)
     cfg, params = load_hf(tmp_path / "ao", keep_int4=True)
     _check(cfg, params, expected, set())  # permuted groups do not fit the runs of a group
+    f = tmp_path / "ao" / "model.safetensors"
+    t = load_file(str(f))
+    t["model.layers.1.self_attn.v_proj.g_idx"][3] = 2  # 64 inputs in groups of 32: 0 or 1
+    save_file(t, str(f))
+    with pytest.raises(CheckpointError, match=r"layers.1.self_attn.v_proj: g_idx of shape "
+                                              r"\(64,\) must give each of 64 inputs a group "
+                                              r"in \[0, 2\)"):
+        load_hf(tmp_path / "ao")
 
 
 def test_llm_keeps_a_checkpoints_int4(tiny_dir, tmp_path):
@@ -163,7 +171,7 @@ def test_llm_keeps_a_checkpoints_int4(tiny_dir, tmp_path):
     it is quantized again by us.)"""
     from jaxinfer import LLM, SamplingParams
     from jaxinfer.checkpoints.quantize import quantization_spec
-    from tests.model_utils import run_sequence
+    from tests.model_utils import assert_same_logits
 
     expected = make_int4_dir(tiny_dir, tmp_path / "ct", "ct-asym", 16)
     llm = LLM(str(tmp_path / "ct"), quantization="int4", max_slots=2, page_size=8,
@@ -182,10 +190,7 @@ def test_llm_keeps_a_checkpoints_int4(tiny_dir, tmp_path):
         layers[i] = layers[i].replace(**{field: fn(jnp.asarray(w))})
         dense = dense.replace(layers=tuple(layers))
     cfg = llm.model.cfg
-    toks = list(np.random.default_rng(1).integers(3, cfg.vocab_size, 20))
-    a, _, _ = run_sequence(params, cfg, toks, page_size=8)
-    b, _, _ = run_sequence(dense, cfg, toks, page_size=8)
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
+    assert_same_logits(params, dense, cfg, seed=1)
     sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     assert len(llm.generate(["O Romeo"], sp)[0].token_ids) == 8
 

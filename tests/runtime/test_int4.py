@@ -190,7 +190,7 @@ def test_llm_int4_convert_round_trip(tiny_dir, tmp_path, monkeypatch):
     from jaxinfer.checkpoints.hf import load_hf
     from jaxinfer.checkpoints.orbax_io import load_converted
     from jaxinfer.serve.cli import main
-    from tests.model_utils import run_sequence
+    from tests.model_utils import assert_same_logits
 
     opts = dict(max_slots=2, page_size=8, max_model_len=64)
     llm = LLM(str(tiny_dir), quantization="int4", **opts)
@@ -207,10 +207,7 @@ def test_llm_int4_convert_round_trip(tiny_dir, tmp_path, monkeypatch):
     dense = jax.tree.map(
         lambda a: a.dequantize() if isinstance(a, QuantizedArray) and a.fmt == "int4" else a,
         params, is_leaf=lambda a: isinstance(a, QuantizedArray))
-    toks = list(np.random.default_rng(6).integers(3, cfg.vocab_size, 20))
-    a, _, _ = run_sequence(params, cfg, toks, page_size=8)
-    b, _, _ = run_sequence(dense, cfg, toks, page_size=8)
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
+    assert_same_logits(params, dense, cfg, seed=6)
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     assert len(llm.generate(["O Romeo"], greedy)[0].token_ids) == 8
 
