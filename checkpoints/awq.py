@@ -47,7 +47,6 @@ SCALED_WEIGHTS = tuple(w for _, _, ws in FOLDS for w in ws)
 ALPHAS = tuple(np.linspace(0.0, 1.0, 11))
 CLIP_RATIOS = tuple(np.linspace(1.0, 0.5, 11))
 MAX_TOKENS = 512
-CLIP_TOKENS = 128  # the clipping search's rows, evenly spaced over the calibration tokens
 
 
 def activation_scales(x: np.ndarray, weights: list, group_size: int, zero_point: bool
@@ -117,7 +116,6 @@ def scale_layers(params, cfg, tokenizer, weights: dict[str, jax.Array],
                 f32[target] = f32[target] / s
         for target, _, consumers in FOLDS:  # the clipping search, on the scaled weights
             x = inputs[f"layers.{i}.{consumers[0]}"] / np.asarray(folded[target])
-            x = x[:: max(1, len(x) // CLIP_TOKENS)]
             for w in consumers:
                 f32[w] = clip_search(x, f32[w], group_size, zero_point)
         for w, p in paths.items():
