@@ -44,11 +44,10 @@ class Scheme:
     """A checkpoint's 4-bit format, from its quantization_config."""
 
     method: str  # "awq" | "gptq" | "compressed-tensors"
-    group_size: int  # -1: one group over the whole input
+    group_size: int  # -1: one group over the whole input (checked against the scales' shape)
     zero_point: bool  # asymmetric (compressed-tensors); AWQ and GPTQ always store zeros
     gptq_v1: bool = False  # GPTQ zeros stored minus one
-
-    actorder: bool = False  # compressed-tensors: a weight_g_idx per linear
+    actorder: bool = False  # a g_idx per linear (GPTQ desc_act, compressed-tensors "group")
 
     @property
     def required(self) -> tuple[str, ...]:
@@ -242,6 +241,10 @@ def decode_linear(scheme: Scheme, name: str, t: dict[str, object]) -> Int4Linear
     if s.shape != z.shape[:2] or q.shape[0] != s.shape[0] or q.shape[1] % s.shape[1]:
         raise CheckpointError(f"{name}: {scheme.method} tensors disagree: values {q.shape}, "
                               f"scales {s.shape}, zeros {z.shape} ([out, in] / [out, groups])")
+    g = q.shape[1] if scheme.group_size == -1 else scheme.group_size
+    if s.shape[1] != -(-q.shape[1] // g):
+        raise CheckpointError(f"{name}: {s.shape[1]} scale groups for {q.shape[1]} inputs, but "
+                              f"quantization_config's group_size is {scheme.group_size}")
     return Int4Linear(name, q, s, (-z.astype(np.float32) * s).astype(np.float32), group_of)
 
 

@@ -200,6 +200,8 @@ def test_llm_keeps_a_checkpoints_int4(tiny_dir, tmp_path):
     (lambda qc: qc.update(checkpoint_format="marlin"), "checkpoint_format 'marlin'"),
     (lambda qc: qc.update(group_size=0), "group_size must be"),
     (lambda qc: qc.update(quant_method="bitsandbytes"), "method 'bitsandbytes' is not supported"),
+    (lambda qc: qc.update(group_size=16), r"\d+ scale groups for \d+ inputs, but "
+                                          r"quantization_config's group_size is 16"),
 ])
 def test_bad_quantization_config(tiny_dir, tmp_path, edit, match):
     make_int4_dir(tiny_dir, tmp_path / "m", "gptq", 32)
