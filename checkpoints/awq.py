@@ -84,7 +84,7 @@ def scale_layers(params, cfg, tokenizer, weights: dict[str, jax.Array],
                  make: Callable[[str, jax.Array], object], group_size: int, zero_point: bool):
     """Params whose int4 weights in FOLDS are re-made (`make(path, f32)`) from their float copies
     `weights` (by path) scaled by the searched s, with 1/s folded into the norms and w_up's
-    columns. Layers without all their float copies (MoE layers) are left as they are.
+    columns. MoE layers (the router and experts read mlp_norm too) are left as they are.
     The calibration pass runs over `params` with the float copies in place."""
     def with_floats(lp, i):
         return lp.replace(**{w: weights[f"layers.{i}.{w}"] for w in SCALED_WEIGHTS
@@ -98,7 +98,7 @@ def scale_layers(params, cfg, tokenizer, weights: dict[str, jax.Array],
     layers = []
     for i, lp in enumerate(params.layers):
         paths = {w: f"layers.{i}.{w}" for w in SCALED_WEIGHTS}
-        if not all(p in weights for p in paths.values()):
+        if lp.router is not None or not all(p in weights for p in paths.values()):
             layers.append(lp)
             continue
         f32 = {w: jnp.asarray(weights[p], jnp.float32) for w, p in paths.items()}

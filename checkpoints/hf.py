@@ -93,11 +93,7 @@ def hf_tensor_plan(cfg: ModelConfig) -> dict[str, tuple[str, Callable]]:
             "self_attn.o_proj.weight": ("wo", lambda w: w.T.reshape(hq, dh, d)),
             "input_layernorm.weight": ("attn_norm", norm),
         }
-        layer |= _expert_plan(cfg) if cfg.num_experts else {
-            "mlp.gate_proj.weight": ("w_gate", lambda w: w.T),
-            "mlp.up_proj.weight": ("w_up", lambda w: w.T),
-            "mlp.down_proj.weight": ("w_down", lambda w: w.T),
-        }
+        layer |= _expert_plan(cfg) if cfg.layer_has_experts(i) else _mlp_plan("mlp.")
         if gemma:
             layer |= {
                 "post_attention_layernorm.weight": ("post_attn_norm", norm),
@@ -122,18 +118,29 @@ def hf_tensor_plan(cfg: ModelConfig) -> dict[str, tuple[str, Callable]]:
     return plan
 
 
+def _mlp_plan(pre: str) -> dict[str, tuple[str, Callable]]:
+    """A gated MLP's [out, in] projections -> w_gate / w_up [D, F], w_down [F, D]."""
+    return {f"{pre}{name}_proj.weight": (field, lambda w: w.T)
+            for name, field in (("gate", "w_gate"), ("up", "w_up"), ("down", "w_down"))}
+
+
 def _expert_plan(cfg: ModelConfig) -> dict[str, tuple[str, Callable]]:
     """A mixture-of-experts layer's tensors: the router [E, D] and each expert's [out, in]
-    projections, stacked by expert (`field#e`: row e of the [E, ...] param)."""
+    projections, stacked by expert (`field#e`: row e of the [E, ...] param); Qwen2-MoE's
+    shared expert and its [1, D] gate."""
     t = lambda w: w.T  # noqa: E731
     if cfg.architecture.startswith("Mixtral"):  # w1 gate, w3 up, w2 down
         pre, names = "block_sparse_moe.", ("w1", "w3", "w2")
-    else:  # Qwen3-MoE
+    else:  # Qwen2-MoE, Qwen3-MoE
         pre, names = "mlp.", ("gate_proj", "up_proj", "down_proj")
     plan = {f"{pre}gate.weight": ("router", t)}
     for e in range(cfg.num_experts):
         for name, field in zip(names, ("we_gate", "we_up", "we_down")):
             plan[f"{pre}experts.{e}.{name}.weight"] = (f"{field}#{e}", t)
+    if cfg.shared_expert_size:
+        plan |= _mlp_plan(f"{pre}shared_expert.")
+    if cfg.shared_expert_gate:
+        plan[f"{pre}shared_expert_gate.weight"] = ("shared_gate", lambda w: w[0])
     return plan
 
 

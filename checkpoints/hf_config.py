@@ -14,6 +14,7 @@ _FAMILIES = {
     "qwen2": "llama",
     "qwen3": "llama",
     "qwen3_moe": "llama",
+    "qwen2_moe": "llama",
     "mixtral": "llama",
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",
@@ -98,14 +99,15 @@ def _from_hf(hf: dict[str, Any], family: str, model_type: str) -> ModelConfig:
     )
     if family == "llama":
         window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
-        if model_type in ("qwen2", "qwen3", "qwen3_moe") and not hf.get("use_sliding_window", False):
+        if model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe") and not hf.get(
+                "use_sliding_window", False):
             window = None
         return ModelConfig(
             **common,
             rope_theta=_rope_theta(hf, 10000.0),
             rope_scaling=_rope_scaling(hf),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+            qkv_bias=_qkv_bias(hf, model_type),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),  # per-head RMSNorm of q, k before RoPE
             activation=_activation(hf.get("hidden_act", "silu")),
             sliding_window=window,
@@ -145,25 +147,37 @@ def _from_hf(hf: dict[str, Any], family: str, model_type: str) -> ModelConfig:
     )
 
 
+def _qkv_bias(hf: dict[str, Any], model_type: str) -> bool:
+    if model_type == "qwen2_moe":  # its config says qkv_bias (default on)
+        return bool(hf.get("qkv_bias", True))
+    return bool(hf.get("attention_bias", model_type == "qwen2"))
+
+
 def _experts(hf: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
-    """The mixture-of-experts fields (none for a dense model): Qwen3-MoE (`num_experts`,
-    `moe_intermediate_size`, `norm_topk_prob`) and Mixtral (`num_local_experts`, experts of
-    `intermediate_size`, weights always renormalised)."""
+    """The mixture-of-experts fields (none for a dense model): Qwen3-MoE / Qwen2-MoE
+    (`num_experts`, `moe_intermediate_size`, `norm_topk_prob`; dense layers from
+    `decoder_sparse_step` and `mlp_only_layers`; Qwen2-MoE's gated shared expert) and Mixtral
+    (`num_local_experts`, experts of `intermediate_size`, weights always renormalised)."""
     if model_type == "mixtral":
         return dict(num_experts=int(hf["num_local_experts"]),
                     experts_per_token=int(hf["num_experts_per_tok"]),
                     moe_intermediate_size=int(hf["intermediate_size"]), norm_topk_prob=True)
-    if model_type != "qwen3_moe":
+    if model_type not in ("qwen3_moe", "qwen2_moe"):
         return {}
-    step, dense = int(hf.get("decoder_sparse_step", 1)), list(hf.get("mlp_only_layers") or [])
-    if step != 1 or dense:
-        raise ConfigError(f"dense layers between expert layers (decoder_sparse_step {step}, "
-                          f"mlp_only_layers {dense}) are not supported")
     # Qwen's own configs say num_experts; transformers 5 writes num_local_experts
-    n = hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"]
-    return dict(num_experts=int(n), experts_per_token=int(hf["num_experts_per_tok"]),
+    n = int(hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"])
+    step, dense = int(hf.get("decoder_sparse_step", 1)), {int(i) for i in hf.get("mlp_only_layers") or []}
+    if step < 1:
+        raise ConfigError(f"decoder_sparse_step {step} must be >= 1")
+    # as HF builds the layers: experts where i is not MLP-only and (i + 1) % step == 0
+    dense |= {i for i in range(num_layers) if n == 0 or (i + 1) % step}
+    shared = int(hf.get("shared_expert_intermediate_size") or 0) if model_type == "qwen2_moe" \
+        else 0
+    return dict(num_experts=n, experts_per_token=int(hf["num_experts_per_tok"]),
                 moe_intermediate_size=int(hf["moe_intermediate_size"]),
-                norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                shared_expert_size=shared, shared_expert_gate=bool(shared),
+                dense_layers=tuple(sorted(i for i in dense if 0 <= i < num_layers)))
 
 
 def _activation(name: str) -> str:

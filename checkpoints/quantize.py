@@ -24,6 +24,9 @@ WEIGHT_REDUCE_AXES: dict[str, tuple[int, ...]] = {
     "wo": (0, 1),  # "thk,hkd->td"
     "w_gate": (0,), "w_up": (0,), "w_down": (0,),  # "td,df->tf", "tf,fd->td"
     "embed": (1,), "lm_head": (1,),
+    # stacked experts [E, D, F] / [E, F, D] (runtime/moe.py): per expert and output channel.
+    # The expert forms widen the experts they read whatever the mode (weight-only math).
+    "we_gate": (1,), "we_up": (1,), "we_down": (1,),
 }
 EMBEDDING_WEIGHTS = ("embed", "lm_head")
 # An int4 model's embedding / lm_head tables are int8 per row, as 4-bit checkpoints keep theirs

@@ -142,7 +142,8 @@ def smooth_layers(params, maxima: dict[str, np.ndarray], alpha: float,
             else:
                 ws = [getattr(lp, w) for w in consumers]
                 ws = [None if isinstance(w, QuantizedArray) else w for w in ws]
-            if key not in maxima or any(w is None for w in ws):
+            if key not in maxima or any(w is None for w in ws) or (
+                    norm == "mlp_norm" and lp.router is not None):  # experts read it too
                 continue
             w_max = np.max([_row_max(w) for w in ws], axis=0)
             s = smoothing_scales(maxima[key], w_max, alpha)

@@ -73,6 +73,11 @@ class ModelConfig:
     experts_per_token: int = 0  # top-k of the router's softmax
     moe_intermediate_size: int = 0  # each expert's F
     norm_topk_prob: bool = False  # renormalise the k routing weights to sum 1
+    # an always-on shared expert beside the routed ones (Qwen2-MoE): a gated MLP of this F in
+    # w_gate / w_up / w_down, its output scaled by sigmoid(h . shared_gate) when gated
+    shared_expert_size: int = 0
+    shared_expert_gate: bool = False
+    dense_layers: tuple[int, ...] = ()  # layers of an MoE model with a dense MLP instead
     # tokens
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -90,10 +95,16 @@ class ModelConfig:
             raise ConfigError(f"{self.num_experts} experts need 1 <= experts_per_token "
                               f"({self.experts_per_token}) <= num_experts and "
                               f"moe_intermediate_size > 0 ({self.moe_intermediate_size})")
+        if any(not 0 <= i < self.num_layers for i in self.dense_layers):
+            raise ConfigError(f"dense_layers {list(self.dense_layers)} outside the "
+                              f"{self.num_layers} layers")
 
     @property
     def sm_scale(self) -> float:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_has_experts(self, i: int) -> bool:
+        return bool(self.num_experts) and i not in self.dense_layers
 
     def layer_is_local(self, i: int) -> bool:
         return bool(self.layer_types) and self.layer_types[i] == "local"

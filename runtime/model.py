@@ -38,6 +38,7 @@ class LayerParams:
     we_gate: jax.Array | None = None  # [E, D, Fe]
     we_up: jax.Array | None = None  # [E, D, Fe]
     we_down: jax.Array | None = None  # [E, Fe, D]
+    shared_gate: jax.Array | None = None  # [D]: the shared expert's (w_gate/w_up/w_down) gate
     bq: jax.Array | None = None  # [Hq, Dh]
     bk: jax.Array | None = None  # [Hkv, Dh]
     bv: jax.Array | None = None  # [Hkv, Dh]
@@ -141,13 +142,18 @@ def _layer(
 
     h = rms_norm(x, lp.mlp_norm, eps)
     act = _activation(cfg.activation)
-    if lp.router is not None:  # experts, grouped by expert with ragged_dot
-        m = moe_mlp(h, lp.router, lp.we_gate, lp.we_up, lp.we_down,
-                    k=cfg.experts_per_token, norm_topk=cfg.norm_topk_prob, act=act)  # [T, D]
-    else:
+    m = None
+    if lp.w_gate is not None:  # the dense MLP, or an MoE layer's shared expert
         m = (act(ad(einsum("td,df->tf", h, lp.w_gate), h, "gate"))
              * ad(einsum("td,df->tf", h, lp.w_up), h, "up"))  # [T, F]
         m = ad(einsum("tf,fd->td", m, lp.w_down), m, "down")  # [T, D]
+        if lp.shared_gate is not None:
+            gate = jnp.einsum("td,d->t", h.astype(jnp.float32), lp.shared_gate.astype(jnp.float32))
+            m = (m * jax.nn.sigmoid(gate)[:, None]).astype(h.dtype)
+    if lp.router is not None:  # routed experts (runtime/moe.py)
+        e = moe_mlp(h, lp.router, lp.we_gate, lp.we_up, lp.we_down,
+                    k=cfg.experts_per_token, norm_topk=cfg.norm_topk_prob, act=act)  # [T, D]
+        m = e if m is None else m + e
     if lp.post_mlp_norm is not None:
         m = rms_norm(m, lp.post_mlp_norm, eps)
     return x + m, k_pages, v_pages
@@ -213,7 +219,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: floa
         cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
         cfg.intermediate_size, cfg.vocab_size,
     )
-    keys = iter(jax.random.split(key, 16 * cfg.num_layers + 4))
+    keys = iter(jax.random.split(key, 24 * cfg.num_layers + 4))
 
     def w(*shape):
         return (scale * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
@@ -222,10 +228,15 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: floa
         return (1.0 + 0.1 * jax.random.normal(next(keys), (n,), jnp.float32)).astype(dtype)
 
     layers = []
-    ne, fe = cfg.num_experts, cfg.moe_intermediate_size
-    for _ in range(cfg.num_layers):
-        mlp = dict(w_gate=w(d, f), w_up=w(d, f), w_down=w(f, d)) if not ne else dict(
-            router=w(d, ne), we_gate=w(ne, d, fe), we_up=w(ne, d, fe), we_down=w(ne, fe, d))
+    ne, fe, fs = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_size
+    for i in range(cfg.num_layers):
+        mlp = dict(w_gate=w(d, f), w_up=w(d, f), w_down=w(f, d))
+        if cfg.layer_has_experts(i):
+            mlp = dict(router=w(d, ne), we_gate=w(ne, d, fe), we_up=w(ne, d, fe),
+                       we_down=w(ne, fe, d))
+            if fs:
+                mlp |= dict(w_gate=w(d, fs), w_up=w(d, fs), w_down=w(fs, d),
+                            shared_gate=w(d) if cfg.shared_expert_gate else None)
         layers.append(
             LayerParams(
                 attn_norm=norm(d), wq=w(d, hq, dh), wk=w(d, hkv, dh), wv=w(d, hkv, dh),

@@ -3,9 +3,11 @@ MLP, and the token's output is their routing-weighted sum (Qwen3-MoE, Mixtral).
 
 `moe_mlp` is the serving path. Each (token, expert) pair meets only its own expert's weights and
 no token is dropped: up to E pairs (decode) gather the chosen experts' weights per pair; more
-pairs (prefill) are sorted by expert and the expert weights applied with `jax.lax.ragged_dot`
-over contiguous groups. `moe_mlp_dense` computes every expert for every
-token and masks: E/k times the work, kept as the test reference.
+pairs (prefill) are sorted by expert, then multiplied with `jax.lax.ragged_dot` over contiguous
+groups (TPU/GPU) or in blocks padded per expert (CPU). Expert weights may be QuantizedArrays
+(int8, fp8, int4, GGUF blocks): each form widens only the experts it reads. `moe_mlp_dense`
+computes every expert for every token and masks: E/k times the work, kept as the test
+reference.
 
     logits = h @ router                        # [T, E], f32
     w, e = top_k(softmax(logits), k)           # [T, k] (renormalised to sum 1 if norm_topk)
@@ -14,8 +16,12 @@ token and masks: E/k times the work, kept as the test reference.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+
+from jaxinfer.runtime.quantization import QuantizedArray, dequantize
 
 
 def route(h: jax.Array, router: jax.Array, k: int, norm_topk: bool):
@@ -30,37 +36,96 @@ def route(h: jax.Array, router: jax.Array, k: int, norm_topk: bool):
 
 def moe_mlp(h: jax.Array, router, we_gate, we_up, we_down, *, k: int, norm_topk: bool,
             act) -> jax.Array:
-    """h [T, D]; we_gate / we_up [E, D, F], we_down [E, F, D] -> [T, D]. At most E pairs (a
-    decode step): each pair gathers its expert's weights (`_gathered`); more: grouped by expert
-    through ragged_dot (`_grouped`). Both read only the chosen experts."""
+    """h [T, D]; we_gate / we_up [E, D, F], we_down [E, F, D] (arrays or QuantizedArrays) ->
+    [T, D]. At most E pairs (a decode step): each pair gathers its expert's weights
+    (`_gathered`); more: grouped by expert, through ragged_dot on TPU/GPU (`_grouped`) and
+    through padded blocks on CPU (`_blocked`: XLA:CPU expands ragged_dot into a product over
+    every expert). All read only the chosen experts."""
     w, e = route(h, router, k, norm_topk)
-    fn = _gathered if h.shape[0] * k <= we_gate.shape[0] else _grouped
-    return fn(h, w, e, we_gate, we_up, we_down, act)
+    args = (h, w, e, we_gate, we_up, we_down)
+    if h.shape[0] * k <= we_gate.shape[0]:
+        return _gathered(*args, act)
+    return jax.lax.platform_dependent(*args, cpu=functools.partial(_blocked, act=act),
+                                      default=functools.partial(_grouped, act=act))
+
+
+def _experts(w, idx: jax.Array) -> jax.Array:
+    """Experts `idx` (any int shape S) of a stacked [E, ...] weight, widened: f32 S + [...]."""
+    if isinstance(w, QuantizedArray):
+        return w.take(idx).dequantize(jnp.float32)
+    return w[idx].astype(jnp.float32)
 
 
 def _gathered(h, w, e, we_gate, we_up, we_down, act) -> jax.Array:
     """Pair (t, j) multiplies h[t] by expert e[t, j]'s own weights, gathered: [T, k, D, F]."""
     x = h.astype(jnp.float32)
-    g = jnp.einsum("td,tkdf->tkf", x, we_gate[e].astype(jnp.float32))
-    u = jnp.einsum("td,tkdf->tkf", x, we_up[e].astype(jnp.float32))
-    y = jnp.einsum("tkf,tkfd->tkd", act(g) * u, we_down[e].astype(jnp.float32))  # [T, k, D]
+    g = jnp.einsum("td,tkdf->tkf", x, _experts(we_gate, e))
+    u = jnp.einsum("td,tkdf->tkf", x, _experts(we_up, e))
+    y = jnp.einsum("tkf,tkfd->tkd", act(g) * u, _experts(we_down, e))  # [T, k, D]
     return jnp.einsum("tkd,tk->td", y, w).astype(h.dtype)
+
+
+def _sorted_pairs(e: jax.Array, e_count: int):
+    """The T*k (token, expert) pairs sorted by expert: (order [P] pair indices, sorted experts
+    [P], sizes [E] pairs per expert)."""
+    flat_e = e.reshape(-1)  # [P] expert of pair p = t * k + j
+    order = jnp.argsort(flat_e, stable=True)
+    sizes = jnp.bincount(flat_e, length=e_count).astype(jnp.int32)
+    return order, flat_e[order], sizes
 
 
 def _grouped(h, w, e, we_gate, we_up, we_down, act) -> jax.Array:
     """The pairs sorted by expert, each group multiplied by its expert with ragged_dot."""
     t, _ = h.shape
-    k, e_count = e.shape[1], we_gate.shape[0]
-    flat_e = e.reshape(-1)  # [T*k] expert of pair p = t * k + j
-    order = jnp.argsort(flat_e, stable=True)  # pairs grouped by expert
-    tok = order // k  # [T*k] token of each sorted pair
-    sizes = jnp.bincount(flat_e, length=e_count).astype(jnp.int32)  # [E] pairs per expert
-    x = h[tok]  # [T*k, D]
-    g = jax.lax.ragged_dot(x, we_gate.astype(h.dtype), sizes)  # [T*k, F]
-    u = jax.lax.ragged_dot(x, we_up.astype(h.dtype), sizes)
-    y = jax.lax.ragged_dot(act(g) * u, we_down.astype(h.dtype), sizes)  # [T*k, D]
-    y = y.astype(jnp.float32) * w.reshape(-1)[order][:, None]
+    k = e.shape[1]
+    order, row_e, sizes = _sorted_pairs(e, we_gate.shape[0])
+    tok = order // k  # [P] token of each sorted pair
+    x = h[tok]  # [P, D]
+    g = _ragged(x, we_gate, sizes, row_e)  # [P, F]
+    u = _ragged(x, we_up, sizes, row_e)
+    y = _ragged(act(g) * u, we_down, sizes, row_e).astype(jnp.float32)  # [P, D]
+    y = y * w.reshape(-1)[order][:, None]
     return jnp.zeros((t, h.shape[1]), jnp.float32).at[tok].add(y).astype(h.dtype)
+
+
+def _ragged(x, w, sizes, row_e) -> jax.Array:
+    """ragged_dot of rows x [P, In] grouped by expert (sizes [E]) with w [E, In, Out]. A weight
+    scaled per output channel is multiplied as its values, the row's expert's scale applied to
+    the product; per-group scales (int4, GGUF blocks) are widened first."""
+    if isinstance(w, QuantizedArray) and not w.group_size:
+        y = jax.lax.ragged_dot(x, w.values.astype(x.dtype), sizes,
+                               preferred_element_type=jnp.float32)
+        return (y * w.scales[row_e, 0]).astype(x.dtype)  # scales [E, 1, Out]
+    return jax.lax.ragged_dot(x, dequantize(w, x.dtype), sizes)
+
+
+def block_rows(pairs: int, e_count: int) -> int:
+    """`_blocked`'s rows a block: the pairs an expert gets on average (a power of two, 8..128)."""
+    return max(8, min(128, 1 << max(0, (pairs // e_count).bit_length() - 1)))
+
+
+def _blocked(h, w, e, we_gate, we_up, we_down, act) -> jax.Array:
+    """The sorted pairs padded per expert to whole blocks of B rows; each block is one batched
+    matmul with its expert's weights. Padded rows <= P + B per used expert, so the blocks are
+    at most ceil(P / B) + min(E, P): a static count."""
+    t, d = h.shape
+    k, e_count = e.shape[1], we_gate.shape[0]
+    p = t * k
+    b = block_rows(p, e_count)
+    nb = -(-p // b) + min(e_count, p)
+    order, row_e, sizes = _sorted_pairs(e, e_count)
+    padded = (sizes + b - 1) // b * b  # [E]
+    ends = jnp.cumsum(padded)  # [E] end row of each expert's blocks
+    dest = (ends - padded)[row_e] + jnp.arange(p) - (jnp.cumsum(sizes) - sizes)[row_e]  # [P]
+    block_e = jnp.minimum(jnp.searchsorted(ends, jnp.arange(nb) * b, side="right"),
+                          e_count - 1)  # [nb] (blocks past the last expert: zero rows)
+    x = jnp.zeros((nb * b, d), jnp.float32).at[dest].set(h[order // k].astype(jnp.float32))
+    x = x.reshape(nb, b, d)
+    g = jnp.einsum("nbd,ndf->nbf", x, _experts(we_gate, block_e))
+    u = jnp.einsum("nbd,ndf->nbf", x, _experts(we_up, block_e))
+    y = jnp.einsum("nbf,nfd->nbd", act(g) * u, _experts(we_down, block_e))  # [nb, B, D]
+    y = y.reshape(nb * b, d)[dest] * w.reshape(-1)[order][:, None]  # [P, D]
+    return jnp.zeros((t, d), jnp.float32).at[order // k].add(y).astype(h.dtype)
 
 
 def moe_mlp_dense(h: jax.Array, router, we_gate, we_up, we_down, *, k: int, norm_topk: bool,
@@ -70,7 +135,7 @@ def moe_mlp_dense(h: jax.Array, router, we_gate, we_up, we_down, *, k: int, norm
     dense_w = jnp.zeros((h.shape[0], we_gate.shape[0]), jnp.float32)
     dense_w = dense_w.at[jnp.arange(h.shape[0])[:, None], e].set(w)  # [T, E]
     hf = h.astype(jnp.float32)
-    g = jnp.einsum("td,edf->tef", hf, we_gate.astype(jnp.float32))
-    u = jnp.einsum("td,edf->tef", hf, we_up.astype(jnp.float32))
-    y = jnp.einsum("tef,efd->ted", act(g) * u, we_down.astype(jnp.float32))  # [T, E, D]
+    g = jnp.einsum("td,edf->tef", hf, dequantize(we_gate))
+    u = jnp.einsum("td,edf->tef", hf, dequantize(we_up))
+    y = jnp.einsum("tef,efd->ted", act(g) * u, dequantize(we_down))  # [T, E, D]
     return jnp.einsum("ted,te->td", y, dense_w).astype(h.dtype)

@@ -117,6 +117,22 @@ class QuantizedArray:
                       self.group_size, self.group_axis)
         return rows.astype(self.dtype)
 
+    def take(self, idx: jax.Array) -> QuantizedArray:
+        """Slices `idx` (int, any shape S) of axis 0, e.g. experts of a stacked [E, ...] weight:
+        shape S + shape[1:]. Axis 0 must be neither reduced nor grouped."""
+        if 0 in self.reduce_axes or self.group_axis == 0:
+            raise QuantizationError(f"take slices axis 0, which this weight reduces "
+                                    f"(reduce_axes {self.reduce_axes})")
+        shift = idx.ndim - 1
+
+        def take(a):
+            return None if a is None else jnp.take(a, idx, axis=0)
+
+        return self.replace(
+            values=take(self.values), scales=take(self.scales), offsets=take(self.offsets),
+            reduce_axes=tuple(a + shift for a in self.reduce_axes),
+            group_axis=None if self.group_axis is None else self.group_axis + shift)
+
     def einsum(self, spec: str, x: jax.Array) -> jax.Array:
         """`jnp.einsum(spec, x, w)` for this weight; returns x.dtype (f32 accumulation)."""
         xs, ws, out = parse_einsum(spec, x.ndim, self.ndim)

@@ -67,6 +67,7 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "we_gate": ("expert", "embed", "mlp"),  # [E, D, Fe]: split by expert first
     "we_up": ("expert", "embed", "mlp"),
     "we_down": ("expert", "mlp", "embed"),  # [E, Fe, D]
+    "shared_gate": ("embed",),  # [D]
     "bq": ("heads", "head_dim"),
     "bk": ("kv_heads", "head_dim"),
     "bv": ("kv_heads", "head_dim"),

@@ -40,6 +40,13 @@ FAMILIES = {
                 num_experts_per_tok=4, moe_intermediate_size=48, norm_topk_prob=False,
                 tie_word_embeddings=False),
     ),
+    "qwen2_moe": dict(  # 8 experts, top 2, a gated shared expert; layer 1 a dense MLP, qkv bias
+        cls="Qwen2MoeForCausalLM", cfg="Qwen2MoeConfig",
+        kw=dict(num_attention_heads=4, num_key_value_heads=2, num_experts=8,
+                num_experts_per_tok=2, moe_intermediate_size=48,
+                shared_expert_intermediate_size=80, mlp_only_layers=[1], norm_topk_prob=False,
+                tie_word_embeddings=False),
+    ),
     "mixtral": dict(  # 8 experts, top 2, renormalised
         cls="MixtralForCausalLM", cfg="MixtralConfig",
         kw=dict(num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,

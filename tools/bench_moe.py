@@ -4,9 +4,11 @@
                                        [--expert-ffn 256] [--tokens 1,16,128] [--repeats 20]
 
 For each token count (a decode batch, a prefill chunk): what the engine serves (runtime/moe.py:
-experts gathered per pair when T*k <= E, else grouped), the grouped form alone (pairs sorted by
-expert, `ragged_dot`), the dense-over-experts reference (every expert on every token), and a
-dense gated MLP with the same *active* parameters (F = k x the expert's F). Milliseconds per call, median of `--repeats` after one compiling call (reported
+experts gathered per pair when T*k <= E, else blocks padded per expert on CPU, ragged_dot on
+TPU/GPU), the grouped form alone (pairs sorted by expert, `ragged_dot`), the blocked form alone,
+the dense-over-experts reference (every expert on every token), and a dense gated MLP with the
+same *active* parameters (F = k x the expert's F). `--quantization int8|fp8|int4`: the expert
+weights quantized (the dense MLP stays f32). Milliseconds per call, median of `--repeats` after one compiling call (reported
 apart), f32. Prints a table; `--json` writes it.
 """
 
@@ -37,7 +39,8 @@ def main(argv=None) -> int:
     import jax
     import jax.numpy as jnp
 
-    from jaxinfer.runtime.moe import _grouped, moe_mlp, moe_mlp_dense, route
+    from jaxinfer.runtime.moe import _blocked, _grouped, moe_mlp, moe_mlp_dense, route
+    from jaxinfer.runtime.quantization import quantize
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--experts", type=int, default=64)
@@ -46,6 +49,7 @@ def main(argv=None) -> int:
     p.add_argument("--expert-ffn", type=int, default=256)
     p.add_argument("--tokens", default="1,16,128")
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--quantization", default=None, choices=["int8", "fp8", "int4"])
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     e, k, d, f = a.experts, a.top_k, a.hidden, a.expert_ffn
@@ -53,30 +57,36 @@ def main(argv=None) -> int:
     w = lambda i, *s: 0.05 * jax.random.normal(ks[i], s, jnp.float32)  # noqa: E731
     router, wg, wu, wd = w(0, d, e), w(1, e, d, f), w(2, e, d, f), w(3, e, f, d)
     dg, du, dd = w(4, d, k * f), w(5, d, k * f), w(6, k * f, d)
+    if a.quantization:
+        wg, wu, wd = (quantize(x, a.quantization, (1,), mode="weight_only") for x in (wg, wu, wd))
     kw = dict(k=k, norm_topk=True, act=jax.nn.silu)
     # weights are arguments, not constants folded into the programs
     served = jax.jit(lambda h, ws: moe_mlp(h, *ws[:4], **kw))
     grouped = jax.jit(lambda h, ws: _grouped(h, *route(h, ws[0], k, True), *ws[1:4], jax.nn.silu))
+    blocked = jax.jit(lambda h, ws: _blocked(h, *route(h, ws[0], k, True), *ws[1:4], jax.nn.silu))
     every = jax.jit(lambda h, ws: moe_mlp_dense(h, *ws[:4], **kw))
     dense = jax.jit(lambda h, ws: (jax.nn.silu(h @ ws[4]) * (h @ ws[5])) @ ws[6])
     ws = (router, wg, wu, wd, dg, du, dd)
     rows = []
-    print(f"E={e} top-{k}, D={d}, expert F={f} (dense F={k * f}), f32, "
-          f"{jax.default_backend()}; ms per call, median of {a.repeats}")
-    print(f"{'tokens':>6} | {'served':>8} | {'grouped (ragged_dot)':>20} | "
+    print(f"E={e} top-{k}, D={d}, expert F={f} (dense F={k * f}), experts "
+          f"{a.quantization or 'f32'}, {jax.default_backend()}; ms per call, median of "
+          f"{a.repeats}")
+    print(f"{'tokens':>6} | {'served':>8} | {'grouped (ragged_dot)':>20} | {'blocked':>8} | "
           f"{'dense over experts':>18} | {'dense MLP, same active':>22} | first calls s")
     for t in (int(x) for x in a.tokens.split(",")):
         h = jax.random.normal(ks[7], (t, d), jnp.float32)
-        times = [_time(fn, (h, ws), a.repeats) for fn in (served, grouped, every, dense)]
-        (s1, sv), (g1, g), (e1, ev), (d1, dn) = times
-        form = "gathered" if t * k <= e else "grouped"
-        rows.append(dict(tokens=t, served=form, served_ms=sv, grouped_ms=g,
-                         dense_over_experts_ms=ev, dense_mlp_ms=dn, first_s=[s1, g1, e1, d1]))
-        print(f"{t:>6} | {sv:>8.3f} | {g:>20.3f} | {ev:>18.3f} | {dn:>22.3f} | "
+        times = [_time(fn, (h, ws), a.repeats) for fn in (served, grouped, blocked, every, dense)]
+        (_, sv), (_, g), (_, b), (_, ev), (_, dn) = times
+        form = "gathered" if t * k <= e else "blocked"
+        rows.append(dict(tokens=t, served=form, served_ms=sv, grouped_ms=g, blocked_ms=b,
+                         dense_over_experts_ms=ev, dense_mlp_ms=dn,
+                         first_s=[x[0] for x in times]))
+        print(f"{t:>6} | {sv:>8.3f} | {g:>20.3f} | {b:>8.3f} | {ev:>18.3f} | {dn:>22.3f} | "
               f"{' / '.join(f'{x[0]:.2f}' for x in times)}  ({form})")
     if a.json:
         with open(a.json, "w") as fh:
-            json.dump(dict(experts=e, top_k=k, hidden=d, expert_ffn=f, rows=rows), fh, indent=1)
+            json.dump(dict(experts=e, top_k=k, hidden=d, expert_ffn=f,
+                           quantization=a.quantization, rows=rows), fh, indent=1)
     return 0
 
 

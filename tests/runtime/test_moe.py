@@ -1,7 +1,8 @@
-"""Mixture of experts: the grouped (ragged_dot) path against the dense-over-experts reference,
-its lowering for TPU and CUDA, and a Qwen3-MoE checkpoint served by the engine against HF
-transformers (greedy, under chunked prefill and preemption). Logits of Qwen3-MoE and Mixtral
-against HF: tests/runtime/test_model_hf.py."""
+"""Mixture of experts: the gathered, grouped (ragged_dot) and blocked forms against the
+dense-over-experts reference, with float and quantized (int8, fp8, int4) expert weights, their
+lowering for TPU and CUDA, and a Qwen3-MoE checkpoint served by the engine against HF
+transformers (greedy, under chunked prefill and preemption), float and int8. Logits of
+Qwen3-MoE, Qwen2-MoE and Mixtral against HF: tests/runtime/test_model_hf.py."""
 
 import shutil
 
@@ -11,7 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from jaxinfer.runtime.moe import _gathered, _grouped, moe_mlp, moe_mlp_dense, route
+from jaxinfer.runtime.moe import (_blocked, _gathered, _grouped, block_rows, moe_mlp,
+                                  moe_mlp_dense, route)
+from jaxinfer.runtime.quantization import QuantizedArray, quantize
 
 D, F, T = 32, 24, 13
 
@@ -29,11 +32,8 @@ def test_grouped_and_gathered_experts_equal_the_dense_reference(e, k):
     kw = dict(k=k, norm_topk=k == 2, act=jax.nn.silu)
     want = jax.jit(lambda *a: moe_mlp_dense(*a, **kw))(h, router, wg, wu, wd)
 
-    def path(fn):  # one of moe_mlp's two forms, whatever T * k is
-        return jax.jit(lambda h, *ws: fn(h, *route(h, ws[0], k, k == 2), *ws[1:], jax.nn.silu))
-
-    for fn in (_grouped, _gathered, None):
-        got = (jax.jit(lambda *a: moe_mlp(*a, **kw)) if fn is None else path(fn))(
+    for fn in (_grouped, _gathered, _blocked, None):
+        got = (jax.jit(lambda *a: moe_mlp(*a, **kw)) if fn is None else _form(fn, k, k == 2))(
             h, router, wg, wu, wd)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
     used = np.unique(np.asarray(route(h, router, k, False)[1]))
@@ -46,6 +46,42 @@ def test_grouped_and_gathered_experts_equal_the_dense_reference(e, k):
     g, u = x @ np.asarray(wg[j], np.float64), x @ np.asarray(wu[j], np.float64)
     ref = (g / (1 + np.exp(-g)) * u) @ np.asarray(wd[j], np.float64)
     np.testing.assert_allclose(np.asarray(one[0]), ref, atol=1e-5, rtol=1e-5)
+
+
+def _form(fn, k, norm_topk):
+    """One of moe_mlp's forms alone, whatever T * k is."""
+    return jax.jit(lambda h, *ws: fn(h, *route(h, ws[0], k, norm_topk), *ws[1:], jax.nn.silu))
+
+
+def test_blocks_hold_every_pair_in_their_static_count():
+    """Hand-worked: 13 tokens x top-8 = 104 pairs over 8 experts -> blocks of 8 rows (13 pairs
+    an expert on average, rounded down to a power of two), ceil(104 / 8) + 8 = 21 blocks; one
+    expert taking every token's first choice (13 pairs -> 2 blocks) still fits."""
+    assert block_rows(104, 8) == 8 and block_rows(104, 128) == 8 and block_rows(4096, 8) == 128
+    h, router, wg, wu, wd = _weights(8, seed=3)
+    router = router.at[:, 0].add(100.0)  # expert 0 first for every token
+    want = moe_mlp_dense(h, router, wg, wu, wd, k=8, norm_topk=False, act=jax.nn.silu)
+    got = _form(_blocked, 8, False)(h, router, wg, wu, wd)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "int4"])
+def test_quantized_experts_equal_the_reference_on_their_widened_weights(fmt):
+    """Every form with QuantizedArray experts (per expert and output channel; int4 in groups
+    along the contracted axis) equals the dense reference over the widened weights."""
+    e, k = 16, 4
+    h, router, *ws = _weights(e, seed=7)
+    qs = [quantize(w, fmt, (1,), mode="weight_only", group_size=8) for w in ws]
+    assert all(isinstance(q, QuantizedArray) and q.shape == w.shape for q, w in zip(qs, ws))
+    widened = [q.dequantize() for q in qs]
+    want = moe_mlp_dense(h, router, *widened, k=k, norm_topk=True, act=jax.nn.silu)
+    for fn in (_grouped, _gathered, _blocked):
+        got = _form(fn, k, True)(h, router, *qs)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5,
+                                   err_msg=f"{fmt} {fn.__name__}")
+    # the quantized experts are not the float ones: the check above could tell them apart
+    exact = moe_mlp_dense(h, router, *ws, k=k, norm_topk=True, act=jax.nn.silu)
+    assert np.abs(np.asarray(exact) - np.asarray(want)).max() > 1e-4
 
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
@@ -86,3 +122,27 @@ def test_qwen3_moe_served_greedy_equals_hf_under_chunking_and_preemption(moe_dir
                                do_sample=False, eos_token_id=None, pad_token_id=0)
         assert o.token_ids == want[0, len(o.prompt_token_ids):].tolist(), p
     assert llm.engine.scheduler.free_pages == 19
+
+
+def test_int8_experts_load_quantized_and_track_the_float_model(moe_dir):
+    """quantization="int8" makes every stacked expert weight an int8 QuantizedArray (1/4 of the
+    f32 bytes plus a scale per expert and channel) and its teacher-forced logits stay close to
+    the float model's (the router and shared weights as every int8 model has them)."""
+    from jaxinfer.checkpoints.hf import load_hf
+    from jaxinfer.checkpoints.quantize import placer
+    from tests.model_utils import run_sequence
+
+    d, _ = moe_dir
+    cfg, f32 = load_hf(d)
+    _, q8 = load_hf(d, place=placer("int8", jnp.float32))
+    for lf, lq in zip(f32.layers, q8.layers):
+        for name in ("we_gate", "we_up", "we_down"):
+            q, w = getattr(lq, name), getattr(lf, name)
+            assert isinstance(q, QuantizedArray) and q.fmt == "int8" and q.shape == w.shape
+            assert q.values.nbytes * 4 == w.nbytes and q.scales.shape == (w.shape[0], 1,
+                                                                            w.shape[2])
+    prompt = list(range(5, 40))
+    want, _, _ = run_sequence(f32, cfg, prompt, page_size=8, decode_steps=0)
+    got, _, _ = run_sequence(q8, cfg, prompt, page_size=8, decode_steps=0)
+    rel = np.abs(got - want).max() / np.abs(want).max()
+    assert 0 < rel < 0.05, rel
