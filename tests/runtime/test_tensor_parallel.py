@@ -44,10 +44,12 @@ GEMMA = ModelConfig(  # Gemma 3 style: 4 q heads / 1 kv head, tied embeddings, q
     sliding_window=8, layer_types=("local", "global"), rope_local_theta=10000.0,
 )
 
-MOE = ModelConfig(  # Qwen3-MoE style: 16 experts (top 4), q/k norms; experts split up to tp 8
+MOE = ModelConfig(  # Qwen-MoE style: 16 experts (top 4), a gated shared expert, q/k norms;
+    # experts split up to tp 8
     family="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
     num_heads=8, num_kv_heads=4, head_dim=16, qk_norm=True, tie_word_embeddings=False,
-    num_experts=16, experts_per_token=4, moe_intermediate_size=32,
+    num_experts=16, experts_per_token=4, moe_intermediate_size=32, shared_expert_size=24,
+    shared_expert_gate=True,
 )
 
 
@@ -260,13 +262,18 @@ def test_follower_replaying_broadcast_plans_matches_leader(tiny_dir):
 # ---------------------------------------------------------------------------- on 8 devices
 
 
+def _init(cfg, seed: int):
+    params = init_params(cfg, jax.random.key(seed))
+    if cfg.num_experts:  # routers far from uniform: no near-ties in the top-k choice
+        params = params.replace(layers=tuple(
+            lp.replace(router=lp.router * 100) for lp in params.layers))
+    return params
+
+
 @on_8_devices
 def test_forward_logits_match_across_tp_and_gqa_replication():
     for cfg in (LLAMA, GEMMA, MOE):
-        params = init_params(cfg, jax.random.key(1))
-        if cfg is MOE:  # routers far from uniform: no near-ties in the top-k choice
-            params = params.replace(layers=tuple(
-                lp.replace(router=lp.router * 100) for lp in params.layers))
+        params = _init(cfg, 1)
         ref, _ = _run_forward(params, cfg)
         for tp in TPS[1:]:
             mesh = shd.make_mesh(tp)
@@ -294,15 +301,18 @@ def test_forward_logits_match_across_tp_and_gqa_replication():
 def test_quantized_params_shard_and_match():
     from jaxinfer.checkpoints.quantize import quantize_params
 
-    qp = quantize_params(init_params(LLAMA, jax.random.key(2)), "int8")
-    ref, _ = _run_forward(qp, LLAMA)
     mesh = shd.make_mesh(4)
-    got, _ = _run_forward(qp, LLAMA, mesh)
-    np.testing.assert_allclose(got, ref, atol=1e-4, rtol=1e-4)
-    sq = shd.shard_params(qp, mesh)
-    assert sq.layers[0].wq.values.sharding.spec == P(None, "model")
-    assert sq.layers[0].wq.scales.sharding.spec == P(None, "model")
-    assert sq.layers[0].wq.mode == qp.layers[0].wq.mode  # static fields kept
+    for cfg in (LLAMA, MOE):
+        qp = quantize_params(_init(cfg, 2), "int8")
+        ref, _ = _run_forward(qp, cfg)
+        got, _ = _run_forward(qp, cfg, mesh)
+        np.testing.assert_allclose(got, ref, atol=1e-4, rtol=1e-4, err_msg=str(cfg.num_experts))
+        sq = shd.shard_params(qp, mesh)
+        assert sq.layers[0].wq.values.sharding.spec == P(None, "model")
+        assert sq.layers[0].wq.scales.sharding.spec == P(None, "model")
+        assert sq.layers[0].wq.mode == qp.layers[0].wq.mode  # static fields kept
+    for w in (sq.layers[0].we_gate, sq.layers[0].we_down):  # int8 experts, split by expert
+        assert w.values.sharding.spec == P("model") and w.scales.sharding.spec == P("model")
 
 
 @on_8_devices
