@@ -16,6 +16,9 @@ measured. Sections, in order:
              batch-1 decode ms/step against the HBM floor (weight bytes / copy bandwidth), 64- and
              256-way decode tok/s (first run with its compiles, then steady state), compile count;
              int8 and int4 weights against bf16 at batch 1.
+  moe        a random-init Qwen3-30B-A3B-shaped MoE (128 experts, top 8; 12 of its 48 layers)
+             in bf16: batch-1 and 64-way decode tok/s (first run, then steady state), and int8
+             experts at batch 1.
 """
 
 from __future__ import annotations
@@ -43,6 +46,12 @@ LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, n
                  num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0)
 TINY_LLAMA = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=16)
+QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=12,
+                     num_heads=32, num_kv_heads=4, head_dim=128, qk_norm=True,
+                     rope_theta=1000000.0, num_experts=128, experts_per_token=8,
+                     moe_intermediate_size=768, norm_topk_prob=True)
+TINY_MOE = dict(TINY_LLAMA, qk_norm=True, num_experts=16, experts_per_token=4,
+                moe_intermediate_size=32, norm_topk_prob=True)
 
 
 # --------------------------------------------------------------------------------- the report
@@ -292,25 +301,40 @@ class _IdTokenizer(Tokenizer):
 
 
 def engine_section(rep: Report, smoke: bool, bw: float) -> None:
+    from jaxinfer.runtime.config import ModelConfig
+
+    _engine_rows(rep, "engine", ModelConfig(family="llama", **(TINY_LLAMA if smoke else LLAMA3_8B)),
+                 "tiny Llama" if smoke else "Llama-3-8B shape, random init", smoke, bw,
+                 batches=(1, 4) if smoke else (1, 64, 256), formats=("int8", "int4"))
+
+
+def moe_section(rep: Report, smoke: bool, bw: float) -> None:
+    from jaxinfer.runtime.config import ModelConfig
+
+    _engine_rows(rep, "moe", ModelConfig(family="llama", **(TINY_MOE if smoke else QWEN3_30B_A3B)),
+                 "tiny MoE" if smoke else "Qwen3-30B-A3B shape (12 of 48 layers), random init",
+                 smoke, bw, batches=(1, 4) if smoke else (1, 64), formats=("int8",))
+
+
+def _engine_rows(rep: Report, section: str, cfg, model: str, smoke: bool, bw: float,
+                 batches: tuple[int, ...], formats: tuple[str, ...]) -> None:
+    """Decode rates of a random-init `cfg` at each batch (first run, then steady state), then
+    of its weights in each of `formats` at batch 1."""
     from jaxinfer.checkpoints.quantize import quantize_params
-    from jaxinfer.runtime.config import EngineConfig, ModelConfig
+    from jaxinfer.runtime.config import EngineConfig
     from jaxinfer.runtime.engine import Engine
     from jaxinfer.runtime.model import init_params
     from jaxinfer.runtime.quantization import param_bytes
 
-    shape = TINY_LLAMA if smoke else LLAMA3_8B
-    cfg = ModelConfig(family="llama", **shape)
     dtype = jnp.float32 if smoke else jnp.bfloat16
     t0 = time.perf_counter()
     params = jax.block_until_ready(init_params(cfg, jax.random.key(0), dtype=dtype))
     weight_bytes = param_bytes(params)
-    rep.section("engine", model="tiny Llama" if smoke else "Llama-3-8B shape, random init",
-                dtype=jnp.dtype(dtype).name, weight_gib=weight_bytes / 2**30,
+    rep.section(section, model=model, dtype=jnp.dtype(dtype).name, weight_gib=weight_bytes / 2**30,
                 init_s=time.perf_counter() - t0,
                 hbm_floor_ms=weight_bytes / bw * 1e3)
     prompt, new = (16, 8) if smoke else (128, 64)
-    slots = 8 if smoke else 256
-    batches = (1, 4) if smoke else (1, 64, 256)
+    slots = 8 if smoke else max(batches)
 
     def engine(p, max_slots):
         ecfg = EngineConfig(max_slots=max_slots, max_model_len=prompt + new + 16,
@@ -324,26 +348,26 @@ def engine_section(rep: Report, smoke: bool, bw: float) -> None:
             try:
                 r = _decode_rate(eng, batch, prompt, new, seed=batch)
             except Exception as e:
-                rep.row("engine", dict(weights="float", batch=batch, run=run,
+                rep.row(section, dict(weights="float", batch=batch, run=run,
                                        error=f"{type(e).__name__}: {str(e)[:200]}"))
                 break
-            rep.row("engine", dict(weights=jnp.dtype(dtype).name, batch=batch, run=run,
+            rep.row(section, dict(weights=jnp.dtype(dtype).name, batch=batch, run=run,
                                    wall_s=time.perf_counter() - t0,
                                    compiles=eng.compile_count - c0, **r))
     del eng
-    for fmt in ("int8", "int4"):  # int4: round to nearest (no calibration text here)
+    for fmt in formats:  # int4: round to nearest (no calibration text here)
         try:
             q = quantize_params(params, fmt, dtype)
             eng = engine(q, 1 if smoke else 8)
             for run in ("first", "steady"):
                 t0, c0 = time.perf_counter(), eng.compile_count
                 r = _decode_rate(eng, 1, prompt, new, seed=1)
-                rep.row("engine", dict(weights=f"{fmt} ({param_bytes(q) / 2**30:.2f} GiB)",
+                rep.row(section, dict(weights=f"{fmt} ({param_bytes(q) / 2**30:.2f} GiB)",
                                        batch=1, run=run, wall_s=time.perf_counter() - t0,
                                        compiles=eng.compile_count - c0, **r))
             del eng, q
         except Exception as e:
-            rep.row("engine", dict(weights=fmt, batch=1,
+            rep.row(section, dict(weights=fmt, batch=1,
                                    error=f"{type(e).__name__}: {str(e)[:200]}"))
 
 
@@ -354,7 +378,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, required=True, help="directory for device.json, device.md")
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes and interpret-mode kernels (runs on CPU)")
-    p.add_argument("--sections", default="env,kernels,bandwidth,engine")
+    p.add_argument("--sections", default="env,kernels,bandwidth,engine,moe")
     p.add_argument("--platform", default=None, choices=["tpu", "gpu"],
                    help="kernel to run (default: the device's; 'tpu' in interpret mode on CPU)")
 
@@ -393,10 +417,10 @@ def cmd(args) -> int:
                 kernels_section(rep, args.smoke, platform)
             elif name == "bandwidth":
                 bw = bandwidth_section(rep, args.smoke, platform, mem)
-            elif name == "engine":
+            elif name in ("engine", "moe"):
                 if bw is None:
                     bw = copy_bandwidth((16 if args.smoke else 1024) << 20, 3)
-                engine_section(rep, args.smoke, bw)
+                (engine_section if name == "engine" else moe_section)(rep, args.smoke, bw)
             elif name != "env":
                 raise ValueError(f"unknown section {name!r}")
         except Exception:

@@ -10,7 +10,7 @@ def test_smoke_runs_every_section_and_writes_both_reports(tmp_path):
     assert main(["--smoke", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "device.json").read_text())
     secs = data["sections"]
-    assert list(secs) == ["env", "kernels", "bandwidth", "engine"]
+    assert list(secs) == ["env", "kernels", "bandwidth", "engine", "moe"]
     assert not any("error" in s for s in secs.values())
     kern = secs["kernels"]["rows"]
     assert len(kern) == 8 and all(r["ok"] and r["max_err"] < 0.03 for r in kern)
@@ -23,6 +23,9 @@ def test_smoke_runs_every_section_and_writes_both_reports(tmp_path):
     assert {r["batch"] for r in steady} == {1, 4} and any("int8" in r["weights"] for r in steady)
     assert any("int4" in r["weights"] for r in steady)
     assert all(r["compiles"] == 0 and r["decode_tok_s"] > 0 for r in steady)
+    moe = [r for r in secs["moe"]["rows"] if r["run"] == "steady"]
+    assert {(r["batch"], r["weights"][:4]) for r in moe} == {(1, "floa"), (4, "floa"), (1, "int8")}
+    assert all(r["compiles"] == 0 and r["decode_tok_s"] > 0 for r in moe)
     md = (tmp_path / "device.md").read_text()
     assert md == markdown(data) and "| layout | page_size | head_dim |" in md
     assert "## kernels" in md and "passed: 8/8" in md
