@@ -1,10 +1,11 @@
 """Load a GGUF file (llama.cpp's format) into ModelConfig + Params.
 
-Supported architectures (`general.architecture`): "gemma3", "llama" (also Mistral converted by
-llama.cpp), "qwen2" and "qwen3" (per-head q/k norms). Quantized tensors (Q4_K, Q5_0, Q6_K, Q8_0, ... — whatever
-`gguf.quants.dequantize` implements) and F32 / F16 / BF16 are dequantized one tensor at a time to
-the runtime dtype, so peak host memory stays near one copy of the weights in that dtype plus one
-f32 tensor.
+Supported architectures (`general.architecture`): "gemma3", "llama" (also Mistral, and Mixtral's
+mixture of experts, converted by llama.cpp), "qwen2", "qwen3" (per-head q/k norms) and "qwen3moe"
+(Qwen3's attention, a mixture of experts in every layer). Quantized tensors (Q4_K, Q5_0, Q6_K,
+Q8_0, ... — whatever `gguf.quants.dequantize` implements) and F32 / F16 / BF16 are dequantized one
+tensor at a time to the runtime dtype, so peak host memory stays near one copy of the weights in
+that dtype plus one f32 tensor.
 
 Facts about GGUF this loader relies on (checked numerically against HF transformers in the tests):
 - Tensor shapes are stored in ggml `ne` order (fastest axis first); the numpy array of a tensor
@@ -13,6 +14,9 @@ Facts about GGUF this loader relies on (checked numerically against HF transform
   interleaved (GPT-J style) rope acts on pairs (2i, 2i+1). Our forward uses the rotate-half
   layout (pairs i, i + Dh/2), so those rows are un-permuted here. "gemma3" and "qwen2/3" use
   NEOX-style rope in llama.cpp and are stored unpermuted.
+- A mixture-of-experts layer has a router `ffn_gate_inp` (numpy [E, D]) and each projection's
+  experts stacked in one tensor: `ffn_gate_exps` / `ffn_up_exps` numpy [E, F, D], `ffn_down_exps`
+  numpy [E, D, F] (HF's per-expert [out, in] weights, stacked by expert).
 - Gemma norm weights are stored with the +1 already added (llama.cpp adds it at conversion), so
   they are the effective multiplier our forward expects; they are loaded unchanged.
 """
@@ -48,7 +52,7 @@ except ImportError:  # pragma: no cover - gguf is a declared dependency
 if TYPE_CHECKING:
     from jaxinfer.checkpoints.gguf_header import GGUFFile
 
-ARCHITECTURES = ("gemma3", "llama", "qwen2", "qwen3")
+ARCHITECTURES = ("gemma3", "llama", "qwen2", "qwen3", "qwen3moe")
 
 
 def _require_gguf() -> None:
@@ -123,9 +127,6 @@ def gguf_config(reader, source: str) -> ModelConfig:
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise CheckpointError(f"{source}: GGUF has no 'token_embd.weight' tensor")
-    if any(name.endswith("_exps.weight") for name in tensors):
-        raise CheckpointError(f"{source}: mixture-of-experts GGUF files are not supported; "
-                              "load the model's HF safetensors")
     embd_ne = [int(x) for x in tensors["token_embd.weight"].shape]  # [D, V]
     hidden = int(m.need(a + "embedding_length"))
     n_layers = int(m.need(a + "block_count"))
@@ -216,9 +217,53 @@ def gguf_config(reader, source: str) -> ModelConfig:
             activation="silu",
             sliding_window=window,
             layer_types=("local",) * n_layers if window else (),
+            **_experts(m, arch, tensors, hidden, int(ffn), n_layers),
         )
     except ConfigError as e:
         raise CheckpointError(f"{source}: {e}") from None
+
+
+# A mixture-of-experts layer's tensors -> their ne (ggml order) for D, expert F, E experts
+_EXPERT_NE = {
+    "ffn_gate_inp": lambda d, f, e: [d, e],
+    "ffn_gate_exps": lambda d, f, e: [d, f, e],
+    "ffn_up_exps": lambda d, f, e: [d, f, e],
+    "ffn_down_exps": lambda d, f, e: [f, d, e],
+}
+
+
+def _experts(m: _Meta, arch: str, tensors: dict, hidden: int, ffn: int, n_layers: int) -> dict:
+    """The mixture-of-experts fields (none for a dense model), checked against every layer's
+    expert tensors. "qwen3moe": experts of `expert_feed_forward_length`; Mixtral ("llama"): of
+    `feed_forward_length`, as llama.cpp reads them. Both renormalise the top-k routing weights:
+    llama.cpp's qwen3moe graph always does, and its converter records no key for HF's
+    `norm_topk_prob` (Qwen3-MoE's released configs set it true; HF's default is false), so a
+    GGUF cannot say otherwise; Mixtral always renormalises."""
+    a = f"{arch}."
+    n = int(m.get(a + "expert_count") or 0)
+    if not n:
+        stray = next((name for name in tensors if name.endswith("_exps.weight")), None)
+        if stray is not None or arch == "qwen3moe":
+            raise CheckpointError(f"{m.source}: GGUF metadata key {a + 'expert_count'!r} is "
+                                  f"missing" + (f" (expert tensor {stray!r})" if stray else ""))
+        return {}
+    used = int(m.need(a + "expert_used_count"))
+    f = int(m.need(a + "expert_feed_forward_length")) if arch == "qwen3moe" else ffn
+    for i in range(n_layers):
+        for kind, ne in _EXPERT_NE.items():
+            name, want = f"blk.{i}.{kind}.weight", ne(hidden, f, n)
+            t = tensors.get(name)
+            if t is None:
+                raise CheckpointError(
+                    f"{m.source}: layer {i} has no expert tensor {name!r} ({a}expert_count {n}); "
+                    "layers without experts are not supported")
+            got = [int(x) for x in t.shape]
+            if got != want:
+                raise CheckpointError(
+                    f"{m.source}: tensor {name!r} has ne {got}, the metadata implies {want} "
+                    f"({a}expert_count {n}, embedding_length {hidden}, expert length {f})")
+    return dict(num_experts=n, experts_per_token=used, moe_intermediate_size=f,
+                norm_topk_prob=True)
 
 
 def _opt_float(v) -> float | None:
@@ -340,6 +385,18 @@ def _unpermute_bias(n_head: int) -> Callable:
     return fn
 
 
+# Router numpy [E, D] -> [D, E]; experts numpy [E, out, in] -> [E, in, out]. The expert stacks
+# follow load_gguf's rule for matmul weights (quantize.WEIGHT_REDUCE_AXES names them): in a block
+# format gguf_blocks reads, kept quantized with keep_quantized, else widened at load; any other
+# type is dequantized at load.
+_EXPERT_PLAN = {
+    "ffn_gate_inp.weight": ("router", lambda w: w.T),
+    "ffn_gate_exps.weight": ("we_gate", lambda w: w.swapaxes(1, 2)),
+    "ffn_up_exps.weight": ("we_up", lambda w: w.swapaxes(1, 2)),
+    "ffn_down_exps.weight": ("we_down", lambda w: w.swapaxes(1, 2)),
+}
+
+
 def gguf_tensor_plan(cfg: ModelConfig, arch: str) -> dict[str, tuple[str, Callable]]:
     """GGUF tensor name -> (our param path, transform from the numpy [out, in] layout)."""
     d, hq, hkv, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -363,6 +420,8 @@ def gguf_tensor_plan(cfg: ModelConfig, arch: str) -> dict[str, tuple[str, Callab
             "attn_v.weight": ("wv", lambda w: w.T.reshape(-1, hkv, dh)),
             "attn_output.weight": ("wo", lambda w: w.T.reshape(hq, -1, d)),
             "ffn_norm.weight": ("mlp_norm", ident),
+        }
+        layer |= _EXPERT_PLAN if cfg.layer_has_experts(i) else {
             "ffn_gate.weight": ("w_gate", lambda w: w.T),
             "ffn_up.weight": ("w_up", lambda w: w.T),
             "ffn_down.weight": ("w_down", lambda w: w.T),

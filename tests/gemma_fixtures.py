@@ -3,7 +3,8 @@
 - `tiny_gemma3_hf(dir)`: a random-init HF Gemma 3 (both local and global layers, window 8).
 - `write_gguf_like_llama_cpp(...)`: writes an HF model's weights as a GGUF file the way
   llama.cpp's converter lays them out (names, +1 on Gemma norms, q/k row permutation for the
-  "llama" architecture), optionally quantized, so loader details can be tested on tiny models.
+  "llama" architecture, experts stacked per projection), optionally quantized, so loader details
+  can be tested on tiny models.
 The real Gemma 3 270M session fixtures (`gemma_gguf_path`, `gemma_ours`, `gemma_hf`, ...) live
 in tests/conftest.py, so the model is loaded once per session however many modules use it.
 """
@@ -53,6 +54,7 @@ _HF_TO_GGUF_LAYER = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",  # a mixture of experts' router
 }
 
 
@@ -83,10 +85,38 @@ def gguf_name(hf_name: str, arch: str) -> str:
     return f"blk.{i}.{g}.{kind}"
 
 
+def _llama_cpp_tensors(model, arch: str):
+    """(GGUF name, f32 numpy array) of each weight, as llama.cpp's converter writes it."""
+    c = model.config
+    hq, hkv = c.num_attention_heads, c.num_key_value_heads
+    for name, p in model.state_dict().items():
+        if "rotary" in name or (name == "lm_head.weight" and c.tie_word_embeddings):
+            continue  # llama.cpp writes no output.weight for tied embeddings
+        a = p.detach().float().numpy().copy()
+        if ".mlp.experts." in name:  # HF's stacked experts: [E, 2F, D] gate then up; [E, D, F]
+            blk = f"blk.{name.split('.')[2]}"
+            if name.endswith("gate_up_proj"):
+                gate, up = np.split(a, 2, axis=1)
+                yield f"{blk}.ffn_gate_exps.weight", np.ascontiguousarray(gate)
+                yield f"{blk}.ffn_up_exps.weight", np.ascontiguousarray(up)
+            else:
+                yield f"{blk}.ffn_down_exps.weight", a
+            continue
+        g = gguf_name(name, arch)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            a = a + 1.0  # llama.cpp stores Gemma's effective multiplier
+        if arch == "llama" and g.endswith(("attn_q.weight", "attn_q.bias")):
+            a = _llama_cpp_permute(a, hq)
+        if arch == "llama" and g.endswith(("attn_k.weight", "attn_k.bias")):
+            a = _llama_cpp_permute(a, hkv)
+        yield g, a
+
+
 def write_gguf_like_llama_cpp(model, path: Path, arch: str, *, qtype=None, extra_kv=None,
                               skip=(), sp_model: Path | None = None):
-    """Write `model` (HF, torch) as a GGUF file. 2-D weights use `qtype` (a
-    GGMLQuantizationType; None = F32) when their row length allows; norms stay F32.
+    """Write `model` (HF, torch) as a GGUF file. Weights (2-D, and the [E, out, in] expert
+    stacks) use `qtype` (a GGMLQuantizationType; None = F32) when their row length allows; norms
+    and the experts' router stay F32, as llama.cpp keeps them.
     `sp_model`: a sentencepiece tokenizer.model whose vocabulary goes into the metadata (as
     llama.cpp's converter writes it), so the file loads as a whole model."""
     import gguf
@@ -110,6 +140,12 @@ def write_gguf_like_llama_cpp(model, path: Path, arch: str, *, qtype=None, extra
     w.add_rope_freq_base(float(theta))
     if arch == "gemma3":
         w.add_sliding_window(c.sliding_window)
+    experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        if arch == "qwen3moe":  # Mixtral's experts are feed_forward_length wide
+            w.add_expert_feed_forward_length(c.moe_intermediate_size)
     if sp_model is not None:
         from sentencepiece import sentencepiece_model_pb2 as sp_pb2
 
@@ -131,22 +167,12 @@ def write_gguf_like_llama_cpp(model, path: Path, arch: str, *, qtype=None, extra
             w.add_float32(k, v)
         else:
             w.add_uint32(k, int(v))
-    hq, hkv = c.num_attention_heads, c.num_key_value_heads
-    for name, p in model.state_dict().items():
-        if "rotary" in name or (name == "lm_head.weight" and c.tie_word_embeddings):
-            continue  # llama.cpp writes no output.weight for tied embeddings
-        g = gguf_name(name, arch)
+    for g, a in _llama_cpp_tensors(model, arch):
         if g in skip:
             continue
-        a = p.detach().float().numpy().copy()
-        if arch == "gemma3" and name.endswith("norm.weight"):
-            a = a + 1.0  # llama.cpp stores Gemma's effective multiplier
-        if arch == "llama" and g.endswith(("attn_q.weight", "attn_q.bias")):
-            a = _llama_cpp_permute(a, hq)
-        if arch == "llama" and g.endswith(("attn_k.weight", "attn_k.bias")):
-            a = _llama_cpp_permute(a, hkv)
         block = gguf.GGML_QUANT_SIZES[qtype][0] if qtype is not None else 1
-        if qtype is not None and a.ndim == 2 and a.shape[-1] % block == 0:
+        if (qtype is not None and a.ndim >= 2 and a.shape[-1] % block == 0
+                and not g.endswith("ffn_gate_inp.weight")):
             if qtype == QT.F16:
                 w.add_tensor(g, a.astype(np.float16))
             else:

@@ -3,6 +3,7 @@ named default model. (The real Gemma 3 270M file is checked in tests/runtime/tes
 
 from __future__ import annotations
 
+import copy
 import os
 
 import gguf
@@ -158,6 +159,72 @@ def test_kept_quantized_equals_dequantized(tmp_path, arch, qtype):
     assert np.abs(pk - pd).max() <= 1e-4 and dk == dd
 
 
+# --------------------------------------------------------------------------- mixture of experts
+
+
+@pytest.fixture(scope="module")
+def moe_gguf(tmp_path_factory):
+    """HF family -> (random-init HF model, its GGUF): Qwen3-MoE (16 experts, top 4) as
+    "qwen3moe", Mixtral (8 experts, top 2) as "llama", both written as llama.cpp writes them."""
+    out = {}
+    for family, arch in (("qwen3_moe", "qwen3moe"), ("mixtral", "llama")):
+        d = tmp_path_factory.mktemp(family)
+        hf = make_hf_model(family, d / "hf", hidden=64, layers=2, vocab=2000)
+        if family == "qwen3_moe":  # llama.cpp's qwen3moe renormalises the top-k weights
+            for layer in hf.model.layers:
+                layer.mlp.gate.norm_topk_prob = True
+        out[family] = hf, write_gguf_like_llama_cpp(hf, d / f"{family}.gguf", arch)
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_moe_gguf_matches_hf(moe_gguf, family):
+    hf, path = moe_gguf[family]
+    cfg, params = load_gguf(path)
+    c = hf.config
+    experts = c.num_local_experts if family == "mixtral" else c.num_experts
+    width = c.intermediate_size if family == "mixtral" else c.moe_intermediate_size
+    assert (cfg.num_experts, cfg.experts_per_token, cfg.moe_intermediate_size,
+            cfg.norm_topk_prob) == (experts, c.num_experts_per_tok, width, True)
+    assert cfg.qk_norm == (family == "qwen3_moe") and params.layers[0].w_gate is None
+    # HF's [E, D, F] down projections stacked by expert -> ours [E, F, D]
+    want = hf.model.layers[1].mlp.experts.down_proj.detach().numpy().swapaxes(1, 2)
+    np.testing.assert_array_equal(np.asarray(params.layers[1].we_down), want)
+    prefill, decoded, dec = run_sequence(params, cfg, PROMPT, page_size=8, decode_steps=8)
+    ref = hf_logits(hf, PROMPT + decoded)
+    assert np.abs(prefill - ref[: len(PROMPT)]).max() <= 1e-4
+    assert np.abs(dec - ref[len(PROMPT): len(PROMPT) + 8]).max() <= 1e-4
+
+
+def test_moe_gguf_quantized_experts(moe_gguf, tmp_path):
+    """Q8_0 expert stacks (and every weight but norms and routers) load as gguf's dequantized
+    values, or kept in their blocks. Oracle: HF with each such weight replaced by
+    dequantize(quantize(w)); Q8_0 works per row of the [out, in] weight, so llama's q/k row
+    permutation and the split of HF's fused gate/up stack change nothing."""
+    from jaxinfer.runtime.quantization import QuantizedArray
+
+    hf, _ = moe_gguf["mixtral"]
+    path = write_gguf_like_llama_cpp(hf, tmp_path / "q8.gguf", "llama", qtype=QT.Q8_0)
+    cfg, params = load_gguf(path)
+    t = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.1.ffn_up_exps.weight")
+    assert t.tensor_type == QT.Q8_0
+    want = gguf.quants.dequantize(t.data, QT.Q8_0).swapaxes(1, 2)  # [E, F, D] -> [E, D, F]
+    np.testing.assert_array_equal(np.asarray(params.layers[1].we_up), want)
+    oracle = copy.deepcopy(hf)
+    with torch.no_grad():
+        for name, p in oracle.named_parameters():
+            if p.ndim >= 2 and p.shape[-1] % 32 == 0 and not name.endswith("mlp.gate.weight"):
+                q = gguf.quants.quantize(p.detach().numpy(), QT.Q8_0)
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(q, QT.Q8_0)))
+    prefill, _, _ = run_sequence(params, cfg, PROMPT, page_size=8)
+    assert np.abs(prefill - hf_logits(oracle, PROMPT)).max() <= 1e-4
+    _, kept = load_gguf(path, keep_quantized=True)
+    assert isinstance(kept.layers[1].we_up, QuantizedArray)
+    np.testing.assert_array_equal(np.asarray(kept.layers[1].we_up.dequantize()), want)
+    prefill_kept, _, _ = run_sequence(kept, cfg, PROMPT, page_size=8)
+    assert np.abs(prefill_kept - prefill).max() <= 1e-4
+
+
 def test_bfloat16_runtime_dtype(tiny_gemma_gguf):
     import jax.numpy as jnp
 
@@ -194,9 +261,9 @@ def test_not_a_gguf_and_missing_file(tmp_path):
         load_gguf(empty)
 
 
-def _tiny_writer(path, arch):
+def _tiny_writer(path, arch, layers=1):
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(1)
+    w.add_block_count(layers)
     w.add_embedding_length(32)
     w.add_feed_forward_length(64)
     w.add_head_count(1)
@@ -220,14 +287,35 @@ def test_unknown_architecture(tmp_path):
     assert str(path) in str(e.value) and "gemma3" in str(e.value)
 
 
-def test_expert_tensors_are_refused_naming_the_way_out(tmp_path):
+MOE_METADATA_ERRORS = {
+    "no expert_count": r"'llama.expert_count' is missing "
+                       r"\(expert tensor 'blk.0.ffn_gate_exps.weight'\)",
+    "no expert_used_count": r"'llama.expert_used_count' is missing",
+    "8 experts": r"tensor 'blk.0.ffn_gate_inp.weight' has ne \[32, 4\], the metadata implies "
+                 r"\[32, 8\] \(llama.expert_count 8",
+    "dense layer 1": r"layer 1 has no expert tensor 'blk.1.ffn_gate_inp.weight'",
+}
+
+
+@pytest.mark.parametrize("case", MOE_METADATA_ERRORS)
+def test_moe_metadata_disagreeing_with_tensors(tmp_path, case):
+    """Layer 0 holds 4 experts of D 32, F 64 (layer 1, if any, a dense MLP)."""
     path = tmp_path / "moe.gguf"
-    w = _tiny_writer(path, "llama")
+    w = _tiny_writer(path, "llama", layers=2 if case == "dense layer 1" else 1)
+    if case != "no expert_count":
+        w.add_expert_count(8 if case == "8 experts" else 4)
+    if case != "no expert_used_count":
+        w.add_expert_used_count(2)
     w.add_tensor("token_embd.weight", np.zeros((16, 32), np.float32))
-    w.add_tensor("blk.0.ffn_gate_exps.weight", np.zeros((4, 64, 32), np.float32))
+    w.add_tensor("blk.0.ffn_gate_inp.weight", np.zeros((4, 32), np.float32))
+    for name, shape in (("gate", (4, 64, 32)), ("up", (4, 64, 32)), ("down", (4, 32, 64))):
+        w.add_tensor(f"blk.0.ffn_{name}_exps.weight", np.zeros(shape, np.float32))
+    if case == "dense layer 1":
+        w.add_tensor("blk.1.ffn_gate.weight", np.zeros((64, 32), np.float32))
     _finish(w)
-    with pytest.raises(CheckpointError, match=r"mixture-of-experts GGUF.*safetensors"):
+    with pytest.raises(CheckpointError, match=MOE_METADATA_ERRORS[case]) as e:
         load_gguf(path)
+    assert str(path) in str(e.value)
 
 
 def test_unsupported_quant_type(tiny_gemma_gguf, tmp_path):
