@@ -1,5 +1,13 @@
 import os
+import sys
 
+# Bytecode caching on, for this process and its children (the shard and 8-device pytests, the
+# notebook's kernel, every CLI subprocess): with PYTHONDONTWRITEBYTECODE set (as in many
+# container images) every one of the suite's processes compiled jax, transformers and torch from
+# source again: importing jax, jaxinfer and transformers' Llama took 27 s a process against 11 s
+# with .pyc files. What runs is the same.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The suite compiles ~2800 XLA programs and runs each a few times, so XLA:CPU's compile time is
@@ -117,10 +125,13 @@ def hf_parses_gemma_once(gemma_gguf_path):
     """transformers reads a GGUF with `gguf.GGUFReader` each time it needs the file: twice for
     a model (config, then tensors) and once more for its tokenizer, ~20 s each for Gemma 3
     270M's 262k-token vocabulary. For the session, the real Gemma file's reader is built once
-    (by gguf, as before) and handed to every later read; other files parse as usual."""
+    (by gguf, as before) and handed to every later read, and each of its metadata values is
+    turned into a Python value once (transformers converts all 1.5M of them on each read);
+    other files parse as usual."""
     import gguf
     import numpy as np
     from gguf import gguf_reader
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
 
     real, shared = gguf.GGUFReader, {}
     target = os.path.realpath(gemma_gguf_path)
@@ -145,10 +156,23 @@ def hf_parses_gemma_once(gemma_gguf_path):
             with pytest.MonkeyPatch.context() as mp:
                 mp.setattr(gguf_reader, "np", _PlainViews())
                 shared[target] = real(path, mode)
+            # ids of the shared reader's field parts: alive all session, so never reused
+            parts.update((id(p), None) for f in shared[target].fields.values() for p in f.parts)
         return shared[target]
+
+    parse, parts = hf_gguf._gguf_parse_value, {}
+
+    def parse_once(part, types):
+        value = parts.get(id(part))
+        if value is None:
+            value = parse(part, types)
+            if id(part) in parts:
+                parts[id(part)] = value
+        return value
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gguf, "GGUFReader", reader)
+        mp.setattr(hf_gguf, "_gguf_parse_value", parse_once)
         yield
 
 
