@@ -124,6 +124,7 @@ class ModelConfig:
         d = dataclasses.asdict(self)
         d["layer_types"] = list(self.layer_types)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        d["dense_layers"] = list(self.dense_layers)
         return d
 
     @classmethod
@@ -133,6 +134,7 @@ class ModelConfig:
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
         d["layer_types"] = tuple(d.get("layer_types") or ())
         d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+        d["dense_layers"] = tuple(d.get("dense_layers") or ())
         return cls(**d)
 
 

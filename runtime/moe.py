@@ -40,17 +40,51 @@ def moe_mlp(h: jax.Array, router, we_gate, we_up, we_down, *, k: int, norm_topk:
     [T, D]. At most E pairs (a decode step): each pair gathers its expert's weights
     (`_gathered`); more: grouped by expert, through ragged_dot on TPU/GPU (`_grouped`) and
     through padded blocks on CPU (`_blocked`: XLA:CPU expands ragged_dot into a product over
-    every expert). All read only the chosen experts."""
+    every expert). All read only the chosen experts. Traced on a mesh whose "model" axis
+    divides E (the engine's tensor-parallel steps), each device runs its own E / tp experts on
+    the (replicated) tokens and the partial outputs are summed: `_expert_parallel`."""
     w, e = route(h, router, k, norm_topk)
     args = (h, w, e, we_gate, we_up, we_down)
-    if h.shape[0] * k <= we_gate.shape[0]:
+    mesh = jax.sharding.get_abstract_mesh()
+    tp = 1 if mesh.empty or "model" not in mesh.axis_names else mesh.shape["model"]
+    if tp > 1 and we_gate.shape[0] % tp == 0:
+        return _expert_parallel(mesh, *args, act=act).astype(h.dtype)
+    return _forms(*args, act=act).astype(h.dtype)
+
+
+def _forms(h, w, e, we_gate, we_up, we_down, *, act) -> jax.Array:
+    """f32 [T, D] by the form for T * k pairs over these E experts; experts e >= E are held
+    elsewhere and add nothing."""
+    args = (h, w, e, we_gate, we_up, we_down)
+    if h.shape[0] * e.shape[1] <= we_gate.shape[0]:
         return _gathered(*args, act)
     return jax.lax.platform_dependent(*args, cpu=functools.partial(_blocked, act=act),
                                       default=functools.partial(_grouped, act=act))
 
 
+def _expert_parallel(mesh, h, w, e, we_gate, we_up, we_down, *, act) -> jax.Array:
+    """Expert parallelism over the mesh's "model" axis: device i holds experts
+    [i * E/tp, (i + 1) * E/tp) whole and the routed tokens are replicated, so each device
+    applies its experts to the pairs that chose them (the others map past its last expert and
+    add nothing) and one all-reduce of [T, D] sums the devices' outputs. No weight moves
+    between devices."""
+    local = we_gate.shape[0] // mesh.shape["model"]
+
+    def on_device(h, w, e, we_gate, we_up, we_down):
+        le = e - jax.lax.axis_index("model") * local  # [T, k] expert ids on this device
+        le = jnp.where((le >= 0) & (le < local), le, local)
+        y = _forms(h, w, le, we_gate, we_up, we_down, act=act)
+        return jax.lax.psum(y, "model")
+
+    rep, split = jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec("model")
+    return jax.shard_map(on_device, mesh=mesh, in_specs=(rep, rep, rep, split, split, split),
+                         out_specs=rep, check_vma=False)(h, w, e, we_gate, we_up, we_down)
+
+
 def _experts(w, idx: jax.Array) -> jax.Array:
-    """Experts `idx` (any int shape S) of a stacked [E, ...] weight, widened: f32 S + [...]."""
+    """Experts `idx` (any int shape S; past the last: clamped) of a stacked [E, ...] weight,
+    widened: f32 S + [...]."""
+    idx = jnp.minimum(idx, w.shape[0] - 1)
     if isinstance(w, QuantizedArray):
         return w.take(idx).dequantize(jnp.float32)
     return w[idx].astype(jnp.float32)
@@ -59,18 +93,19 @@ def _experts(w, idx: jax.Array) -> jax.Array:
 def _gathered(h, w, e, we_gate, we_up, we_down, act) -> jax.Array:
     """Pair (t, j) multiplies h[t] by expert e[t, j]'s own weights, gathered: [T, k, D, F]."""
     x = h.astype(jnp.float32)
+    w = jnp.where(e < we_gate.shape[0], w, 0.0)  # [T, k] (held elsewhere: 0)
     g = jnp.einsum("td,tkdf->tkf", x, _experts(we_gate, e))
     u = jnp.einsum("td,tkdf->tkf", x, _experts(we_up, e))
     y = jnp.einsum("tkf,tkfd->tkd", act(g) * u, _experts(we_down, e))  # [T, k, D]
-    return jnp.einsum("tkd,tk->td", y, w).astype(h.dtype)
+    return jnp.einsum("tkd,tk->td", y, w)
 
 
 def _sorted_pairs(e: jax.Array, e_count: int):
     """The T*k (token, expert) pairs sorted by expert: (order [P] pair indices, sorted experts
-    [P], sizes [E] pairs per expert)."""
+    [P] (ids >= E, held elsewhere, last), sizes [E] pairs per expert)."""
     flat_e = e.reshape(-1)  # [P] expert of pair p = t * k + j
     order = jnp.argsort(flat_e, stable=True)
-    sizes = jnp.bincount(flat_e, length=e_count).astype(jnp.int32)
+    sizes = jnp.bincount(flat_e, length=e_count + 1)[:e_count].astype(jnp.int32)
     return order, flat_e[order], sizes
 
 
@@ -84,8 +119,8 @@ def _grouped(h, w, e, we_gate, we_up, we_down, act) -> jax.Array:
     g = _ragged(x, we_gate, sizes, row_e)  # [P, F]
     u = _ragged(x, we_up, sizes, row_e)
     y = _ragged(act(g) * u, we_down, sizes, row_e).astype(jnp.float32)  # [P, D]
-    y = y * w.reshape(-1)[order][:, None]
-    return jnp.zeros((t, h.shape[1]), jnp.float32).at[tok].add(y).astype(h.dtype)
+    y = jnp.where((row_e < we_gate.shape[0])[:, None], y * w.reshape(-1)[order][:, None], 0.0)
+    return jnp.zeros((t, h.shape[1]), jnp.float32).at[tok].add(y)
 
 
 def _ragged(x, w, sizes, row_e) -> jax.Array:
@@ -117,15 +152,18 @@ def _blocked(h, w, e, we_gate, we_up, we_down, act) -> jax.Array:
     padded = (sizes + b - 1) // b * b  # [E]
     ends = jnp.cumsum(padded)  # [E] end row of each expert's blocks
     dest = (ends - padded)[row_e] + jnp.arange(p) - (jnp.cumsum(sizes) - sizes)[row_e]  # [P]
+    dest = jnp.where(row_e < e_count, dest, nb * b)  # held elsewhere: no row
     block_e = jnp.minimum(jnp.searchsorted(ends, jnp.arange(nb) * b, side="right"),
                           e_count - 1)  # [nb] (blocks past the last expert: zero rows)
-    x = jnp.zeros((nb * b, d), jnp.float32).at[dest].set(h[order // k].astype(jnp.float32))
+    x = jnp.zeros((nb * b, d), jnp.float32).at[dest].set(h[order // k].astype(jnp.float32),
+                                                          mode="drop")
     x = x.reshape(nb, b, d)
     g = jnp.einsum("nbd,ndf->nbf", x, _experts(we_gate, block_e))
     u = jnp.einsum("nbd,ndf->nbf", x, _experts(we_up, block_e))
     y = jnp.einsum("nbf,nfd->nbd", act(g) * u, _experts(we_down, block_e))  # [nb, B, D]
-    y = y.reshape(nb * b, d)[dest] * w.reshape(-1)[order][:, None]  # [P, D]
-    return jnp.zeros((t, d), jnp.float32).at[order // k].add(y).astype(h.dtype)
+    y = jnp.take(y.reshape(nb * b, d), dest, axis=0, mode="fill", fill_value=0.0)  # [P, D]
+    y = y * w.reshape(-1)[order][:, None]
+    return jnp.zeros((t, d), jnp.float32).at[order // k].add(y)
 
 
 def moe_mlp_dense(h: jax.Array, router, we_gate, we_up, we_down, *, k: int, norm_topk: bool,

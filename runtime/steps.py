@@ -219,10 +219,22 @@ def make_step(cfg: ModelConfig, backend: str, shardings=None,
                                    vocab_limit=vocab_limit))
     _, cache_sh, rep = shardings
     return Launches(jax.jit(
-        functools.partial(step, cfg=cfg, backend=backend, vocab_limit=vocab_limit),
+        functools.partial(_on_mesh(step, rep.mesh), cfg=cfg, backend=backend,
+                          vocab_limit=vocab_limit),
         static_argnames=_STEP_STATICS, donate_argnames=("cache",),
         out_shardings=(rep, cache_sh),
     ))
+
+
+def _on_mesh(fn, mesh):
+    """`fn` traced with `mesh` as the context mesh, where the model's expert-parallel layers
+    (runtime/moe.py) find the "model" axis."""
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args, **kwargs)
+
+    return traced
 
 
 @functools.lru_cache(maxsize=16)

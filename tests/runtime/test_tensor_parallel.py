@@ -10,6 +10,7 @@ outcome from the child.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -105,18 +106,19 @@ def _run_forward(params, cfg, mesh=None):
     """Prefill 19 tokens (all logits) then decode 2 more (a page boundary crossed)."""
     toks = np.arange(3, 22, dtype=np.int32) * 7 % cfg.vocab_size
     make = lambda: init_cache(cfg, 5, 8)
-    if mesh is not None:
+    if mesh is not None:  # traced on the mesh, as the engine's steps are (expert parallelism)
         params = shd.shard_params(params, mesh)
         cache = shd.init_sharded_cache(make, mesh)
     else:
         cache = make()
-    logits, cache = _fwd(params, jnp.asarray(toks), cache,
-                         single_sequence_metadata(0, 19, 8, [1, 2, 3]), cfg, "xla")
-    out = [np.asarray(logits)]
-    for i, t in enumerate((5, 9)):
-        lg, cache = _fwd(params, jnp.asarray([t], jnp.int32), cache,
-                         single_sequence_metadata(19 + i, 1, 8, [1, 2, 3]), cfg, "xla")
-        out.append(np.asarray(lg))
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        logits, cache = _fwd(params, jnp.asarray(toks), cache,
+                             single_sequence_metadata(0, 19, 8, [1, 2, 3]), cfg, "xla")
+        out = [np.asarray(logits)]
+        for i, t in enumerate((5, 9)):
+            lg, cache = _fwd(params, jnp.asarray([t], jnp.int32), cache,
+                             single_sequence_metadata(19 + i, 1, 8, [1, 2, 3]), cfg, "xla")
+            out.append(np.asarray(lg))
     return np.concatenate(out), cache
 
 
@@ -295,6 +297,43 @@ def test_forward_logits_match_across_tp_and_gqa_replication():
                 assert wk == P(None, "model") and wq == P(None, "model")
                 assert cache.k[0].sharding.spec == P("model")
                 assert shd.bytes_per_device(cache) * tp == cache.nbytes
+
+
+@on_8_devices
+def test_expert_parallel_moves_no_weights_and_the_engine_matches_one_device():
+    """Traced on the mesh (as the engine's steps are), an MoE layer runs each device's experts
+    on the replicated tokens: its one collective is an all-reduce of the [T, D] output, for
+    decode-sized (gathered) and prefill-sized (blocked) steps; no expert weight moves. The
+    engine's greedy tokens at tp 4 equal one device's."""
+    import re
+
+    from jaxinfer.runtime.config import EngineConfig
+    from jaxinfer.runtime.engine import Engine
+    from jaxinfer.runtime.moe import moe_mlp
+    from jaxinfer.runtime.requests import SamplingParams
+    from jaxinfer.tools.bench_device import _IdTokenizer
+
+    mesh = shd.make_mesh(4)
+    params = _init(MOE, 3)
+    lp = shd.shard_params(params, mesh).layers[0]
+    fn = jax.jit(lambda h, lp: moe_mlp(h, lp.router, lp.we_gate, lp.we_up, lp.we_down, k=4,
+                                       norm_topk=False, act=jax.nn.silu))
+    for t in (2, 64):  # 8 pairs <= 16 experts: gathered; 256: blocked
+        with jax.set_mesh(mesh):
+            hlo = fn.lower(jnp.ones((t, 64)), lp).compile().as_text()
+        assert re.findall(r"(all-gather|all-reduce|all-to-all|collective-permute|"
+                          r"reduce-scatter)\(", hlo) == ["all-reduce"], t
+        assert re.findall(r"= (\S+) all-reduce\(", hlo) == [f"f32[{t},64]{{1,0}}"], t
+    tokens = []
+    for tp in (1, 4):
+        eng = Engine(MOE, params, _IdTokenizer(MOE.vocab_size),
+                     EngineConfig(max_slots=2, max_model_len=64, tensor_parallel=tp))
+        sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        rids = [eng.add_request([3 + i, 40, 7 * i + 5] * 6, sp) for i in range(2)]
+        while eng.has_unfinished():
+            eng.step()
+        tokens.append([eng.pop(r).token_ids for r in rids])
+    assert tokens[0] == tokens[1] and all(len(t) == 8 for t in tokens[0])
 
 
 @on_8_devices
