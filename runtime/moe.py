@@ -2,9 +2,9 @@
 MLP, and the token's output is their routing-weighted sum (Qwen3-MoE, Mixtral).
 
 `moe_mlp` is the serving path. Each (token, expert) pair meets only its own expert's weights and
-no token is dropped: up to E pairs (decode) gather the chosen experts' weights per pair; more
-pairs (prefill) are sorted by expert, then multiplied with `jax.lax.ragged_dot` over contiguous
-groups (TPU/GPU) or in blocks padded per expert (CPU). Expert weights may be QuantizedArrays
+no token is dropped. On TPU/GPU up to E pairs (decode) gather the chosen experts' weights per
+pair, and more pairs (prefill) are sorted by expert and multiplied with `jax.lax.ragged_dot`
+over contiguous groups; on CPU the sorted pairs run in blocks padded per expert. Expert weights may be QuantizedArrays
 (int8, fp8, int4, GGUF blocks): each form widens only the experts it reads. `moe_mlp_dense`
 computes every expert for every token and masks: E/k times the work, kept as the test
 reference.
@@ -37,10 +37,11 @@ def route(h: jax.Array, router: jax.Array, k: int, norm_topk: bool):
 def moe_mlp(h: jax.Array, router, we_gate, we_up, we_down, *, k: int, norm_topk: bool,
             act) -> jax.Array:
     """h [T, D]; we_gate / we_up [E, D, F], we_down [E, F, D] (arrays or QuantizedArrays) ->
-    [T, D]. At most E pairs (a decode step): each pair gathers its expert's weights
-    (`_gathered`); more: grouped by expert, through ragged_dot on TPU/GPU (`_grouped`) and
-    through padded blocks on CPU (`_blocked`: XLA:CPU expands ragged_dot into a product over
-    every expert). All read only the chosen experts. Traced on a mesh whose "model" axis
+    [T, D]. TPU/GPU: at most E pairs (a decode step) gather their experts' weights
+    (`_gathered`), more are grouped by expert through ragged_dot (`_grouped`). CPU: blocks
+    padded per expert (`_blocked`), at every size: XLA:CPU expands ragged_dot into a product
+    over every expert, and widening gathered weights cost more than the blocks (tools/bench_moe).
+    All read only the chosen experts. Traced on a mesh whose "model" axis
     divides E (the engine's tensor-parallel steps), each device runs its own E / tp experts on
     the (replicated) tokens and the partial outputs are summed: `_expert_parallel`."""
     w, e = route(h, router, k, norm_topk)
@@ -53,13 +54,12 @@ def moe_mlp(h: jax.Array, router, we_gate, we_up, we_down, *, k: int, norm_topk:
 
 
 def _forms(h, w, e, we_gate, we_up, we_down, *, act) -> jax.Array:
-    """f32 [T, D] by the form for T * k pairs over these E experts; experts e >= E are held
-    elsewhere and add nothing."""
-    args = (h, w, e, we_gate, we_up, we_down)
-    if h.shape[0] * e.shape[1] <= we_gate.shape[0]:
-        return _gathered(*args, act)
-    return jax.lax.platform_dependent(*args, cpu=functools.partial(_blocked, act=act),
-                                      default=functools.partial(_grouped, act=act))
+    """f32 [T, D] by the platform's form for T * k pairs over these E experts; experts e >= E
+    are held elsewhere and add nothing."""
+    small = h.shape[0] * e.shape[1] <= we_gate.shape[0]
+    return jax.lax.platform_dependent(
+        h, w, e, we_gate, we_up, we_down, cpu=functools.partial(_blocked, act=act),
+        default=functools.partial(_gathered if small else _grouped, act=act))
 
 
 def _expert_parallel(mesh, h, w, e, we_gate, we_up, we_down, *, act) -> jax.Array:
@@ -140,9 +140,10 @@ def block_rows(pairs: int, e_count: int) -> int:
 
 
 def _blocked(h, w, e, we_gate, we_up, we_down, act) -> jax.Array:
-    """The sorted pairs padded per expert to whole blocks of B rows; each block is one batched
-    matmul with its expert's weights. Padded rows <= P + B per used expert, so the blocks are
-    at most ceil(P / B) + min(E, P): a static count."""
+    """The sorted pairs padded per expert to whole blocks of B rows; each block is multiplied by
+    its expert's weights, read where they lie (`lax.map` over the blocks: XLA:CPU ran the
+    batched product over gathered weights 4-7x slower). Padded rows <= P + B per used expert,
+    so the blocks are at most ceil(P / B) + min(E, P): a static count."""
     t, d = h.shape
     k, e_count = e.shape[1], we_gate.shape[0]
     p = t * k
@@ -157,11 +158,14 @@ def _blocked(h, w, e, we_gate, we_up, we_down, act) -> jax.Array:
                           e_count - 1)  # [nb] (blocks past the last expert: zero rows)
     x = jnp.zeros((nb * b, d), jnp.float32).at[dest].set(h[order // k].astype(jnp.float32),
                                                           mode="drop")
-    x = x.reshape(nb, b, d)
-    g = jnp.einsum("nbd,ndf->nbf", x, _experts(we_gate, block_e))
-    u = jnp.einsum("nbd,ndf->nbf", x, _experts(we_up, block_e))
-    y = jnp.einsum("nbf,nfd->nbd", act(g) * u, _experts(we_down, block_e))  # [nb, B, D]
-    y = jnp.take(y.reshape(nb * b, d), dest, axis=0, mode="fill", fill_value=0.0)  # [P, D]
+
+    def block(args):  # x [B, D], one expert
+        x, i = args
+        g, u = x @ _experts(we_gate, i), x @ _experts(we_up, i)  # [B, F]
+        return (act(g) * u) @ _experts(we_down, i)  # [B, D]
+
+    y = jax.lax.map(block, (x.reshape(nb, b, d), block_e)).reshape(nb * b, d)
+    y = jnp.take(y, dest, axis=0, mode="fill", fill_value=0.0)  # [P, D]
     y = y * w.reshape(-1)[order][:, None]
     return jnp.zeros((t, d), jnp.float32).at[order // k].add(y)
 

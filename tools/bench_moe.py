@@ -4,8 +4,8 @@
                                        [--expert-ffn 256] [--tokens 1,16,128] [--repeats 20]
 
 For each token count (a decode batch, a prefill chunk): what the engine serves (runtime/moe.py:
-experts gathered per pair when T*k <= E, else blocks padded per expert on CPU, ragged_dot on
-TPU/GPU), the grouped form alone (pairs sorted by expert, `ragged_dot`), the blocked form alone,
+on CPU blocks padded per expert; on TPU/GPU experts gathered per pair when T*k <= E, else
+ragged_dot), the gathered form alone, the grouped form alone (pairs sorted by expert, `ragged_dot`), the blocked form alone,
 the dense-over-experts reference (every expert on every token), and a dense gated MLP with the
 same *active* parameters (F = k x the expert's F). `--quantization int8|fp8|int4`: the expert
 weights quantized (the dense MLP stays f32). Milliseconds per call, median of `--repeats` after one compiling call (reported
@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     import jax
     import jax.numpy as jnp
 
-    from jaxinfer.runtime.moe import _blocked, _grouped, moe_mlp, moe_mlp_dense, route
+    from jaxinfer.runtime.moe import _blocked, _gathered, _grouped, moe_mlp, moe_mlp_dense, route
     from jaxinfer.runtime.quantization import quantize
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -64,6 +64,8 @@ def main(argv=None) -> int:
     served = jax.jit(lambda h, ws: moe_mlp(h, *ws[:4], **kw))
     grouped = jax.jit(lambda h, ws: _grouped(h, *route(h, ws[0], k, True), *ws[1:4], jax.nn.silu))
     blocked = jax.jit(lambda h, ws: _blocked(h, *route(h, ws[0], k, True), *ws[1:4], jax.nn.silu))
+    gathered = jax.jit(
+        lambda h, ws: _gathered(h, *route(h, ws[0], k, True), *ws[1:4], jax.nn.silu))
     every = jax.jit(lambda h, ws: moe_mlp_dense(h, *ws[:4], **kw))
     dense = jax.jit(lambda h, ws: (jax.nn.silu(h @ ws[4]) * (h @ ws[5])) @ ws[6])
     ws = (router, wg, wu, wd, dg, du, dd)
@@ -71,18 +73,19 @@ def main(argv=None) -> int:
     print(f"E={e} top-{k}, D={d}, expert F={f} (dense F={k * f}), experts "
           f"{a.quantization or 'f32'}, {jax.default_backend()}; ms per call, median of "
           f"{a.repeats}")
-    print(f"{'tokens':>6} | {'served':>8} | {'grouped (ragged_dot)':>20} | {'blocked':>8} | "
-          f"{'dense over experts':>18} | {'dense MLP, same active':>22} | first calls s")
+    print(f"{'tokens':>6} | {'served':>8} | {'gathered':>8} | {'grouped (ragged_dot)':>20} | "
+          f"{'blocked':>8} | {'dense over experts':>18} | {'dense MLP, same active':>22} | "
+          f"first calls s")
     for t in (int(x) for x in a.tokens.split(",")):
         h = jax.random.normal(ks[7], (t, d), jnp.float32)
-        times = [_time(fn, (h, ws), a.repeats) for fn in (served, grouped, blocked, every, dense)]
-        (_, sv), (_, g), (_, b), (_, ev), (_, dn) = times
-        form = "gathered" if t * k <= e else "blocked"
-        rows.append(dict(tokens=t, served=form, served_ms=sv, grouped_ms=g, blocked_ms=b,
+        times = [_time(fn, (h, ws), a.repeats)
+                 for fn in (served, gathered, grouped, blocked, every, dense)]
+        (_, sv), (_, ga), (_, g), (_, b), (_, ev), (_, dn) = times
+        rows.append(dict(tokens=t, served_ms=sv, gathered_ms=ga, grouped_ms=g, blocked_ms=b,
                          dense_over_experts_ms=ev, dense_mlp_ms=dn,
                          first_s=[x[0] for x in times]))
-        print(f"{t:>6} | {sv:>8.3f} | {g:>20.3f} | {b:>8.3f} | {ev:>18.3f} | {dn:>22.3f} | "
-              f"{' / '.join(f'{x[0]:.2f}' for x in times)}  ({form})")
+        print(f"{t:>6} | {sv:>8.3f} | {ga:>8.3f} | {g:>20.3f} | {b:>8.3f} | {ev:>18.3f} | "
+              f"{dn:>22.3f} | {' / '.join(f'{x[0]:.2f}' for x in times)}")
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(dict(experts=e, top_k=k, hidden=d, expert_ffn=f,

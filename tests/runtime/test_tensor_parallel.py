@@ -303,7 +303,7 @@ def test_forward_logits_match_across_tp_and_gqa_replication():
 def test_expert_parallel_moves_no_weights_and_the_engine_matches_one_device():
     """Traced on the mesh (as the engine's steps are), an MoE layer runs each device's experts
     on the replicated tokens: its one collective is an all-reduce of the [T, D] output, for
-    decode-sized (gathered) and prefill-sized (blocked) steps; no expert weight moves. The
+    decode- and prefill-sized steps; no expert weight moves. The
     engine's greedy tokens at tp 4 equal one device's."""
     import re
 
@@ -318,7 +318,7 @@ def test_expert_parallel_moves_no_weights_and_the_engine_matches_one_device():
     lp = shd.shard_params(params, mesh).layers[0]
     fn = jax.jit(lambda h, lp: moe_mlp(h, lp.router, lp.we_gate, lp.we_up, lp.we_down, k=4,
                                        norm_topk=False, act=jax.nn.silu))
-    for t in (2, 64):  # 8 pairs <= 16 experts: gathered; 256: blocked
+    for t in (2, 64):  # 8 and 256 pairs over 16 experts
         with jax.set_mesh(mesh):
             hlo = fn.lower(jnp.ones((t, 64)), lp).compile().as_text()
         assert re.findall(r"(all-gather|all-reduce|all-to-all|collective-permute|"
