@@ -30,6 +30,7 @@ FILES = (
     "tests/pallas_kernels/test_ragged_paged_attention.py",
     "tests/runtime/test_prefix_cache.py",
     "tests/runtime/test_int4.py",
+    "tests/tools/test_bench_device.py",
 )
 CHILD_ENV = "JAXINFER_SHARD_CHILD"
 REPORT_ENV = "JAXINFER_TEST_REPORT"  # a child writes its outcomes and per-file table there
