@@ -38,6 +38,10 @@ def from_hf_config(hf: dict[str, Any], source: str = "config.json") -> ModelConf
         return _from_hf(hf, family, model_type)
     except KeyError as e:
         raise ConfigError(f"{source}: missing required field {e.args[0]!r}") from None
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:  # a field of the wrong type: a list or null for a number
+        raise ConfigError(f"{source}: bad field value ({e})") from None
 
 
 def _eos_ids(v) -> tuple[int, ...]:
@@ -166,13 +170,15 @@ def _experts(hf: dict[str, Any], model_type: str, num_layers: int) -> dict[str, 
         return {}
     # Qwen's own configs say num_experts; transformers 5 writes num_local_experts
     n = int(hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"])
-    step, dense = int(hf.get("decoder_sparse_step", 1)), {int(i) for i in hf.get("mlp_only_layers") or []}
+    step = int(hf.get("decoder_sparse_step", 1))
     if step < 1:
         raise ConfigError(f"decoder_sparse_step {step} must be >= 1")
     # as HF builds the layers: experts where i is not MLP-only and (i + 1) % step == 0
+    dense = {int(i) for i in hf.get("mlp_only_layers") or []}
     dense |= {i for i in range(num_layers) if n == 0 or (i + 1) % step}
-    shared = int(hf.get("shared_expert_intermediate_size") or 0) if model_type == "qwen2_moe" \
-        else 0
+    shared = 0
+    if model_type == "qwen2_moe":
+        shared = int(hf.get("shared_expert_intermediate_size") or 0)
     return dict(num_experts=n, experts_per_token=int(hf["num_experts_per_tok"]),
                 moe_intermediate_size=int(hf["moe_intermediate_size"]),
                 norm_topk_prob=bool(hf.get("norm_topk_prob", False)),

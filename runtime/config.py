@@ -95,6 +95,8 @@ class ModelConfig:
             raise ConfigError(f"{self.num_experts} experts need 1 <= experts_per_token "
                               f"({self.experts_per_token}) <= num_experts and "
                               f"moe_intermediate_size > 0 ({self.moe_intermediate_size})")
+        if self.shared_expert_size < 0:
+            raise ConfigError(f"shared_expert_size {self.shared_expert_size} must be >= 0")
         if any(not 0 <= i < self.num_layers for i in self.dense_layers):
             raise ConfigError(f"dense_layers {list(self.dense_layers)} outside the "
                               f"{self.num_layers} layers")
