@@ -1,11 +1,12 @@
 """Load a GGUF file (llama.cpp's format) into ModelConfig + Params.
 
 Supported architectures (`general.architecture`): "gemma3", "llama" (also Mistral, and Mixtral's
-mixture of experts, converted by llama.cpp), "qwen2", "qwen3" (per-head q/k norms) and "qwen3moe"
-(Qwen3's attention, a mixture of experts in every layer). Quantized tensors (Q4_K, Q5_0, Q6_K,
-Q8_0, ... — whatever `gguf.quants.dequantize` implements) and F32 / F16 / BF16 are dequantized one
-tensor at a time to the runtime dtype, so peak host memory stays near one copy of the weights in
-that dtype plus one f32 tensor.
+mixture of experts, converted by llama.cpp), "qwen2", "qwen3" (per-head q/k norms), "qwen3moe"
+(Qwen3's attention, a mixture of experts in every layer) and "qwen2moe" (Qwen1.5/Qwen2-MoE:
+Qwen2's attention, routed experts plus a gated shared expert in every layer). Quantized tensors
+(Q4_K, Q5_0, Q6_K, Q8_0, ... — whatever `gguf.quants.dequantize` implements) and F32 / F16 / BF16
+are dequantized one tensor at a time to the runtime dtype, so peak host memory stays near one copy
+of the weights in that dtype plus one f32 tensor.
 
 Facts about GGUF this loader relies on (checked numerically against HF transformers in the tests):
 - Tensor shapes are stored in ggml `ne` order (fastest axis first); the numpy array of a tensor
@@ -17,6 +18,9 @@ Facts about GGUF this loader relies on (checked numerically against HF transform
 - A mixture-of-experts layer has a router `ffn_gate_inp` (numpy [E, D]) and each projection's
   experts stacked in one tensor: `ffn_gate_exps` / `ffn_up_exps` numpy [E, F, D], `ffn_down_exps`
   numpy [E, D, F] (HF's per-expert [out, in] weights, stacked by expert).
+- A "qwen2moe" layer adds a shared expert, a gated MLP `ffn_gate_shexp` / `ffn_up_shexp`
+  numpy [Fs, D], `ffn_down_shexp` numpy [D, Fs], and its gate `ffn_gate_inp_shexp`: HF's [1, D]
+  weight written unchanged (ne [D, 1]; llama.cpp reads it as ne [D], the same ggml shape).
 - Gemma norm weights are stored with the +1 already added (llama.cpp adds it at conversion), so
   they are the effective multiplier our forward expects; they are loaded unchanged.
 """
@@ -52,7 +56,7 @@ except ImportError:  # pragma: no cover - gguf is a declared dependency
 if TYPE_CHECKING:
     from jaxinfer.checkpoints.gguf_header import GGUFFile
 
-ARCHITECTURES = ("gemma3", "llama", "qwen2", "qwen3", "qwen3moe")
+ARCHITECTURES = ("gemma3", "llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe")
 
 
 def _require_gguf() -> None:
@@ -212,7 +216,7 @@ def gguf_config(reader, source: str) -> ModelConfig:
             eos_token_ids=tuple(eos),
             rope_theta=float(m.get(a + "rope.freq_base", 10_000.0)),
             rope_scaling=rope_scaling,
-            qkv_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensors,
+            qkv_bias=arch in ("qwen2", "qwen2moe") or "blk.0.attn_q.bias" in tensors,
             qk_norm="blk.0.attn_q_norm.weight" in tensors,
             activation="silu",
             sliding_window=window,
@@ -230,40 +234,65 @@ _EXPERT_NE = {
     "ffn_up_exps": lambda d, f, e: [d, f, e],
     "ffn_down_exps": lambda d, f, e: [f, d, e],
 }
+# A "qwen2moe" layer's shared expert -> its ne for D and the shared expert's F
+_SHARED_NE = {
+    "ffn_gate_inp_shexp": lambda d, f: [d],
+    "ffn_gate_shexp": lambda d, f: [d, f],
+    "ffn_up_shexp": lambda d, f: [d, f],
+    "ffn_down_shexp": lambda d, f: [f, d],
+}
+
+
+def _ggml_shape(ne: list[int]) -> list[int]:
+    """ne without trailing axes of 1 (ggml pads every shape to 4 axes with 1s)."""
+    while len(ne) > 1 and ne[-1] == 1:
+        ne = ne[:-1]
+    return ne
 
 
 def _experts(m: _Meta, arch: str, tensors: dict, hidden: int, ffn: int, n_layers: int) -> dict:
     """The mixture-of-experts fields (none for a dense model), checked against every layer's
-    expert tensors. "qwen3moe": experts of `expert_feed_forward_length`; Mixtral ("llama"): of
-    `feed_forward_length`, as llama.cpp reads them. Both renormalise the top-k routing weights:
-    llama.cpp's qwen3moe graph always does, and its converter records no key for HF's
-    `norm_topk_prob` (Qwen3-MoE's released configs set it true; HF's default is false), so a
-    GGUF cannot say otherwise; Mixtral always renormalises."""
+    expert tensors. "qwen2moe" / "qwen3moe": experts of `expert_feed_forward_length` (and
+    qwen2moe's shared expert of `expert_shared_feed_forward_length`; llama.cpp's converter
+    writes both from HF's config); Mixtral ("llama"): of `feed_forward_length`, as llama.cpp
+    reads them. Top-k routing weights: "qwen3moe" and Mixtral renormalise them: llama.cpp's
+    qwen3moe graph always does, and its converter records no key for HF's `norm_topk_prob`
+    (Qwen3-MoE's released configs set it true; HF's default is false), so a GGUF cannot say
+    otherwise; Mixtral always renormalises. "qwen2moe" never does: llama.cpp's qwen2moe graph
+    (src/models/qwen2moe.cpp) calls build_moe_ffn with norm_w false, matching HF Qwen2-MoE's
+    default norm_topk_prob false."""
     a = f"{arch}."
     n = int(m.get(a + "expert_count") or 0)
     if not n:
         stray = next((name for name in tensors if name.endswith("_exps.weight")), None)
-        if stray is not None or arch == "qwen3moe":
+        if stray is not None or arch.endswith("moe"):
             raise CheckpointError(f"{m.source}: GGUF metadata key {a + 'expert_count'!r} is "
                                   f"missing" + (f" (expert tensor {stray!r})" if stray else ""))
         return {}
     used = int(m.need(a + "expert_used_count"))
-    f = int(m.need(a + "expert_feed_forward_length")) if arch == "qwen3moe" else ffn
+    f = int(m.need(a + "expert_feed_forward_length")) if arch.endswith("moe") else ffn
+    shared = int(m.need(a + "expert_shared_feed_forward_length")) if arch == "qwen2moe" else 0
+    want = {kind: (ne(hidden, f, n), f"{a}expert_count {n}, embedding_length {hidden}, "
+                                     f"expert length {f}") for kind, ne in _EXPERT_NE.items()}
+    if shared:
+        want |= {kind: (ne(hidden, shared), f"embedding_length {hidden}, shared expert length "
+                                            f"{shared}") for kind, ne in _SHARED_NE.items()}
     for i in range(n_layers):
-        for kind, ne in _EXPERT_NE.items():
-            name, want = f"blk.{i}.{kind}.weight", ne(hidden, f, n)
+        for kind, (ne, implied_by) in want.items():
+            name = f"blk.{i}.{kind}.weight"
             t = tensors.get(name)
             if t is None:
                 raise CheckpointError(
                     f"{m.source}: layer {i} has no expert tensor {name!r} ({a}expert_count {n}); "
-                    "layers without experts are not supported")
+                    + ("layers without experts are not supported" if kind in _EXPERT_NE
+                       else f"every {arch} layer has a shared expert"))
             got = [int(x) for x in t.shape]
-            if got != want:
-                raise CheckpointError(
-                    f"{m.source}: tensor {name!r} has ne {got}, the metadata implies {want} "
-                    f"({a}expert_count {n}, embedding_length {hidden}, expert length {f})")
+            if _ggml_shape(got) != _ggml_shape(ne):
+                raise CheckpointError(f"{m.source}: tensor {name!r} has ne {got}, the metadata "
+                                      f"implies {ne} ({implied_by})")
     return dict(num_experts=n, experts_per_token=used, moe_intermediate_size=f,
-                norm_topk_prob=True)
+                norm_topk_prob=arch != "qwen2moe", shared_expert_size=shared,
+                shared_expert_gate=bool(shared))
 
 
 def _opt_float(v) -> float | None:
@@ -386,15 +415,21 @@ def _unpermute_bias(n_head: int) -> Callable:
 
 
 # Router numpy [E, D] -> [D, E]; experts numpy [E, out, in] -> [E, in, out]. The expert stacks
-# follow load_gguf's rule for matmul weights (quantize.WEIGHT_REDUCE_AXES names them): in a block
-# format gguf_blocks reads, kept quantized with keep_quantized, else widened at load; any other
-# type is dequantized at load.
+# (and a shared expert's projections) follow load_gguf's rule for matmul weights
+# (quantize.WEIGHT_REDUCE_AXES names them): in a block format gguf_blocks reads, kept quantized
+# with keep_quantized, else widened at load; any other type is dequantized at load.
 _EXPERT_PLAN = {
     "ffn_gate_inp.weight": ("router", lambda w: w.T),
     "ffn_gate_exps.weight": ("we_gate", lambda w: w.swapaxes(1, 2)),
     "ffn_up_exps.weight": ("we_up", lambda w: w.swapaxes(1, 2)),
     "ffn_down_exps.weight": ("we_down", lambda w: w.swapaxes(1, 2)),
 }
+
+
+def _mlp_plan(suffix: str = "") -> dict[str, tuple[str, Callable]]:
+    """A gated MLP's numpy [out, in] projections (`suffix` "_shexp": a shared expert's) ->
+    w_gate / w_up [D, F], w_down [F, D]."""
+    return {f"ffn_{p}{suffix}.weight": (f"w_{p}", lambda w: w.T) for p in ("gate", "up", "down")}
 
 
 def gguf_tensor_plan(cfg: ModelConfig, arch: str) -> dict[str, tuple[str, Callable]]:
@@ -421,11 +456,14 @@ def gguf_tensor_plan(cfg: ModelConfig, arch: str) -> dict[str, tuple[str, Callab
             "attn_output.weight": ("wo", lambda w: w.T.reshape(hq, -1, d)),
             "ffn_norm.weight": ("mlp_norm", ident),
         }
-        layer |= _EXPERT_PLAN if cfg.layer_has_experts(i) else {
-            "ffn_gate.weight": ("w_gate", lambda w: w.T),
-            "ffn_up.weight": ("w_up", lambda w: w.T),
-            "ffn_down.weight": ("w_down", lambda w: w.T),
-        }
+        if not cfg.layer_has_experts(i):
+            layer |= _mlp_plan()
+        else:
+            layer |= _EXPERT_PLAN
+            if cfg.shared_expert_size:
+                layer |= _mlp_plan("_shexp")
+            if cfg.shared_expert_gate:  # numpy [1, D] (or [D]) -> [D]
+                layer["ffn_gate_inp_shexp.weight"] = ("shared_gate", lambda w: w.reshape(-1))
         if cfg.sandwich_norms:
             layer |= {
                 "post_attention_norm.weight": ("post_attn_norm", ident),

@@ -3,8 +3,8 @@
 - `tiny_gemma3_hf(dir)`: a random-init HF Gemma 3 (both local and global layers, window 8).
 - `write_gguf_like_llama_cpp(...)`: writes an HF model's weights as a GGUF file the way
   llama.cpp's converter lays them out (names, +1 on Gemma norms, q/k row permutation for the
-  "llama" architecture, experts stacked per projection), optionally quantized, so loader details
-  can be tested on tiny models.
+  "llama" architecture, experts stacked per projection, Qwen2-MoE's shared expert and its gate),
+  optionally quantized, so loader details can be tested on tiny models.
 The real Gemma 3 270M session fixtures (`gemma_gguf_path`, `gemma_ours`, `gemma_hf`, ...) live
 in tests/conftest.py, so the model is loaded once per session however many modules use it.
 """
@@ -55,6 +55,10 @@ _HF_TO_GGUF_LAYER = {
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
     "mlp.gate": "ffn_gate_inp",  # a mixture of experts' router
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",  # Qwen2-MoE's shared expert
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",  # its [1, D] gate, written unchanged
 }
 
 
@@ -115,8 +119,8 @@ def _llama_cpp_tensors(model, arch: str):
 def write_gguf_like_llama_cpp(model, path: Path, arch: str, *, qtype=None, extra_kv=None,
                               skip=(), sp_model: Path | None = None):
     """Write `model` (HF, torch) as a GGUF file. Weights (2-D, and the [E, out, in] expert
-    stacks) use `qtype` (a GGMLQuantizationType; None = F32) when their row length allows; norms
-    and the experts' router stay F32, as llama.cpp keeps them.
+    stacks) use `qtype` (a GGMLQuantizationType; None = F32) when their row length allows; norms,
+    the experts' router and the shared expert's gate stay F32, as llama.cpp keeps them.
     `sp_model`: a sentencepiece tokenizer.model whose vocabulary goes into the metadata (as
     llama.cpp's converter writes it), so the file loads as a whole model."""
     import gguf
@@ -144,8 +148,10 @@ def write_gguf_like_llama_cpp(model, path: Path, arch: str, *, qtype=None, extra
     if experts:
         w.add_expert_count(experts)
         w.add_expert_used_count(c.num_experts_per_tok)
-        if arch == "qwen3moe":  # Mixtral's experts are feed_forward_length wide
+        if arch in ("qwen2moe", "qwen3moe"):  # Mixtral's experts are feed_forward_length wide
             w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        if arch == "qwen2moe":
+            w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
     if sp_model is not None:
         from sentencepiece import sentencepiece_model_pb2 as sp_pb2
 
@@ -172,7 +178,7 @@ def write_gguf_like_llama_cpp(model, path: Path, arch: str, *, qtype=None, extra
             continue
         block = gguf.GGML_QUANT_SIZES[qtype][0] if qtype is not None else 1
         if (qtype is not None and a.ndim >= 2 and a.shape[-1] % block == 0
-                and not g.endswith("ffn_gate_inp.weight")):
+                and ".ffn_gate_inp" not in g):
             if qtype == QT.F16:
                 w.add_tensor(g, a.astype(np.float16))
             else:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jaxinfer.checkpoints.errors import CheckpointError
 from jaxinfer.checkpoints.gguf import load_gguf, open_gguf
 from tests.gemma_fixtures import tiny_gemma3_hf, write_gguf_like_llama_cpp
-from tests.hf_models import make_hf_model
+from tests.hf_models import FAMILIES, make_hf_model
 from tests.model_utils import run_sequence
 
 PROMPT = [2, 17, 250, 3, 99, 400, 7, 7, 7, 311, 42, 5, 128, 64, 200, 9, 10, 11, 300, 301, 5, 6]
@@ -162,14 +162,21 @@ def test_kept_quantized_equals_dequantized(tmp_path, arch, qtype):
 # --------------------------------------------------------------------------- mixture of experts
 
 
+MOE_ARCHS = {"qwen3_moe": "qwen3moe", "mixtral": "llama", "qwen2_moe": "qwen2moe"}
+
+
 @pytest.fixture(scope="module")
 def moe_gguf(tmp_path_factory):
     """HF family -> (random-init HF model, its GGUF): Qwen3-MoE (16 experts, top 4) as
-    "qwen3moe", Mixtral (8 experts, top 2) as "llama", both written as llama.cpp writes them."""
+    "qwen3moe", Mixtral (8 experts, top 2) as "llama", Qwen2-MoE (8 experts, top 2, a gated
+    shared expert, qkv bias) as "qwen2moe", all written as llama.cpp writes them."""
     out = {}
-    for family, arch in (("qwen3_moe", "qwen3moe"), ("mixtral", "llama")):
+    for family, arch in MOE_ARCHS.items():
         d = tmp_path_factory.mktemp(family)
-        hf = make_hf_model(family, d / "hf", hidden=64, layers=2, vocab=2000)
+        with pytest.MonkeyPatch.context() as mp:  # llama.cpp's qwen2moe has no dense layers
+            if family == "qwen2_moe":
+                mp.setitem(FAMILIES[family], "kw", FAMILIES[family]["kw"] | {"mlp_only_layers": []})
+            hf = make_hf_model(family, d / "hf", hidden=64, layers=2, vocab=2000)
         if family == "qwen3_moe":  # llama.cpp's qwen3moe renormalises the top-k weights
             for layer in hf.model.layers:
                 layer.mlp.gate.norm_topk_prob = True
@@ -177,16 +184,26 @@ def moe_gguf(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", MOE_ARCHS)
 def test_moe_gguf_matches_hf(moe_gguf, family):
     hf, path = moe_gguf[family]
     cfg, params = load_gguf(path)
     c = hf.config
     experts = c.num_local_experts if family == "mixtral" else c.num_experts
     width = c.intermediate_size if family == "mixtral" else c.moe_intermediate_size
+    # llama.cpp's qwen2moe never renormalises the top-k weights (HF's default false here)
     assert (cfg.num_experts, cfg.experts_per_token, cfg.moe_intermediate_size,
-            cfg.norm_topk_prob) == (experts, c.num_experts_per_tok, width, True)
-    assert cfg.qk_norm == (family == "qwen3_moe") and params.layers[0].w_gate is None
+            cfg.norm_topk_prob) == (experts, c.num_experts_per_tok, width, family != "qwen2_moe")
+    assert cfg.qk_norm == (family == "qwen3_moe") and cfg.dense_layers == ()
+    if family == "qwen2_moe":  # the shared expert in w_gate / w_up / w_down, its gate [1, D] -> [D]
+        mlp = hf.model.layers[1].mlp
+        assert (cfg.shared_expert_size, cfg.shared_expert_gate, cfg.qkv_bias) == (80, True, True)
+        np.testing.assert_array_equal(np.asarray(params.layers[1].w_down),
+                                      mlp.shared_expert.down_proj.weight.detach().numpy().T)
+        np.testing.assert_array_equal(np.asarray(params.layers[1].shared_gate),
+                                      mlp.shared_expert_gate.weight.detach().numpy()[0])
+    else:
+        assert params.layers[0].w_gate is None and params.layers[0].shared_gate is None
     # HF's [E, D, F] down projections stacked by expert -> ours [E, F, D]
     want = hf.model.layers[1].mlp.experts.down_proj.detach().numpy().swapaxes(1, 2)
     np.testing.assert_array_equal(np.asarray(params.layers[1].we_down), want)
@@ -223,6 +240,17 @@ def test_moe_gguf_quantized_experts(moe_gguf, tmp_path):
     np.testing.assert_array_equal(np.asarray(kept.layers[1].we_up.dequantize()), want)
     prefill_kept, _, _ = run_sequence(kept, cfg, PROMPT, page_size=8)
     assert np.abs(prefill_kept - prefill).max() <= 1e-4
+
+
+def test_qwen2moe_gguf_without_shared_expert(moe_gguf, tmp_path):
+    hf, _ = moe_gguf["qwen2_moe"]
+    path = write_gguf_like_llama_cpp(hf, tmp_path / "m.gguf", "qwen2moe",
+                                     skip=("blk.1.ffn_up_shexp.weight",))
+    with pytest.raises(CheckpointError, match=r"layer 1 has no expert tensor "
+                       r"'blk.1.ffn_up_shexp.weight' .*every qwen2moe layer has a shared expert"
+                       ) as e:
+        load_gguf(path)
+    assert str(path) in str(e.value)
 
 
 def test_bfloat16_runtime_dtype(tiny_gemma_gguf):
