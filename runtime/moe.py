@@ -4,9 +4,10 @@ MLP, and the token's output is their routing-weighted sum (Qwen3-MoE, Mixtral).
 `moe_mlp` is the serving path. Each (token, expert) pair meets only its own expert's weights and
 no token is dropped. On TPU/GPU up to E pairs (decode) gather the chosen experts' weights per
 pair, and more pairs (prefill) are sorted by expert and multiplied with `jax.lax.ragged_dot`
-over contiguous groups; on CPU the sorted pairs run in blocks padded per expert. Expert weights may be QuantizedArrays
-(int8, fp8, int4, GGUF blocks): each form widens only the experts it reads. `moe_mlp_dense`
-computes every expert for every token and masks: E/k times the work, kept as the test
+over contiguous groups; on CPU the sorted pairs run in blocks padded per expert. Expert
+weights may be QuantizedArrays (int8, fp8, int4, GGUF blocks): each form widens only the
+experts it reads. `moe_mlp_dense` computes every expert for every token and masks: E/k times
+the work, kept as the test
 reference.
 
     logits = h @ router                        # [T, E], f32

@@ -5,11 +5,12 @@
 
 For each token count (a decode batch, a prefill chunk): what the engine serves (runtime/moe.py:
 on CPU blocks padded per expert; on TPU/GPU experts gathered per pair when T*k <= E, else
-ragged_dot), the gathered form alone, the grouped form alone (pairs sorted by expert, `ragged_dot`), the blocked form alone,
-the dense-over-experts reference (every expert on every token), and a dense gated MLP with the
-same *active* parameters (F = k x the expert's F). `--quantization int8|fp8|int4`: the expert
-weights quantized (the dense MLP stays f32). Milliseconds per call, median of `--repeats` after one compiling call (reported
-apart), f32. Prints a table; `--json` writes it.
+ragged_dot), then each form alone: gathered, grouped (pairs sorted by expert, `ragged_dot`),
+blocked; the dense-over-experts reference (every expert on every token), and a dense gated
+MLP with the same *active* parameters (F = k x the expert's F). `--quantization
+int8|fp8|int4`: the expert weights quantized (the dense MLP stays f32). Milliseconds per call,
+median of `--repeats` after one compiling call (reported apart). Prints a table; `--json`
+writes it.
 """
 
 from __future__ import annotations

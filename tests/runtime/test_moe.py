@@ -146,3 +146,27 @@ def test_int8_experts_load_quantized_and_track_the_float_model(moe_dir):
     got, _, _ = run_sequence(q8, cfg, prompt, page_size=8, decode_steps=0)
     rel = np.abs(got - want).max() / np.abs(want).max()
     assert 0 < rel < 0.05, rel
+
+
+def test_qwen_moe_config_dense_layers_shared_expert_and_bad_values():
+    """decoder_sparse_step / mlp_only_layers place dense layers as HF builds them (experts where
+    i is not MLP-only and (i + 1) % step == 0); wrong-typed or out-of-range fields are a
+    ConfigError naming the file."""
+    from jaxinfer.checkpoints.hf_config import from_hf_config
+    from jaxinfer.runtime.config import ConfigError
+
+    base = dict(model_type="qwen2_moe", vocab_size=100, hidden_size=32, intermediate_size=64,
+                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                shared_expert_intermediate_size=24, mlp_only_layers=[3])
+    cfg = from_hf_config(base)
+    assert (cfg.dense_layers, cfg.shared_expert_size, cfg.shared_expert_gate, cfg.qkv_bias) == (
+        (3,), 24, True, True)
+    assert from_hf_config({**base, "decoder_sparse_step": 2}).dense_layers == (0, 2, 3)
+    for bad, word in [({"mlp_only_layers": ["x"]}, "config.json"),
+                      ({"mlp_only_layers": 5}, "config.json"),
+                      ({"num_experts": None}, "config.json"),
+                      ({"decoder_sparse_step": 0}, "decoder_sparse_step"),
+                      ({"shared_expert_intermediate_size": -4}, "shared_expert_size")]:
+        with pytest.raises(ConfigError, match=word):
+            from_hf_config({**base, **bad})
