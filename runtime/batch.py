@@ -357,11 +357,12 @@ def run_batch(engine, tokenizer, input_path, output_path, *, sampling: dict | No
               resume: bool = False, overwrite: bool = False, ordered: bool = False,
               max_inflight: int | None = None, reorder_window: int | None = None,
               fsync: str = "step", progress: bool | None = None,
-              summary_json: str | None = None, on_step=None) -> dict:
+              summary_json: str | None = None, on_step=None, line_offset: int = 0) -> dict:
     """Run one JSONL job through `engine` (anything with add_request/step/pop); return the
     summary dict. `sampling` holds SamplingParams defaults that lines may override. `progress`
     None shows a tqdm bar only when stderr is a terminal. `on_step(engine, inflight)` is a
-    test hook called before each engine step."""
+    test hook called before each engine step. `line_offset`: the input is a slice of a larger
+    file starting after that many lines (error records and resume use the file's numbers)."""
     prepare_output(output_path, resume, overwrite)
     parser = _Parser(tokenizer, {"temperature": 0.0, **(sampling or {})}, engine.limits)
     max_slots = getattr(getattr(engine, "ecfg", None), "max_slots", 8)
@@ -400,7 +401,7 @@ def run_batch(engine, tokenizer, input_path, output_path, *, sampling: dict | No
     acked_lines = 0  # progress-bar lines resolved since the last commit
     held: _Job | None = None  # a job the engine refused with QueueFull, retried after a step
     eof = False
-    lineno = 0
+    lineno = line_offset
     t0 = time.perf_counter()
     last_post = 0.0
 
@@ -565,7 +566,7 @@ def run_batch(engine, tokenizer, input_path, output_path, *, sampling: dict | No
     wall = time.perf_counter() - t0
     summary = {
         **stats,
-        "lines": lineno, "resumed_records": resumed_records, "wall_s": wall,
+        "lines": lineno - line_offset, "resumed_records": resumed_records, "wall_s": wall,
         "requests_per_s": stats["requests"] / wall if wall > 0 else None,
         "generated_tokens_per_s": stats["generated_tokens"] / wall if wall > 0 else None,
         "total_tokens_per_s": (stats["prompt_tokens"] + stats["generated_tokens"]) / wall

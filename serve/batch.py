@@ -1,10 +1,12 @@
 """`jaxinfer batch`: the command line over the JSONL runner (runtime/batch.py).
 
     jaxinfer batch --model M --input in.jsonl --output out.jsonl [--resume] [--ordered]
+    jaxinfer batch --ray [--replicas N] [--ray-address ADDR] ...   (serve/ray_batch.py)
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -34,6 +36,21 @@ def register(subparsers, engine_args) -> None:
                    help="step: one fsync per engine step (group commit, default); line: per line")
     p.add_argument("--summary-json", default=None, help="also write the summary here")
     p.add_argument("--no-progress", action="store_true", help="never show the progress bar")
+    r = p.add_argument_group("Ray Data (pip install 'jaxinfer[ray]'; see serve/ray_batch.py)")
+    r.add_argument("--ray", action="store_true",
+                   help="run on Ray Data: --replicas engines, one part file per input block in "
+                        "OUTPUT.shards/, OUTPUT itself (input order) with --ordered")
+    r.add_argument("--replicas", type=int, default=1, help="engine replicas (Ray actors)")
+    r.add_argument("--ray-address", default=None,
+                   help="a running cluster (e.g. ray://head:10001 or auto); default: a local one")
+    r.add_argument("--block-lines", type=int, default=256,
+                   help="input lines per block: the unit of scheduling, output and re-run")
+    r.add_argument("--replica-cpus", type=float, default=1, help="CPUs each replica reserves")
+    r.add_argument("--replica-gpus", type=float, default=0, help="GPUs each replica reserves")
+    r.add_argument("--replica-tpus", type=float, default=0,
+                   help="TPU chips each replica reserves (the 'TPU' resource)")
+    r.add_argument("--replica-resources", type=json.loads, default=None,
+                   help='custom resources per replica, JSON: {"v5e-8-head": 1}')
     g = p.add_argument_group("sampling defaults (lines may override them)")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -62,6 +79,8 @@ def cmd_batch(args) -> int:
         if args.input != "-" and not os.path.isfile(args.input):
             raise BatchError(f"input {args.input} is not a file")
         SamplingParams(**sampling)  # bad defaults fail before the model loads
+        if args.ray:
+            return _cmd_ray(args, sampling)
         llm = llm_from_args(args)
         summary = run_batch(
             llm.engine, llm.tokenizer, args.input, args.output, sampling=sampling,
@@ -77,4 +96,23 @@ def cmd_batch(args) -> int:
               f"--resume to finish {args.output}", file=sys.stderr)
         return 130
     print(format_summary(summary), file=sys.stderr)
+    return 0
+
+
+def _cmd_ray(args, sampling: dict) -> int:
+    try:
+        from jaxinfer.serve import ray_batch
+        import ray.data  # noqa: F401
+    except ImportError as e:
+        raise BatchError(f"--ray needs Ray Data: pip install 'jaxinfer[ray]' ({e})") from None
+    if args.fsync != "step" or args.max_inflight or args.reorder_window:
+        raise BatchError("--fsync, --max-inflight and --reorder-window are for one host; with "
+                         "--ray every part is fsynced whole and each replica fills its engine")
+    engine_args = {k: v for k, v in vars(args).items() if k != "fn"}
+    summary = ray_batch.run(args, engine_args, sampling)
+    if args.summary_json:
+        with open(args.summary_json, "w") as f:
+            json.dump(summary, f, indent=2)
+            f.write("\n")
+    print(ray_batch.format_summary(summary), file=sys.stderr)
     return 0
