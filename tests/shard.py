@@ -31,6 +31,7 @@ FILES = (
     "tests/runtime/test_prefix_cache.py",
     "tests/runtime/test_int4.py",
     "tests/tools/test_bench_device.py",
+    "tests/serve/test_ray_batch.py",
 )
 CHILD_ENV = "JAXINFER_SHARD_CHILD"
 REPORT_ENV = "JAXINFER_TEST_REPORT"  # a child writes its outcomes and per-file table there
