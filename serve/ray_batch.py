@@ -322,6 +322,14 @@ def run(args, engine_args: dict, sampling: dict) -> dict:
         raise BatchError("--ray reads a file (or a URI), not stdin")
     if args.replicas < 1 or args.block_lines < 1:
         raise BatchError("--replicas and --block-lines must be >= 1")
+    if not args.ray_address:  # a local cluster: the replicas see this machine's paths
+        from jaxinfer.checkpoints.errors import CheckpointError
+        from jaxinfer.checkpoints.loader import resolve
+
+        try:
+            resolve(engine_args.get("model", "gemma3-270m"))
+        except CheckpointError as e:
+            raise BatchError(str(e)) from None
     shards = args.output + ".shards"
     merged = args.output if args.ordered else None
     _prepare(shards, merged, args.resume, args.overwrite)
@@ -371,8 +379,13 @@ def run(args, engine_args: dict, sampling: dict) -> dict:
             fn_constructor_kwargs=dict(engine_args=engine_args, sampling=sampling,
                                        input_path=args.input, shards=os.path.abspath(shards)),
             **remote)
-        for _ in ds.iter_rows():
-            pass
+        try:
+            for _ in ds.iter_rows():
+                pass
+        except Exception as e:  # a replica could not start or a block failed past its retries
+            last = [ln for ln in str(e).splitlines() if ln.strip()][-1:] or [type(e).__name__]
+            raise BatchError(f"the Ray job failed: {last[0].strip()}; parts written so far are "
+                             "kept - rerun with --resume") from e
         wall_run = time.perf_counter() - t1
     counts = _merge(shards, len(blocks), merged)
     wall = time.perf_counter() - t0

@@ -176,7 +176,7 @@ def test_block_index_by_hand(tmp_path):
     assert lines == 5 and [(b["start"], b["end"]) for b in blocks] == [(0, 11)]
 
 
-def test_resume_refuses_a_changed_input_before_starting_ray(tmp_path):
+def test_changed_input_and_missing_model_fail_before_ray_starts(tmp_path):
     import argparse
 
     src = tmp_path / "in.jsonl"
@@ -186,9 +186,13 @@ def test_resume_refuses_a_changed_input_before_starting_ray(tmp_path):
     (shards / ray_batch.MANIFEST).write_text(json.dumps(
         {"input": str(src), "size": 999, "block_lines": 256, "blocks": 1, "index_sha256": "x"}))
     args = argparse.Namespace(input=str(src), output=str(tmp_path / "out.jsonl"), replicas=1,
-                              block_lines=256, ordered=False, resume=True, overwrite=False)
+                              block_lines=256, ordered=False, resume=True, overwrite=False,
+                              ray_address=None)
+    model = {"model": str(tmp_path)}  # a path that exists: the local-cluster check passes
     with pytest.raises(BatchError, match="not the input"):
-        ray_batch.run(args, {}, {})
+        ray_batch.run(args, model, {})
     args.resume = False
     with pytest.raises(BatchError, match="--resume"):
-        ray_batch.run(args, {}, {})
+        ray_batch.run(args, model, {})
+    with pytest.raises(BatchError, match="no such file"):  # before any replica starts
+        ray_batch.run(args, {"model": str(tmp_path / "nope")}, {})
