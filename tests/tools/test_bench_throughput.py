@@ -1,5 +1,6 @@
 """`jaxinfer bench throughput` on the random-init tiny Llama, in its own process as users run it:
-every run (continuous, static batches, synchronous scheduling) serves every requested token,
+every run (continuous, static batches, synchronous scheduling) serves every requested token, HF
+transformers runs at each static batch size asked for and its best is the peer,
 serving compiles nothing after warm-up, and every run starts with an empty prefix cache."""
 
 import json
@@ -23,7 +24,7 @@ def test_report_counts_and_no_compiles_after_warmup(tiny_dir, tmp_path):
         [sys.executable, "-m", "jaxinfer.serve.cli", "bench", "throughput", "--model", str(model),
          "--num-requests", "6", "--input-len", "4:30", "--output-len", "2:12", "--max-slots", "4",
          "--max-model-len", "64", "--prefill-chunk", "16", "--static-batching", "--compare-sync",
-         "--out", str(out)],
+         "--compare-hf", "--hf-batches", "2,4", "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "async_vs_sync" in r.stdout and "continuous_vs_static" in r.stdout
@@ -38,3 +39,7 @@ def test_report_counts_and_no_compiles_after_warmup(tiny_dir, tmp_path):
                                            / rep["static"]["output_tokens_per_s"])
     assert rep["batch1_decode_step_s"] > 0 and rep["param_bytes"] > 0
     assert rep["load_s"] > 0 and rep["quantization"] is None and "load " in r.stdout
+    hf = rep["hf_output_tokens_per_s_by_batch"]  # HF at each static batch size; its best counts
+    assert sorted(hf) == ["2", "4"] and rep["hf_output_tokens"] == want
+    assert rep["hf_output_tokens_per_s"] == hf[str(rep["hf_best_batch"])] == max(hf.values())
+    assert f"HF generate, batch {rep['hf_best_batch']} (best)" in r.stdout
