@@ -1,7 +1,8 @@
 """Accelerator proof kit: the Pallas kernels, their bandwidth and the engine on the device JAX sees.
 
-    python -m jaxinfer.tools.bench_device --out DIR           # TPU VM / GPU box, from a checkout
-    python -m jaxinfer.tools.bench_device --smoke --out DIR   # CPU: tiny shapes, interpret kernels
+    python -m jaxinfer.tools.bench_device --out DIR                 # TPU VM / GPU box, checkout
+    python -m jaxinfer.tools.bench_device --smoke --out DIR         # CPU: tiny shapes, few cases
+    python -m jaxinfer.tools.bench_device --cpu-scale 16 --out DIR  # CPU: every case, scaled
 
 Writes DIR/device.json and DIR/device.md after every section, so a run cut short keeps what it
 measured. Sections, in order:
@@ -15,10 +16,30 @@ measured. Sections, in order:
   engine     a random-init Llama-3-8B-shaped model in bf16 made on the device (no checkpoint):
              batch-1 decode ms/step against the HBM floor (weight bytes / copy bandwidth), 64- and
              256-way decode tok/s (first run with its compiles, then steady state), compile count;
-             int8 and int4 weights against bf16 at batch 1.
+             a mixed workload (256 seeded requests, prompts of 16-256 tokens, outputs of 8-128,
+             every token produced) on 64 slots, continuously batched against static batches of 64
+             (engine_runs.run_engine): output tok/s of each and their ratio, first run and
+             steady state; int8 and int4 weights against bf16 at batch 1.
   moe        a random-init Qwen3-30B-A3B-shaped MoE (128 experts, top 8; 12 of its 48 layers)
              in bf16: batch-1 and 64-way decode tok/s (first run, then steady state), and int8
              experts at batch 1.
+
+Three sets of shapes (`Shapes`), one code path:
+  full       the shapes above: the default on a TPU or GPU. On CPU, where they would take hours
+             in interpret mode, the kit runs --smoke unless --cpu-scale is given.
+  --smoke    tiny shapes and 8 kernel cases, kernels in interpret mode, on any device (the tests
+             run it).
+  --cpu-scale N
+             CPU only (refused with exit status 2 on a TPU or GPU, where the full shapes run).
+             Every kernel case, layout, bandwidth grid point and engine / moe batch of the full
+             run, with its dimensions divided by N. Rounded up: KV lengths, query lengths over 16
+             (decode and verify queries are kept), contexts, prompt and output lengths (decode
+             rates over at least 8 new tokens), hidden / MLP / expert widths and vocabulary.
+             Rounded down, at least 1: layers and KV heads (query heads keep the model's GQA
+             ratio). Kept: batch sizes, request counts, slots, head_dim, page sizes, the kernel
+             cases' GQA and dtypes, expert count and top-k. Kernels run in interpret mode. Each
+             row of a scaled run has a `shape` cell "nominal -> run": its figures are those of
+             the shapes run, not of the nominal ones. N=16 takes about 8 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -28,6 +49,7 @@ import json
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
@@ -52,6 +74,132 @@ QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144
                      moe_intermediate_size=768, norm_topk_prob=True)
 TINY_MOE = dict(TINY_LLAMA, qk_norm=True, num_experts=16, experts_per_token=4,
                 moe_intermediate_size=32, norm_topk_prob=True)
+
+
+
+# ------------------------------------------------------------------------------------ shapes
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """Every size one run measures at: the sections read theirs from here, so the full, the
+    smoke and the scaled run share one code path. kind "full": the shapes of the module
+    docstring; "smoke": tiny shapes and a short list of kernel cases; "scaled": the full run's
+    lists with its dimensions divided by `div` (`--cpu-scale`; the docstring says which)."""
+
+    kind: str = "full"
+    div: int = 1
+
+    def __post_init__(self):
+        if self.kind not in ("full", "smoke", "scaled") or self.div < 1 or (
+                self.kind != "scaled" and self.div != 1):
+            raise ValueError(f"bad shapes {self.kind!r} / {self.div}")
+
+    @property
+    def smoke(self) -> bool:
+        return self.kind == "smoke"
+
+    @property
+    def scaled(self) -> bool:
+        return self.kind == "scaled"
+
+    def describe(self) -> str:
+        if not self.scaled:
+            return self.kind
+        return (f"scaled 1/{self.div}: every case of the full run, its lengths, head counts, "
+                f"widths, layers and vocabulary divided by {self.div}; figures are for the shapes "
+                "run (column shape: nominal -> run), not the nominal ones")
+
+    def n(self, x: int, floor: int = 1) -> int:
+        """A length or width at this run's scale: x / div rounded up, at least `floor` (never
+        more than x)."""
+        return min(x, max(floor, -(-x // self.div)))
+
+    def tag(self, nominal: str, run: str) -> dict:
+        """The `shape` cell of a scaled run's row (nothing in the others)."""
+        return {"shape": f"{nominal} -> {run}"} if self.scaled else {}
+
+    # kernels: the case list is the full (or smoke) one; a scaled run shortens the layouts
+    def kernel_cases(self) -> list[dict]:
+        return kernel_cases(self.smoke)
+
+    def layouts(self) -> dict[str, tuple[list[int], list[int]]]:
+        lays = layouts(self.smoke)
+        if not self.scaled:
+            return lays
+        out = {}
+        for name, (qs, kvs) in lays.items():
+            q2 = [q if q <= 16 else self.n(q) for q in qs]
+            out[name] = (q2, [max(self.n(kv), q) for kv, q in zip(kvs, q2)])
+        return out
+
+    @property
+    def kernel_kv_heads(self) -> int:
+        return 1 if self.smoke else max(1, 2 // self.div)
+
+    # bandwidth
+    @property
+    def bandwidth_heads(self) -> tuple[int, int]:
+        """(Hkv, head_dim); Hq = 4 Hkv."""
+        return (2, 64) if self.smoke else (max(1, 8 // self.div), 128)
+
+    def bandwidth_grid(self) -> list[tuple[int, int, int]]:
+        """(batch, nominal context, context run)."""
+        if self.smoke:
+            return [(4, 256, 256), (8, 256, 256)]
+        return [(b, c, self.n(c)) for b in (64, 256) for c in (2048, 8192, 32768)]
+
+    @property
+    def copy_bytes(self) -> int:
+        return (16 if self.smoke else max(16, 1024 // self.div)) << 20
+
+    @property
+    def repeats(self) -> int:
+        return 5 if self.kind == "full" else 3
+
+    # engine / moe
+    def model(self, full: dict, tiny: dict) -> dict:
+        """ModelConfig fields: `tiny` for smoke, `full` divided for a scaled run."""
+        if self.smoke:
+            return tiny
+        kv = max(1, full["num_kv_heads"] // self.div)
+        out = dict(full, num_layers=max(1, full["num_layers"] // self.div), num_kv_heads=kv,
+                   num_heads=kv * (full["num_heads"] // full["num_kv_heads"]))
+        for k in ("hidden_size", "intermediate_size", "vocab_size", "moe_intermediate_size"):
+            if k in full:
+                out[k] = self.n(full[k])
+        return out
+
+    @property
+    def engine_dtype(self) -> str:
+        return "float32" if self.smoke else "bfloat16"
+
+    @property
+    def decode_lens(self) -> tuple[int, int]:
+        """(prompt, new tokens) of the decode-rate rows."""
+        return (16, 8) if self.smoke else (self.n(128, 8), self.n(64, 8))
+
+    def batches(self, section: str) -> tuple[int, ...]:
+        if self.smoke:
+            return (1, 4)
+        return (1, 64, 256) if section == "engine" else (1, 64)
+
+    @property
+    def mixed(self) -> dict:
+        """The mixed workload: `requests` seeded requests of prompt and output lengths drawn from
+        the ranges, on `slots` slots (static batches of `slots`)."""
+        if self.smoke:
+            return dict(requests=12, slots=4, prompt=(4, 24), output=(2, 12))
+        return dict(requests=256, slots=64, prompt=(self.n(16), self.n(256)),
+                    output=(self.n(8), self.n(128)))
+
+
+def model_desc(c: dict) -> str:
+    """Layers, width, query / KV heads, head_dim, MLP width, experts, vocabulary: one line."""
+    moe = (f" E{c['num_experts']}/{c['experts_per_token']}x{c['moe_intermediate_size']}"
+           if c.get("num_experts") else "")
+    return (f"L{c['num_layers']} h{c['hidden_size']} H{c['num_heads']}/{c['num_kv_heads']} "
+            f"d{c['head_dim']} ff{c['intermediate_size']}{moe} V{c['vocab_size']}")
 
 
 # --------------------------------------------------------------------------------- the report
@@ -192,17 +340,21 @@ def kernel_cases(smoke: bool) -> list[dict]:
     return cases
 
 
-def kernels_section(rep: Report, smoke: bool, platform: str) -> None:
-    interpret = smoke or jax.default_backend() == "cpu"
+def kernels_section(rep: Report, shapes: Shapes, platform: str) -> None:
+    interpret = shapes.smoke or jax.default_backend() == "cpu"
     rep.section("kernels", platform=platform, interpret=interpret,
                 tolerance="max|kernel - reference| / max(1, max|reference|) <= "
                           + ", ".join(f"{k} {v}" for k, v in TOL.items()))
-    lays = layouts(smoke)
-    for c in kernel_cases(smoke):
+    nominal, lays, hkv = layouts(shapes.smoke), shapes.layouts(), shapes.kernel_kv_heads
+    for c in shapes.kernel_cases():
         q_lens, kv_lens = lays[c["layout"]]
-        row = {"layout": c["layout"], **{k: v for k, v in c.items() if k != "layout"}}
+        (nq, nkv), nhkv = nominal[c["layout"]], 1 if shapes.smoke else 2
+        row = {"layout": c["layout"],
+               **shapes.tag(f"q {_csv(nq)} kv {_csv(nkv)} Hkv {nhkv}",
+                            f"q {_csv(q_lens)} kv {_csv(kv_lens)} Hkv {hkv}"),
+               **{k: v for k, v in c.items() if k != "layout"}}
         try:
-            args, scales = make_case(q_lens, kv_lens, num_kv_heads=1 if smoke else 2, gqa=c["gqa"],
+            args, scales = make_case(q_lens, kv_lens, num_kv_heads=hkv, gqa=c["gqa"],
                                      head_dim=c["head_dim"], page_size=c["page_size"],
                                      dtype=DTYPES[c["dtype"]], int8=c["int8"],
                                      nan_fill=c["nan_fill"])
@@ -224,21 +376,25 @@ def kernels_section(rep: Report, smoke: bool, platform: str) -> None:
     rep.section("kernels", passed=f"{sum(r['ok'] for r in rows)}/{len(rows)}")
 
 
+def _csv(xs) -> str:
+    return ",".join(map(str, xs))
+
+
 # -------------------------------------------------------------------------- bandwidth section
 
 
-def bandwidth_section(rep: Report, smoke: bool, platform: str, mem_bytes: int) -> float:
+def bandwidth_section(rep: Report, shapes: Shapes, platform: str, mem_bytes: int) -> float:
     from jaxinfer.runtime.attention import xla_ragged_paged_attention
 
-    repeats = 3 if smoke else 5
-    bw = copy_bandwidth((16 if smoke else 1024) << 20, repeats)
-    hkv, d, interpret = (2, 64, True) if smoke else (8, 128, jax.default_backend() == "cpu")
+    repeats = shapes.repeats
+    bw = copy_bandwidth(shapes.copy_bytes, repeats)
+    (hkv, d), interpret = shapes.bandwidth_heads, shapes.smoke or jax.default_backend() == "cpu"
     rep.section("bandwidth", copy_bandwidth_gbs=bw / 1e9, page_size=16, dtype="bf16",
                 heads=f"Hq {4 * hkv}, Hkv {hkv}, D {d}")
-    grid = [(4, 256), (8, 256)] if smoke else [(b, c) for b in (64, 256) for c in (2048, 8192, 32768)]
-    for batch, ctx in grid:
+    for batch, nominal, ctx in shapes.bandwidth_grid():
         kv_bytes = batch * ctx * hkv * d * 2 * 2
-        row = dict(batch=batch, context=ctx, kv_gib=kv_bytes / 2**30)
+        row = dict(batch=batch, context=ctx, kv_gib=kv_bytes / 2**30,
+                   **shapes.tag(f"b{batch} ctx {nominal} Hkv 8", f"b{batch} ctx {ctx} Hkv {hkv}"))
         if mem_bytes and 2.2 * kv_bytes > mem_bytes:
             rep.row("bandwidth", dict(row, skipped="does not fit"))
             continue
@@ -248,7 +404,8 @@ def bandwidth_section(rep: Report, smoke: bool, platform: str, mem_bytes: int) -
             kern = jax.jit(lambda *a: ragged_paged_attention(
                 *a, sm_scale=d ** -0.5, platform=platform, interpret=interpret))
             t = median_seconds(lambda: kern(*args), 1, repeats)
-            row.update(kernel_ms=t * 1e3, kernel_gbs=kv_bytes / t / 1e9, kernel_of_copy=kv_bytes / t / bw)
+            row.update(kernel_ms=t * 1e3, kernel_gbs=kv_bytes / t / 1e9,
+                       kernel_of_copy=kv_bytes / t / bw)
             if 3 * kv_bytes < (mem_bytes or 1 << 62) and kv_bytes <= 8 << 30:
                 xla = jax.jit(lambda *a: xla_ragged_paged_attention(*a, sm_scale=d ** -0.5,
                                                                     max_q_len=1))
@@ -300,84 +457,166 @@ class _IdTokenizer(Tokenizer):
         return [3] * max(len(text), 1)
 
 
-def engine_section(rep: Report, smoke: bool, bw: float) -> None:
-    from jaxinfer.runtime.config import ModelConfig
-
-    _engine_rows(rep, "engine", ModelConfig(family="llama", **(TINY_LLAMA if smoke else LLAMA3_8B)),
-                 "tiny Llama" if smoke else "Llama-3-8B shape, random init", smoke, bw,
-                 batches=(1, 4) if smoke else (1, 64, 256), formats=("int8", "int4"))
+def engine_section(rep: Report, shapes: Shapes, bw: float) -> None:
+    _engine_rows(rep, "engine", shapes, LLAMA3_8B, TINY_LLAMA,
+                 "tiny Llama" if shapes.smoke else "Llama-3-8B shape, random init", bw,
+                 formats=("int8", "int4"), mixed=True)
 
 
-def moe_section(rep: Report, smoke: bool, bw: float) -> None:
-    from jaxinfer.runtime.config import ModelConfig
-
-    _engine_rows(rep, "moe", ModelConfig(family="llama", **(TINY_MOE if smoke else QWEN3_30B_A3B)),
-                 "tiny MoE" if smoke else "Qwen3-30B-A3B shape (12 of 48 layers), random init",
-                 smoke, bw, batches=(1, 4) if smoke else (1, 64), formats=("int8",))
+def moe_section(rep: Report, shapes: Shapes, bw: float) -> None:
+    _engine_rows(rep, "moe", shapes, QWEN3_30B_A3B, TINY_MOE,
+                 "tiny MoE" if shapes.smoke
+                 else "Qwen3-30B-A3B shape (12 of 48 layers), random init", bw, formats=("int8",))
 
 
-def _engine_rows(rep: Report, section: str, cfg, model: str, smoke: bool, bw: float,
-                 batches: tuple[int, ...], formats: tuple[str, ...]) -> None:
-    """Decode rates of a random-init `cfg` at each batch (first run, then steady state), then
-    of its weights in each of `formats` at batch 1."""
+def _engine_rows(rep: Report, section: str, shapes: Shapes, full: dict, tiny: dict, model: str,
+                 bw: float, formats: tuple[str, ...], mixed: bool = False) -> None:
+    """Decode rates of a random-init model at each batch (first run, then steady state), the
+    mixed workload continuous against static batches (`mixed`), then decode of its weights in
+    each of `formats` at batch 1."""
     from jaxinfer.checkpoints.quantize import quantize_params
-    from jaxinfer.runtime.config import EngineConfig
+    from jaxinfer.runtime.config import EngineConfig, ModelConfig
     from jaxinfer.runtime.engine import Engine
     from jaxinfer.runtime.model import init_params
     from jaxinfer.runtime.quantization import param_bytes
 
-    dtype = jnp.float32 if smoke else jnp.bfloat16
+    fields = shapes.model(full, tiny)
+    cfg = ModelConfig(family="llama", **fields)
+    dname = shapes.engine_dtype
+    dtype = jnp.bfloat16 if dname == "bfloat16" else jnp.float32
     t0 = time.perf_counter()
     params = jax.block_until_ready(init_params(cfg, jax.random.key(0), dtype=dtype))
     weight_bytes = param_bytes(params)
-    rep.section(section, model=model, dtype=jnp.dtype(dtype).name, weight_gib=weight_bytes / 2**30,
-                init_s=time.perf_counter() - t0,
-                hbm_floor_ms=weight_bytes / bw * 1e3)
-    prompt, new = (16, 8) if smoke else (128, 64)
-    slots = 8 if smoke else max(batches)
+    rep.section(section, model=model + (f" ({model_desc(full)}), scaled 1/{shapes.div}: "
+                                        f"{model_desc(fields)}" if shapes.scaled else ""),
+                dtype=dname, weight_gib=weight_bytes / 2**30,
+                init_s=time.perf_counter() - t0, hbm_floor_ms=weight_bytes / bw * 1e3)
+    prompt, new = shapes.decode_lens
 
-    def engine(p, max_slots):
-        ecfg = EngineConfig(max_slots=max_slots, max_model_len=prompt + new + 16,
-                            dtype="float32" if smoke else "bfloat16", prefill_chunk=256)
+    def tag(nominal_lens: str, run_lens: str) -> dict:  # model and lengths, nominal -> run
+        return shapes.tag(f"{model_desc(full)} {nominal_lens}", f"{model_desc(fields)} {run_lens}")
+
+    lens_tag = tag("p128 n64", f"p{prompt} n{new}")
+
+    def engine(p, max_slots, max_len=prompt + new + 16):
+        ecfg = EngineConfig(max_slots=max_slots, max_model_len=max_len, dtype=dname,
+                            prefill_chunk=256)
         return Engine(cfg, p, _IdTokenizer(cfg.vocab_size), ecfg)
 
-    eng = engine(params, slots)
-    for batch in batches:
+    eng = engine(params, max(shapes.batches(section)) if not shapes.smoke else 8)
+    for batch in shapes.batches(section):
         for run in ("first", "steady"):
             t0, c0 = time.perf_counter(), eng.compile_count
             try:
                 r = _decode_rate(eng, batch, prompt, new, seed=batch)
             except Exception as e:
-                rep.row(section, dict(weights="float", batch=batch, run=run,
+                rep.row(section, dict(weights="float", batch=batch, run=run, **lens_tag,
                                        error=f"{type(e).__name__}: {str(e)[:200]}"))
                 break
-            rep.row(section, dict(weights=jnp.dtype(dtype).name, batch=batch, run=run,
+            rep.row(section, dict(weights=dname, batch=batch, run=run, **lens_tag,
                                    wall_s=time.perf_counter() - t0,
                                    compiles=eng.compile_count - c0, **r))
     del eng
+    if mixed:
+        m, n = shapes.mixed, (MIXED_FULL["prompt"], MIXED_FULL["output"])
+        rep.section(section, mixed_workload=(
+            f"{m['requests']} seeded requests, prompts of {m['prompt'][0]}-{m['prompt'][1]} "
+            f"tokens, outputs of {m['output'][0]}-{m['output'][1]} (ignore_eos, every token "
+            f"produced), {m['slots']} slots: continuous batching against static batches of "
+            f"{m['slots']} (a batch starts when the whole previous one finished)"))
+        mtag = tag(f"p{_rng(n[0])} n{_rng(n[1])}", f"p{_rng(m['prompt'])} n{_rng(m['output'])}")
+        try:
+            for row in mixed_rows(cfg, params, engine, m):
+                rep.row(section, dict(weights=dname, **mtag, **row))
+        except Exception as e:
+            rep.row(section, dict(weights=dname, batch="mixed", **mtag,
+                                  error=f"{type(e).__name__}: {str(e)[:200]}"))
     for fmt in formats:  # int4: round to nearest (no calibration text here)
         try:
             q = quantize_params(params, fmt, dtype)
-            eng = engine(q, 1 if smoke else 8)
+            eng = engine(q, 1 if shapes.smoke else 8)
             for run in ("first", "steady"):
                 t0, c0 = time.perf_counter(), eng.compile_count
                 r = _decode_rate(eng, 1, prompt, new, seed=1)
                 rep.row(section, dict(weights=f"{fmt} ({param_bytes(q) / 2**30:.2f} GiB)",
-                                       batch=1, run=run, wall_s=time.perf_counter() - t0,
+                                       batch=1, run=run, **lens_tag,
+                                       wall_s=time.perf_counter() - t0,
                                        compiles=eng.compile_count - c0, **r))
             del eng, q
         except Exception as e:
-            rep.row(section, dict(weights=fmt, batch=1,
+            rep.row(section, dict(weights=fmt, batch=1, **lens_tag,
                                    error=f"{type(e).__name__}: {str(e)[:200]}"))
+
+
+MIXED_FULL = Shapes().mixed
+
+
+def _rng(r: tuple[int, int]) -> str:
+    return f"{r[0]}-{r[1]}"
+
+
+def mixed_rows(cfg, params, make_engine, m: dict) -> list[dict]:
+    """The mixed workload `m` (Shapes.mixed) on a fresh engine of m["slots"] slots, through
+    engine_runs.run_engine (as in bench throughput): continuously batched, then in static
+    batches of m["slots"]; twice (first run with its compiles, then steady state). One row a
+    pass: output tok/s of each, their ratio, compiles. Raises if either run produced other
+    than every requested token."""
+    from jaxinfer.tools.engine_runs import run_engine, workload
+
+    reqs = workload(m["requests"], cfg.vocab_size, m["prompt"], m["output"], seed=0,
+                    special={0})
+    want = sum(o for _, o in reqs)
+    eng = make_engine(params, m["slots"], m["prompt"][1] + m["output"][1] + 16)
+    llm = _as_llm(eng)
+    rows = []
+    for run in ("first", "steady"):
+        c0, res = eng.compile_count, {}
+        for mode in ("continuous", "static"):
+            res[mode] = run_engine(llm, reqs, static=mode == "static")
+            if res[mode]["output_tokens"] != want:
+                raise RuntimeError(f"mixed {mode}: {res[mode]['output_tokens']} output tokens, "
+                                   f"{want} requested")
+        c, s = res["continuous"], res["static"]
+        rows.append(dict(batch="mixed", run=run, wall_s=c["wall_s"] + s["wall_s"],
+                         compiles=eng.compile_count - c0, output_tokens=want,
+                         continuous_tok_s=c["output_tokens_per_s"],
+                         static_tok_s=s["output_tokens_per_s"],
+                         continuous_vs_static=c["output_tokens_per_s"] / s["output_tokens_per_s"],
+                         continuous_steps=c["steps"], static_steps=s["steps"]))
+    del eng, llm
+    return rows
+
+
+def _as_llm(eng):
+    """An LLM around `eng` (run_engine drives LLM.generate; random-init weights have no
+    checkpoint to load)."""
+    from jaxinfer.runtime.llm import LLM
+
+    llm = object.__new__(LLM)
+    llm.engine, llm.config, llm.tokenizer = eng, eng.ecfg, eng.tokenizer
+    return llm
 
 
 # ------------------------------------------------------------------------------------- main
 
 
+def _scale(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return n
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, required=True, help="directory for device.json, device.md")
-    p.add_argument("--smoke", action="store_true",
-                   help="tiny shapes and interpret-mode kernels (runs on CPU)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--smoke", action="store_true",
+                   help="tiny shapes, 8 kernel cases, interpret-mode kernels (runs on CPU)")
+    g.add_argument("--cpu-scale", type=_scale, default=None, metavar="N",
+                   help="CPU only (refused on a TPU or GPU): every kernel case, layout, bandwidth "
+                        "grid point and engine / moe batch of the full run, with lengths, head "
+                        "counts, model widths, layers and vocabulary divided by N; each row's "
+                        "shape column says nominal -> run. 16: about 8 minutes on 2 cores")
     p.add_argument("--sections", default="env,kernels,bandwidth,engine,moe")
     p.add_argument("--platform", default=None, choices=["tpu", "gpu"],
                    help="kernel to run (default: the device's; 'tpu' in interpret mode on CPU)")
@@ -399,14 +638,22 @@ def main(argv=None) -> int:
 def cmd(args) -> int:
     backend = jax.default_backend()
     platform = args.platform or ("gpu" if backend in ("gpu", "cuda", "rocm") else "tpu")
-    if backend == "cpu" and not args.smoke:
+    scale = getattr(args, "cpu_scale", None)
+    if scale is not None and backend != "cpu":
+        print(f"bench device: --cpu-scale is for CPU runs; on {backend} run the full shapes "
+              "(drop --cpu-scale)", file=sys.stderr)
+        return 2
+    if backend == "cpu" and not args.smoke and scale is None:
         print("bench device: no accelerator: full shapes in interpret mode would take hours; "
-              "running --smoke", file=sys.stderr)
+              "running --smoke (--cpu-scale N: every full case, dimensions divided by N)",
+              file=sys.stderr)
         args.smoke = True
+    shapes = Shapes("smoke") if args.smoke else Shapes("scaled", scale) if scale else Shapes()
     rep = Report(args.out)
     sections = args.sections.split(",")
     t_all = time.perf_counter()
     env_section(rep)
+    rep.section("env", shapes=shapes.describe())
     mem = int(jax.devices()[0].memory_stats().get("bytes_limit", 0)) if backend != "cpu" else 0
     bw = None
     for name in sections:
@@ -414,13 +661,13 @@ def cmd(args) -> int:
         print(f"bench device: {name} ...", file=sys.stderr, flush=True)
         try:
             if name == "kernels":
-                kernels_section(rep, args.smoke, platform)
+                kernels_section(rep, shapes, platform)
             elif name == "bandwidth":
-                bw = bandwidth_section(rep, args.smoke, platform, mem)
+                bw = bandwidth_section(rep, shapes, platform, mem)
             elif name in ("engine", "moe"):
                 if bw is None:
-                    bw = copy_bandwidth((16 if args.smoke else 1024) << 20, 3)
-                (engine_section if name == "engine" else moe_section)(rep, args.smoke, bw)
+                    bw = copy_bandwidth(shapes.copy_bytes, 3)
+                (engine_section if name == "engine" else moe_section)(rep, shapes, bw)
             elif name != "env":
                 raise ValueError(f"unknown section {name!r}")
         except Exception:

@@ -1,9 +1,15 @@
 """`jaxinfer bench device --smoke`: the accelerator proof kit runs end to end on CPU (tiny
-shapes, interpret-mode kernels), so it cannot rot between device loans."""
+shapes, interpret-mode kernels), so it cannot rot between device loans. `--cpu-scale N`: every
+case of the full run at dimensions divided by N, labelled nominal -> run."""
 
 import json
 
-from jaxinfer.tools.bench_device import main, make_case, markdown
+import pytest
+
+from jaxinfer.tools import bench_device
+from jaxinfer.tools.bench_device import (LLAMA3_8B, QWEN3_30B_A3B, Shapes, kernel_cases, layouts,
+                                         main, make_case, markdown)
+from jaxinfer.tools.engine_runs import workload
 
 
 def test_smoke_runs_every_section_and_writes_both_reports(tmp_path):
@@ -11,24 +17,106 @@ def test_smoke_runs_every_section_and_writes_both_reports(tmp_path):
     data = json.loads((tmp_path / "device.json").read_text())
     secs = data["sections"]
     assert list(secs) == ["env", "kernels", "bandwidth", "engine", "moe"]
-    assert not any("error" in s for s in secs.values())
+    assert not any("error" in s for s in secs.values()) and secs["env"]["shapes"] == "smoke"
     kern = secs["kernels"]["rows"]
     assert len(kern) == 8 and all(r["ok"] and r["max_err"] < 0.03 for r in kern)
     assert {r["layout"] for r in kern} == {"decode", "prefill", "verify", "mixed"}
     assert any(r["int8"] and r["nan_fill"] for r in kern) and any(r["window"] for r in kern)
+    assert not any("shape" in r for s in secs.values() for r in s["rows"])  # nothing scaled
     bw = secs["bandwidth"]
     assert bw["copy_bandwidth_gbs"] > 0 and all(r["kernel_gbs"] > 0 for r in bw["rows"])
-    eng = secs["engine"]["rows"]
+    eng = [r for r in secs["engine"]["rows"] if r["batch"] != "mixed"]
     steady = [r for r in eng if r["run"] == "steady"]
     assert {r["batch"] for r in steady} == {1, 4} and any("int8" in r["weights"] for r in steady)
     assert any("int4" in r["weights"] for r in steady)
     assert all(r["compiles"] == 0 and r["decode_tok_s"] > 0 for r in steady)
+    # the mixed workload, continuously batched and in static batches: every token both ways
+    mixed = [r for r in secs["engine"]["rows"] if r["batch"] == "mixed"]
+    assert [r["run"] for r in mixed] == ["first", "steady"]
+    m = Shapes("smoke").mixed
+    want = sum(o for _, o in workload(m["requests"], 512, m["prompt"], m["output"], 0, {0}))
+    for r in mixed:
+        assert "error" not in r and r["output_tokens"] == want
+        assert r["continuous_tok_s"] > 0 and r["static_tok_s"] > 0
+        assert r["continuous_vs_static"] == pytest.approx(r["continuous_tok_s"]
+                                                          / r["static_tok_s"])
+        # static batches wait for their longest request: more steps for the same tokens
+        assert r["continuous_steps"] < r["static_steps"]
+    assert mixed[1]["compiles"] == 0
+    assert "slots: continuous batching against static batches of 4" in secs["engine"][
+        "mixed_workload"]
     moe = [r for r in secs["moe"]["rows"] if r["run"] == "steady"]
     assert {(r["batch"], r["weights"][:4]) for r in moe} == {(1, "floa"), (4, "floa"), (1, "int8")}
     assert all(r["compiles"] == 0 and r["decode_tok_s"] > 0 for r in moe)
     md = (tmp_path / "device.md").read_text()
     assert md == markdown(data) and "| layout | page_size | head_dim |" in md
-    assert "## kernels" in md and "passed: 8/8" in md
+    assert "## kernels" in md and "passed: 8/8" in md and "continuous_vs_static" in md
+
+
+def test_cpu_scale_keeps_every_full_case_and_divides_the_dimensions():
+    full, s = Shapes(), Shapes("scaled", 16)
+    assert s.kernel_cases() == kernel_cases(False) and len(s.kernel_cases()) == 40
+    lays, nominal = s.layouts(), layouts(False)
+    assert full.layouts() == nominal and set(lays) == set(nominal)
+    assert lays["prefill"] == ([16, 4], [64, 4])  # queries over 16 and KV lengths / 16, rounded up
+    assert lays["decode"] == ([1] * 8, [2, 19, 64, 1, 4, 49, 8, 33])
+    assert lays["verify"] == ([5] * 6, [5, 19, 5, 63, 5, 9])  # verify queries kept, KV >= them
+    assert lays["mixed"] == ([1, 1, 8, 5, 1], [57, 3, 24, 5, 1])
+    assert (s.kernel_kv_heads, full.kernel_kv_heads) == (1, 2)
+    grid = s.bandwidth_grid()
+    assert [(b, c) for b, c, _ in grid] == [(b, c) for b in (64, 256) for c in (2048, 8192, 32768)]
+    assert [r for *_, r in grid] == [128, 512, 2048] * 2
+    assert [r for *_, r in full.bandwidth_grid()] == [c for _, c, _ in grid]
+    assert s.bandwidth_heads == (1, 128) and full.bandwidth_heads == (8, 128)
+    assert full.model(LLAMA3_8B, {}) == LLAMA3_8B
+    llama = s.model(LLAMA3_8B, {})
+    assert {k: llama[k] for k in ("num_layers", "hidden_size", "intermediate_size", "num_heads",
+                                  "num_kv_heads", "head_dim", "vocab_size")} == dict(
+        num_layers=2, hidden_size=256, intermediate_size=896, num_heads=4, num_kv_heads=1,
+        head_dim=128, vocab_size=8016)
+    moe = s.model(QWEN3_30B_A3B, {})
+    assert (moe["num_layers"], moe["hidden_size"], moe["moe_intermediate_size"],
+            moe["num_experts"], moe["experts_per_token"]) == (1, 128, 48, 128, 8)
+    assert s.batches("engine") == full.batches("engine") == (1, 64, 256)
+    assert s.batches("moe") == full.batches("moe") == (1, 64)
+    assert (s.decode_lens, full.decode_lens) == ((8, 8), (128, 64))
+    assert s.mixed == dict(requests=256, slots=64, prompt=(1, 16), output=(1, 8))
+    assert full.mixed == dict(requests=256, slots=64, prompt=(16, 256), output=(8, 128))
+    assert s.tag("a", "b") == {"shape": "a -> b"} and full.tag("a", "b") == {}
+    assert "1/16" in s.describe() and "not the nominal" in s.describe()
+
+
+def test_cpu_scale_run_labels_every_row_nominal_and_run(tmp_path, monkeypatch):
+    # cut down: two of the full kernel cases (the last: int8, window, NaN), one grid point; 1/64
+    full = kernel_cases(False)
+    cases = [c for c in full if c["window"] and c["layout"] == "prefill"] + full[-1:]
+    monkeypatch.setattr(Shapes, "kernel_cases", lambda self: cases)
+    grid = Shapes.bandwidth_grid  # of the real grid, its longest context at batch 64
+    monkeypatch.setattr(Shapes, "bandwidth_grid",
+                        lambda self: [p for p in grid(self) if p[0] == 64][-1:])
+    assert main(["--cpu-scale", "64", "--sections", "kernels,bandwidth",
+                 "--out", str(tmp_path)]) == 0
+    secs = json.loads((tmp_path / "device.json").read_text())["sections"]
+    assert secs["env"]["shapes"].startswith("scaled 1/64")
+    kern = secs["kernels"]["rows"]
+    assert len(kern) == 2 and all(r["ok"] for r in kern) and kern[1]["int8"]
+    assert secs["kernels"]["interpret"] is True
+    assert kern[0]["shape"] == "q 256,64 kv 1024,64 Hkv 2 -> q 4,1 kv 16,1 Hkv 1"  # prefill
+    bw = secs["bandwidth"]["rows"]
+    assert [r["shape"] for r in bw] == ["b64 ctx 32768 Hkv 8 -> b64 ctx 512 Hkv 1"]
+    assert all(r["kernel_gbs"] > 0 and r["xla_gbs"] > 0 for r in bw)
+    assert "| layout | shape |" in (tmp_path / "device.md").read_text()
+
+
+def test_cpu_scale_is_refused_on_an_accelerator_and_with_smoke(tmp_path, monkeypatch, capsys):
+    with pytest.raises(SystemExit):
+        main(["--smoke", "--cpu-scale", "16", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        main(["--cpu-scale", "0", "--out", str(tmp_path)])
+    monkeypatch.setattr(bench_device.jax, "default_backend", lambda: "gpu")
+    assert main(["--cpu-scale", "16", "--out", str(tmp_path / "r")]) == 2
+    assert "--cpu-scale is for CPU runs" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
 
 
 def test_nan_fill_poisons_exactly_the_slots_no_valid_position_reads():
