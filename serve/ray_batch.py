@@ -70,7 +70,7 @@ def run_lines(llm, data: bytes, sampling: dict | None, line_offset: int = 0,
 
     The lines go through `run_batch` unchanged, so fields, ranges and error records are those
     of `jaxinfer batch`; `line_offset` numbers them as lines of the whole input. With
-    `out_path` the records are also left there (no fsync)."""
+    `out_path` the records are left there (not fsynced) and not returned."""
     with tempfile.TemporaryDirectory(prefix="jaxinfer-ray-") as d:
         src, dst = os.path.join(d, "in.jsonl"), out_path or os.path.join(d, "out.jsonl")
         with open(src, "wb") as f:
@@ -78,6 +78,8 @@ def run_lines(llm, data: bytes, sampling: dict | None, line_offset: int = 0,
         summary = run_batch(llm.engine, llm.tokenizer, src, dst, sampling=sampling,
                             ordered=True, overwrite=True, fsync="none", progress=False,
                             line_offset=line_offset)
+        if out_path:
+            return [], summary
         with open(dst, "rb") as f:
             return f.read().splitlines(keepends=True), summary
 
