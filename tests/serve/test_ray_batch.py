@@ -19,7 +19,7 @@ from jaxinfer.runtime.batch import BatchError
 from jaxinfer.serve import ray_batch
 
 REPO = Path(__file__).resolve().parents[2]
-# The session's tiny_llm engine (conftest): the one-host reference runs on it.
+# conftest's shared tiny_llm engine: the one-host reference runs on it.
 FLAGS = ["--max-slots", "4", "--page-size", "8", "--max-model-len", "256"]
 WORDS = ("To be or not to be that is the question whether tis nobler in the mind to suffer "
          "the slings and arrows of outrageous fortune").split()
