@@ -174,7 +174,7 @@ class _Parser:
 
 # ------------------------------------------------------------------------------------ output
 
-def _encode_record(rec: dict) -> bytes:
+def encode_record(rec: dict) -> bytes:
     try:
         return (json.dumps(rec, ensure_ascii=False) + "\n").encode("utf-8")
     except UnicodeEncodeError:  # a lone surrogate somewhere: fall back to \u escapes
@@ -238,7 +238,7 @@ class _Writer:
         existed = os.path.exists(path)
         self.f = open(path, "ab", buffering=0)  # unbuffered: each write() goes to the OS
         if not existed and fsync != "none":
-            _fsync_dir(path)
+            fsync_dir_of(path)
         self.unsynced = 0
 
     def write(self, data: bytes) -> None:
@@ -261,7 +261,8 @@ class _Writer:
         self.f.close()
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir_of(path: str) -> None:
+    """fsync the directory holding `path` (its new or renamed entry), where the OS allows."""
     d = os.path.dirname(os.path.abspath(path))
     try:
         fd = os.open(d, os.O_RDONLY)
@@ -433,7 +434,7 @@ def run_batch(engine, tokenizer, input_path, output_path, *, sampling: dict | No
         nonlocal next_seq, acked_lines
         stats["errors"] += 1
         acked_lines += 1
-        emit(next_seq, _encode_record({"id": uid, "line": line, "error": msg}))
+        emit(next_seq, encode_record({"id": uid, "line": line, "error": msg}))
         next_seq += 1
 
     def admit(job: _Job) -> bool:
@@ -523,7 +524,7 @@ def run_batch(engine, tokenizer, input_path, output_path, *, sampling: dict | No
                 if out.finish_reason == "error":  # the engine failed it: --resume retries it
                     stats["errors"] += 1
                     acked_lines += 1
-                    emit(job.seq, _encode_record({"id": job.uid, "line": job.line,
+                    emit(job.seq, encode_record({"id": job.uid, "line": job.line,
                                                   "error": out.error or "engine step failed",
                                                   "retry": True}))
                     continue
@@ -545,7 +546,7 @@ def run_batch(engine, tokenizer, input_path, output_path, *, sampling: dict | No
                 for x in m.get("itl_s") or ():
                     itl.add(x)
                 acked_lines += 1
-                emit(job.seq, _encode_record(rec))
+                emit(job.seq, encode_record(rec))
             if not deltas and inflight and hasattr(engine, "has_unfinished") \
                     and not engine.has_unfinished():
                 raise BatchError(f"engine has no work but {len(inflight)} requests are in flight")

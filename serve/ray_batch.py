@@ -53,7 +53,7 @@ import tempfile
 import time
 import uuid
 
-from jaxinfer.runtime.batch import BatchError, id_key, run_batch
+from jaxinfer.runtime.batch import BatchError, encode_record, fsync_dir_of, id_key, run_batch
 
 RECORD_COLUMNS = ("id", "text", "token_ids", "finish_reason", "usage", "metrics", "error")
 JSON_COLUMNS = ("logprobs", "prompt_logprobs")
@@ -221,20 +221,10 @@ class BlockWorker:
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
             os.replace(tmp, final)
-            _fsync_dir(self.shards)
+            fsync_dir_of(final)
             for k in out:
                 out[k].append(b["block"] if k == "block" else s[k])
         return out
-
-
-def _fsync_dir(d: str) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # ---------------------------------------------------------------------------------- the driver
@@ -286,7 +276,7 @@ def _merge(shards: str, n_blocks: int, merged: str | None) -> dict:
                             if "error" not in rec:
                                 rec = {"id": rec["id"], "line": None, "error":
                                        f"duplicate id {rec['id']!r} (an earlier line has it)"}
-                                raw = (json.dumps(rec, ensure_ascii=False) + "\n").encode()
+                                raw = encode_record(rec)
                         seen.add(key)
                     if "error" in rec:
                         counts["errors"] += 1
@@ -301,7 +291,7 @@ def _merge(shards: str, n_blocks: int, merged: str | None) -> dict:
             os.fsync(out.fileno())
             out.close()
             os.replace(tmp, merged)
-            _fsync_dir(os.path.dirname(os.path.abspath(merged)))
+            fsync_dir_of(merged)
     finally:
         if out and not out.closed:
             out.close()
@@ -391,7 +381,8 @@ def run(args, engine_args: dict, sampling: dict) -> dict:
         wall_run = time.perf_counter() - t1
     counts = _merge(shards, len(blocks), merged)
     wall = time.perf_counter() - t0
-    return {**counts, "lines": lines, "blocks": len(blocks), "blocks_resumed": len(blocks) - len(todo),
+    return {**counts, "lines": lines, "blocks": len(blocks),
+            "blocks_resumed": len(blocks) - len(todo),
             "replicas": args.replicas, "wall_s": wall, "run_s": wall_run,
             "generated_tokens_per_s": counts["generated_tokens"] / wall if wall > 0 else None,
             "shards": shards, "output": merged}
