@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from jaxinfer.runtime.config import FORMATS, QUANTIZATIONS, EngineConfig
 from jaxinfer.runtime.engine import Engine
+from jaxinfer.runtime.host_devices import auto_tensor_parallel, request_host_devices
 from jaxinfer.runtime.quantization import default_mode, keeps_gguf_blocks
 from jaxinfer.runtime.requests import (Limits, LoRARequest, RequestError, RequestOutput,
                                        SamplingParams, check_request, parse_prompt)
@@ -30,6 +31,7 @@ class LLM:
         from jaxinfer.checkpoints.loader import load_model
 
         enable_compilation_cache()
+        request_host_devices()  # before anything starts JAX's backends
         known = {f.name for f in dataclasses.fields(EngineConfig)}
         unknown = sorted(set(options) - known)
         if unknown:
@@ -89,6 +91,15 @@ class LLM:
                 self.model.params = with_mode(self.model.params, mode)
         if "max_model_len" not in options:
             from_model["max_model_len"] = min(self.model.cfg.max_position_embeddings, 2048)
+        if mesh is None and "tensor_parallel" not in options:  # the host's cores, on CPU
+            import jax
+
+            tp = auto_tensor_parallel(self.model.cfg, dataclasses.replace(config, **from_model),
+                                      platform=jax.default_backend(), devices=jax.device_count())
+            if tp > 1:
+                from jaxinfer.runtime.sharding import make_mesh
+
+                mesh, from_model["tensor_parallel"] = make_mesh(tp), tp
         self.config = dataclasses.replace(config, **from_model)
         self.tokenizer = self.model.tokenizer
         draft = None

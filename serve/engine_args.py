@@ -63,8 +63,10 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--refuse-late", action="store_true",
                    help="with --ttft-slo-ms: refuse requests predicted to miss it (429 / "
                         "RESOURCE_EXHAUSTED with a retry hint) instead of queueing them")
-    p.add_argument("--tensor-parallel", type=int, default=1,
-                   help="shard params and KV cache over N devices (multi-host: all devices)")
+    p.add_argument("--tensor-parallel", type=int, default=None,
+                   help="shard params and KV cache over N devices (multi-host: all devices); "
+                        "default: on CPU, over the host's cores where the model's heads split "
+                        "evenly and it is wide enough to gain (1: one device)")
     p.add_argument("--distributed", action="store_true",
                    help="join a multi-host job (jax.distributed.initialize; env "
                         "JAXINFER_COORDINATOR_ADDRESS / _NUM_PROCESSES / _PROCESS_ID or "
@@ -91,8 +93,8 @@ def llm_from_args(args):
                     max_cpu_loras=args.max_cpu_loras)
     if args.max_model_len:
         opts["max_model_len"] = args.max_model_len
-    tp = getattr(args, "tensor_parallel", 1)
-    if tp != 1:
+    tp = getattr(args, "tensor_parallel", None)
+    if tp is not None:
         opts["tensor_parallel"] = tp
     if getattr(args, "distributed", False):
         from jaxinfer.runtime.sharding import follow, init_distributed

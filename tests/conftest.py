@@ -35,6 +35,10 @@ os.environ.setdefault("JAXINFER_MIN_TOKEN_BUCKET", "16")
 # each width is a program per token bucket (test_speculative compiles 149 -> 85 programs);
 # the tiny model's attention over 32 pages costs nothing. test_llm runs the default (1) against it.
 os.environ.setdefault("JAXINFER_MIN_PAGE_BUCKET", "4096")
+# One CPU device for the suite and its children, whatever the host's cores: LLM would otherwise
+# ask for one device per core (runtime/host_devices.py) in whichever process starts JAX's
+# backends first. Tests of the split set their own device counts.
+os.environ.setdefault("JAXINFER_HOST_DEVICES", "1")
 
 import jax
 

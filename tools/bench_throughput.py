@@ -102,7 +102,7 @@ def run(args) -> dict:
     load_s = time.perf_counter() - t0
     cfg = llm.model.cfg
     special = set(llm.tokenizer.eos_ids) | {llm.tokenizer.bos_id or 0}
-    reqs = workload(args.num_requests, cfg.vocab_size, _range(args.input_len),
+    reqs = workload(args.num_requests, llm.engine.text_vocab, _range(args.input_len),
                     _range(args.output_len), args.seed, special)
     t0 = time.perf_counter()
     compiles = llm.engine.warmup()

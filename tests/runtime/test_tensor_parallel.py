@@ -146,6 +146,45 @@ def test_rules_replicate_what_does_not_divide():
     assert mesh.axis_names == shd.MESH_AXES
 
 
+def test_automatic_split_over_cpu_devices_only_where_it_can_gain():
+    """Hand-worked choices of auto_tensor_parallel: the largest count <= devices dividing both
+    head counts, on one CPU host, for wide enough models in formats the TP tests cover."""
+    import dataclasses
+
+    from jaxinfer.runtime.config import EngineConfig
+    from jaxinfer.runtime.host_devices import MIN_HIDDEN, auto_tensor_parallel
+
+    e = EngineConfig()
+    wide = dataclasses.replace(LLAMA, hidden_size=MIN_HIDDEN)  # 8 q / 8 kv heads
+
+    def tp(cfg=wide, ecfg=e, **kw):
+        return auto_tensor_parallel(cfg, ecfg, **({"platform": "cpu", "devices": 2} | kw))
+
+    assert tp() == 2 and tp(devices=8) == 8 and tp(devices=6) == 4 and tp(devices=1) == 1
+    assert tp(dataclasses.replace(wide, num_kv_heads=2), devices=8) == 2  # gcd(8, 2)
+    assert tp(dataclasses.replace(GEMMA, hidden_size=640)) == 1  # one KV head: stays whole
+    assert tp(LLAMA) == 1  # hidden 128: two all-reduces a layer cost more than they save
+    assert tp(platform="gpu") == 1 and tp(processes=2) == 1
+    for kw in ({"quantization": "int4"}, {"quantization": "gguf"},
+               {"speculative": {"method": "ngram", "k": 2}},
+               {"attention_backend": "pallas_interpret"}):
+        assert tp(ecfg=EngineConfig(**kw)) == 1, kw
+    assert tp(ecfg=EngineConfig(quantization="int8")) == 2
+
+
+def test_host_devices_count_is_checked(monkeypatch):
+    from jax._src import xla_bridge
+
+    from jaxinfer.runtime import host_devices
+
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    for bad in ("two", "0"):
+        monkeypatch.setenv("JAXINFER_HOST_DEVICES", bad)
+        with pytest.raises(ValueError, match="JAXINFER_HOST_DEVICES"):
+            host_devices.request_host_devices()
+
+
 def test_quantized_leaves_shard_values_and_scales_alike():
     from jaxinfer.checkpoints.quantize import quantize_params
     from jaxinfer.runtime.tree_paths import path_names
@@ -530,6 +569,33 @@ def test_cli_tensor_parallel_flag(tmp_path):
     with pytest.raises(ValueError, match="needs 16 devices"):
         llm_from_args(build_parser().parse_args(
             ["generate", "--model", str(d), "--tensor-parallel", "16", "hi"]))
+
+
+@on_8_devices
+def test_cpu_devices_split_a_wide_enough_model_unless_told_otherwise(tmp_path, monkeypatch):
+    """No --tensor-parallel on a CPU host with 8 devices: the 8 q / 8 kv head model splits over
+    all 8 once it counts as wide enough (the bar lowered to its width here), the same greedy
+    tokens as one device; `--tensor-parallel 1` keeps it on one."""
+    from jaxinfer import SamplingParams
+    from jaxinfer.runtime import host_devices
+    from jaxinfer.serve.cli import build_parser
+    from jaxinfer.serve.engine_args import llm_from_args
+
+    d = _write_model(tmp_path / "m", "llama")
+    argv = ["generate", "--model", str(d), "--max-model-len", "64", "--max-slots", "4", "hi"]
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    narrow = llm_from_args(build_parser().parse_args(argv))
+    assert narrow.config.tensor_parallel == 1  # hidden 128 < MIN_HIDDEN
+    monkeypatch.setattr(host_devices, "MIN_HIDDEN", 128)
+    auto = llm_from_args(build_parser().parse_args(argv))
+    assert auto.config.tensor_parallel == 8 and auto.engine.mesh.shape["model"] == 8
+    assert auto.engine.params.layers[0].wq.sharding.spec == P(None, "model")
+    one = llm_from_args(build_parser().parse_args(argv[:1] + ["--tensor-parallel", "1"]
+                                                  + argv[1:]))
+    assert one.config.tensor_parallel == 1 and one.engine.mesh is None
+    want = [o.token_ids for o in one.generate(PROMPTS, greedy)]
+    assert [o.token_ids for o in auto.generate(PROMPTS, greedy)] == want
+    assert [o.token_ids for o in narrow.generate(PROMPTS, greedy)] == want
 
 
 @on_8_devices
