@@ -215,10 +215,15 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # share KV pages of common full-page prompt prefixes
     # a dict like {"method": "ngram", "k": 4} is parsed into a SpecConfig on construction
     speculative: SpecConfig | None = None
+    # devices the model splits over; LLM on CPU picks one per host core where that gains, unless
+    # given (runtime/host_devices.py)
     tensor_parallel: int = 1
     # plan and launch step n+1 while step n runs (decode inputs fed on the device); off, or
     # with speculative decoding or several hosts, every step waits for the previous one's tokens
     async_scheduling: bool = True
+    # compile every step shape at construction (Engine.warmup; the persistent compilation cache
+    # makes later starts load them), so no request waits on a compile
+    warmup: bool = False
     # LoRA adapters (runtime/lora.py): max_loras device slots of rank <= max_lora_rank; up to
     # max_cpu_loras adapters (None: unbounded) stay read on the host, least recently used out
     enable_lora: bool = False

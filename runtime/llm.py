@@ -108,6 +108,25 @@ class LLM:
             draft = self._load_draft(model, speculative, self.config.dtype)
         self.engine = Engine(self.model.cfg, self.model.params, self.tokenizer, self.config,
                              mesh=mesh, draft_model=draft)
+        self.warmup_stats: dict | None = None  # {"programs", "seconds"} of warmup()
+        if self.config.warmup:
+            self.warmup()
+
+    def warmup(self) -> dict:
+        """Compile every step shape the engine can run (Engine.warmup: token x page x q-length
+        buckets, the verify and draft steps), up front, so no request waits on a compile.
+        Returns {"programs": step programs launched for the first time by this engine,
+        "seconds": wall time}; programs compiled earlier (the persistent cache, another engine
+        of the same model in this process) load instead of compiling."""
+        import logging
+        import time
+
+        t0 = time.perf_counter()
+        n = self.engine.warmup()
+        self.warmup_stats = {"programs": n, "seconds": time.perf_counter() - t0}
+        logging.getLogger(__name__).info("warm-up: %d step programs ready in %.1f s", n,
+                                         self.warmup_stats["seconds"])
+        return self.warmup_stats
 
     def _load_draft(self, target: str, spec, dtype: str):
         """(cfg, params) of the draft model; the target's own weights when it names the target

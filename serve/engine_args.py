@@ -63,6 +63,10 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--refuse-late", action="store_true",
                    help="with --ttft-slo-ms: refuse requests predicted to miss it (429 / "
                         "RESOURCE_EXHAUSTED with a retry hint) instead of queueing them")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile every step shape before the first request (default: on for "
+                        "`serve`, off for one-off commands; the compilation cache makes later "
+                        "starts load them)")
     p.add_argument("--tensor-parallel", type=int, default=None,
                    help="shard params and KV cache over N devices (multi-host: all devices); "
                         "default: on CPU, over the host's cores where the model's heads split "
@@ -93,6 +97,8 @@ def llm_from_args(args):
                     max_cpu_loras=args.max_cpu_loras)
     if args.max_model_len:
         opts["max_model_len"] = args.max_model_len
+    warm = getattr(args, "warmup", None)
+    opts["warmup"] = getattr(args, "cmd", None) == "serve" if warm is None else warm
     tp = getattr(args, "tensor_parallel", None)
     if tp is not None:
         opts["tensor_parallel"] = tp

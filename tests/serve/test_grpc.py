@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -578,8 +579,11 @@ def test_cli_serve_sigterm_drains_and_exits_zero(tiny_dir):
          "--max-model-len", "512"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        line = proc.stdout.readline()
-        assert f"listening on 127.0.0.1:{port}" in line, line
+        before = []  # serve compiles every step shape before it listens (--warmup by default)
+        while f"listening on 127.0.0.1:{port}" not in (line := proc.stdout.readline()):
+            assert line, "".join(before)
+            before.append(line)
+        assert any(re.search(r"warm-up: \d+ step programs ready", b) for b in before), before
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             req = jaxinfer_pb2.GenerateRequest(prompt_token_ids=[5, 6], max_tokens=300,
                                                temperature=0.0, ignore_eos=True)

@@ -35,6 +35,9 @@ def test_report_counts_and_no_compiles_after_warmup(tiny_dir, tmp_path):
         assert run["output_tokens"] == want and run["steps"] > 0
         assert run["cached_prompt_tokens"] == 0  # random prompts share nothing but with a rerun
     assert rep["new_compiles_after_warmup"] == 0
+    first = rep["first_run"]  # before warm-up: it compiles what it meets, serves every token
+    assert first["output_tokens"] == want and first["programs"] > 0
+    assert f"engine, first run ({first['programs']} programs)" in r.stdout
     assert rep["continuous_vs_static"] == (rep["output_tokens_per_s"]
                                            / rep["static"]["output_tokens_per_s"])
     assert rep["batch1_decode_step_s"] > 0 and rep["param_bytes"] > 0
