@@ -20,6 +20,10 @@ PRESETS = {
     # ~49M params: load-time and throughput measurements
     "50m": dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=12,
                 num_attention_heads=8, num_key_value_heads=4),
+    # ~25M params in its layers: the mixed offline workload of the CPU speed figures (README),
+    # with --model-vocab-size 32000
+    "mixed": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                  num_attention_heads=8, num_key_value_heads=8),
 }
 
 
@@ -74,8 +78,10 @@ def main() -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab-size", type=int, default=2000)
+    p.add_argument("--model-vocab-size", type=int, default=None,
+                   help="embedding rows past the tokenizer's (padding, as Qwen2.5)")
     a = p.parse_args()
-    print(make(a.out, a.preset, a.seed, a.vocab_size))
+    print(make(a.out, a.preset, a.seed, a.vocab_size, a.model_vocab_size))
 
 
 if __name__ == "__main__":
