@@ -109,6 +109,24 @@ def batch_rows(batch) -> list[dict]:
     return [{k: v[i] for k, v in cols.items()} for i in range(n)]
 
 
+def _actor_host_devices() -> None:
+    """Inside a Ray actor: as many JAX CPU devices as the CPUs Ray gave it (at least 1), not one
+    per host core (runtime/host_devices.py), so replicas sharing a host do not split their
+    matmuls over each other's cores. JAXINFER_HOST_DEVICES, if set, wins."""
+    import os
+
+    if "JAXINFER_HOST_DEVICES" in os.environ:
+        return
+    try:
+        import ray
+
+        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU")
+    except Exception:  # noqa: BLE001 - not in a Ray worker: the host's default applies
+        return
+    if cpus is not None:
+        os.environ["JAXINFER_HOST_DEVICES"] = str(max(1, int(cpus)))
+
+
 class LLMPredictor:
     """`ds.map_batches(LLMPredictor, fn_constructor_kwargs={...})`: one engine per actor.
 
@@ -127,6 +145,7 @@ class LLMPredictor:
             raise ValueError(f"sampling default {e}") from None
         self.sampling = dict(sampling or {})
         self.keep = tuple(keep_columns)
+        _actor_host_devices()
         self.llm = LLM(model, **llm_kwargs) if model is not None else LLM(**llm_kwargs)
 
     def __call__(self, batch):
@@ -205,6 +224,7 @@ class BlockWorker:
     def __init__(self, engine_args: dict, sampling: dict, input_path: str, shards: str):
         from jaxinfer.serve.engine_args import llm_from_args
 
+        _actor_host_devices()
         self.llm = llm_from_args(argparse.Namespace(**engine_args))
         self.sampling, self.input, self.shards = sampling, input_path, shards
 
