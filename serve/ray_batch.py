@@ -120,8 +120,10 @@ def _actor_host_devices() -> None:
     try:
         import ray
 
+        if not ray.is_initialized():  # not in a Ray worker: the host's default applies
+            return
         cpus = ray.get_runtime_context().get_assigned_resources().get("CPU")
-    except Exception:  # noqa: BLE001 - not in a Ray worker: the host's default applies
+    except Exception:  # noqa: BLE001 - no Ray, or no resources to read: the default applies
         return
     if cpus is not None:
         os.environ["JAXINFER_HOST_DEVICES"] = str(max(1, int(cpus)))
