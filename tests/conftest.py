@@ -25,12 +25,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 #   whole suite compiles 1143 -> 497 s.
 # - one LLVM module per program (no parallel codegen split): compile ~5% less, and half the
 #   memory mappings per program (peak 10850 -> 5870 on the files above).
-# Child processes inherit them; benchmarks and the CLI outside the tests keep XLA's defaults.
-_TEST_XLA_FLAGS = {"xla_backend_optimization_level": "0", "xla_cpu_use_fusion_emitters": "false",
-                   "xla_cpu_parallel_codegen_split_count": "1"}
+# Child processes inherit them, all but the notebook's kernel (tests/notebooks/test_quickstart.py);
+# benchmarks and the CLI outside the tests keep XLA's defaults.
+TEST_XLA_FLAGS = {"xla_backend_optimization_level": "0", "xla_cpu_use_fusion_emitters": "false",
+                  "xla_cpu_parallel_codegen_split_count": "1"}
 _flags = os.environ.get("XLA_FLAGS", "")
 os.environ["XLA_FLAGS"] = " ".join(
-    [_flags] + [f"--{k}={v}" for k, v in _TEST_XLA_FLAGS.items() if k not in _flags]).strip()
+    [_flags] + [f"--{k}={v}" for k, v in TEST_XLA_FLAGS.items() if k not in _flags]).strip()
 
 # Engines pad a step's token rows to buckets from 16 (the TPU/GPU default; CPU's is 1): an
 # engine compiles 4 fewer token buckets, the suite ~1/3 fewer programs. test_llm runs the CPU
