@@ -79,3 +79,50 @@ def assert_same_logits(params, other, cfg, *, seed: int = 0, n: int = 20, rtol: 
     a, _, _ = run_sequence(params, cfg, toks, page_size=8)
     b, _, _ = run_sequence(other, cfg, toks, page_size=8)
     np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * np.abs(b).max())
+
+
+def greedy_batch(params, cfg, prompts, *, decode_steps, page_size=16, backend="xla",
+                 cache_dtype=jnp.float32, bucket=16):
+    """Greedy-decode `decode_steps` tokens after each of `prompts`, all in one batch as the
+    engine lays out a step: one prefill step packing every prompt (rows padded to a multiple of
+    `bucket`), then one step per token for every sequence. Returns the decoded ids per prompt.
+
+    One batched step reads the weights once for every sequence: five prompts of Gemma 3 270M
+    decode in about the time of one run through run_sequence."""
+    s = len(prompts)
+    lens = np.asarray([len(p) for p in prompts])
+    per_seq = -(-(int(lens.max()) + decode_steps) // page_size)
+    pages = np.arange(1, s * per_seq + 1).reshape(s, per_seq)
+    cache = init_cache(cfg, s * per_seq + 1, page_size, cache_dtype)
+
+    def step(tokens, starts, counts, rows):
+        pos = np.zeros(rows, np.int64)
+        slots = np.zeros(rows, np.int64)  # padding rows write the null page's slot 0
+        cu = np.concatenate([[0], np.cumsum(counts)])
+        for i in range(s):
+            p = np.arange(starts[i], starts[i] + counts[i])
+            pos[cu[i]: cu[i + 1]] = p
+            slots[cu[i]: cu[i + 1]] = pages[i][p // page_size] * page_size + p % page_size
+        md = AttentionMetadata(
+            positions=jnp.asarray(pos, jnp.int32),
+            slot_mapping=jnp.asarray(slots, jnp.int32),
+            cu_q_lens=jnp.asarray(cu, jnp.int32),
+            kv_lens=jnp.asarray(starts + counts, jnp.int32),
+            page_indices=jnp.asarray(pages, jnp.int32),
+            num_seqs=jnp.asarray([s], jnp.int32),
+            logits_indices=jnp.asarray(cu[1:] - 1, jnp.int32),  # each sequence's last row
+            max_q_len=rows,
+        )
+        padded = jnp.asarray(list(tokens) + [0] * (rows - len(tokens)), jnp.int32)
+        nonlocal cache
+        logits, cache = _fwd(params, padded, cache, md, cfg, backend)
+        return [int(t) for t in np.asarray(jnp.argmax(logits, -1))]
+
+    rows = -(-int(lens.sum()) // bucket) * bucket
+    nxt = step([t for p in prompts for t in p], np.zeros(s, np.int64), lens, rows)
+    out = [[t] for t in nxt]
+    for i in range(1, decode_steps):
+        nxt = step(nxt, lens + i - 1, np.ones(s, np.int64), s)
+        for o, t in zip(out, nxt):
+            o.append(t)
+    return out

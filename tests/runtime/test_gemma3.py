@@ -17,7 +17,7 @@ import torch
 
 from jaxinfer.checkpoints.hf import load_hf
 from tests.gemma_fixtures import LOAD_STATS, tiny_gemma3_hf
-from tests.model_utils import run_sequence
+from tests.model_utils import greedy_batch, run_sequence
 
 TINY_PROMPT = [2, 17, 250, 3, 99, 400, 7, 7, 7, 311, 42, 5, 128, 64, 200, 9, 10, 11, 300, 301,
                5, 6, 88, 451]
@@ -172,12 +172,14 @@ def test_real_blocks_kept_quantized_equal_the_dequantized_model(gemma_ours, gemm
 
 def test_real_greedy_continuations(gemma_ours, gemma_hf, gemma_tokenizer):
     cfg, params = gemma_ours
+    ids = [gemma_tokenizer.encode(prompt) for prompt in PROMPTS]
+    assert all(i[0] == 2 for i in ids)
+    # ours: the five prompts in one batch (the engine's ragged layout); HF: one at a time, as
+    # generate runs a prompt with no padding
     texts = {}
-    for prompt in PROMPTS:
-        ids = gemma_tokenizer.encode(prompt)
-        assert ids[0] == 2
-        _, ours, _ = run_sequence(params, cfg, ids, page_size=16, decode_steps=16)
-        assert ours == hf_greedy(gemma_hf, ids, 16), prompt
+    for prompt, p_ids, ours in zip(PROMPTS, ids, greedy_batch(params, cfg, ids, page_size=16,
+                                                              decode_steps=16)):
+        assert ours == hf_greedy(gemma_hf, p_ids, 16), prompt
         texts[prompt] = gemma_tokenizer.decode(ours)
     LOAD_STATS["continuations"] = texts
     assert texts[PROMPTS[0]].startswith(" the capital of the country of France. It is the largest")
