@@ -87,8 +87,8 @@ def greedy_batch(params, cfg, prompts, *, decode_steps, page_size=16, backend="x
     engine lays out a step: one prefill step packing every prompt (rows padded to a multiple of
     `bucket`), then one step per token for every sequence. Returns the decoded ids per prompt.
 
-    One batched step reads the weights once for every sequence: five prompts of Gemma 3 270M
-    decode in about the time of one run through run_sequence."""
+    A batched step reads the weights once for all the sequences, where run_sequence reads them
+    once per sequence and token."""
     s = len(prompts)
     lens = np.asarray([len(p) for p in prompts])
     per_seq = -(-(int(lens.max()) + decode_steps) // page_size)
