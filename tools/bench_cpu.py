@@ -183,7 +183,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     request_host_devices()  # before JAX starts: one device per core for the split row
-    from jaxinfer import LLM
+    from jaxinfer.runtime.llm import LLM
 
     rep = {"platform": jax.default_backend(), "devices": jax.device_count(),
            "matmul_us": matmul_table(a.width, a.repeats)}
