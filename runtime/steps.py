@@ -33,9 +33,9 @@ def _metadata(a: dict, max_q_len: int) -> AttentionMetadata:
     )
 
 
-# Vocabulary x hidden at and above which a step with one live sequence projects that row only
-# (a `lax.cond`): below it (test-sized models) the head is cheap and the second branch, which
-# XLA compiles in full, costs more than it saves.
+# Vocabulary x hidden at and above which a step projects its live sequences' rows only (a
+# `lax.switch` over 1, S/2 and S rows): below it (test-sized models) the head is cheap and the
+# extra branches, which XLA compiles in full, cost more than they save.
 ONE_ROW_HEAD_MIN = 1 << 23
 
 
@@ -93,10 +93,13 @@ def step(
     if s == 1 or cfg.vocab_size * cfg.hidden_size < ONE_ROW_HEAD_MIN:
         packed = head_and_sample(s)
     else:
-        # One live sequence (batch-1 decode, a lone prefill): the vocabulary projection, the
-        # largest matmul of a small model, runs on that row only. Both branches are one program.
-        packed = jax.lax.cond(arrays["num_seqs"][0] <= 1, lambda: head_and_sample(1),
-                              lambda: head_and_sample(s))
+        # The vocabulary projection, the largest matmul of a small model, runs on the live
+        # sequences' rows only (they come first), padded to 1, S/2 or S rows: a batch-1 decode
+        # projects one row, 16 sequences on 32 slots 16. All branches are one program.
+        rows = sorted({1, max(1, s // 2), s})
+        which = jnp.searchsorted(jnp.asarray(rows), arrays["num_seqs"][0])
+        packed = jax.lax.switch(jnp.minimum(which, len(rows) - 1),
+                                [functools.partial(head_and_sample, r) for r in rows])
     return (packed if prompt is None else (packed, prompt)), cache
 
 

@@ -1,6 +1,7 @@
 """Where a CPU step's time goes: small matmuls per core count, and achieved GFLOP/s per step kind.
 
-    python -m jaxinfer.tools.bench_cpu [--model gemma3-270m] [--profile] [--out report.json]
+    python -m jaxinfer.tools.bench_cpu [--model gemma3-270m] [--profile] [--compare-hf]
+                                       [--out report.json]
 
 1. Matmul table: a chain of 16 [M, D] x [D, D] products (D = --width, tanh between, one jitted
    program) at M = 1, 8, 32, 256; microseconds per product, median of --repeats:
@@ -13,6 +14,7 @@
    GFLOP/s at that M on one device.
 3. --profile: XLA:CPU op time of the decode-32 steps by kind (matmuls, attention's page
    gathers, collectives, the rest), from a jax.profiler trace.
+4. --compare-hf: greedy decode tokens/s at batch 1 and 16, ours and HF transformers'.
 """
 
 from __future__ import annotations
@@ -138,6 +140,43 @@ def step_kinds(llm, repeats: int) -> dict:
     return out
 
 
+def decode_vs_hf(llm, source, tokens: int = 64, batches=(1, 16), repeats: int = 3) -> dict:
+    """Greedy decode tokens/s (`tokens` per sequence, one prompt repeated `b` times, median of
+    `repeats`) of ours and of HF transformers on the same checkpoint, in this process."""
+    import torch
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from jaxinfer.runtime.requests import SamplingParams
+
+    prompt = "Tell me about the sea."
+    sp = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    src = Path(source)
+    kw = {"gguf_file": src.name} if src.is_file() else {}
+    hf = AutoModelForCausalLM.from_pretrained(str(src.parent if src.is_file() else src),
+                                              dtype=torch.float32, **kw).eval()
+    ids = torch.tensor([llm.tokenizer.encode(prompt)])
+    out = {}
+    for b in batches:
+        if b > llm.config.max_slots:
+            continue
+        llm.generate([prompt] * b, sp)
+        ours, theirs = [], []
+        with torch.no_grad():
+            hf.generate(ids.repeat(b, 1), max_new_tokens=4, min_new_tokens=4, do_sample=False)
+            for _ in range(repeats):
+                t = time.perf_counter()
+                n = sum(len(o.token_ids) for o in llm.generate([prompt] * b, sp))
+                ours.append(n / (time.perf_counter() - t))
+                t = time.perf_counter()
+                hf.generate(ids.repeat(b, 1), max_new_tokens=tokens, min_new_tokens=tokens,
+                            do_sample=False)
+                theirs.append(b * tokens / (time.perf_counter() - t))
+        out[b] = {"ours": float(np.median(ours)), "hf": float(np.median(theirs))}
+    return out
+
+
 _GATHER = re.compile(r"(copy_bitcast|bitcast_select|broadcast_select|bitcast_gather)")
 _COLLECTIVE = re.compile(r"(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)")
 _NOT_OPS = re.compile(r"^[$]|^(Pjit|np\.|Thunk)|::|Execute|Wait|Rendezvous|shard_arg")
@@ -180,6 +219,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--tensor-parallel", type=int, default=None)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--compare-hf", action="store_true",
+                   help="greedy decode at batch 1 and 16 against HF transformers")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     request_host_devices()  # before JAX starts: one device per core for the split row
@@ -208,6 +249,11 @@ def main(argv=None) -> int:
         rep["decode_op_share"] = profile_decode(llm, min(32, a.max_slots))
         print("decode step op time: " + ", ".join(
             f"{k} {v:.0%}" for k, v in rep["decode_op_share"].items()))
+    if a.compare_hf:
+        rep["decode_vs_hf"] = decode_vs_hf(llm, llm.model.source)
+        for b, r in rep["decode_vs_hf"].items():
+            print(f"greedy decode, batch {b}: ours {r['ours']:.1f} tok/s, HF transformers "
+                  f"{r['hf']:.1f} ({r['ours'] / r['hf']:.2f}x)")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(rep, f, indent=1)
