@@ -106,6 +106,7 @@ def attend(
 _TILE_ROWS = 32  # query rows per tile when a step carries prompt chunks
 _GATHER_BYTES = 64 << 20  # K+V gathered at once; more tiles than this run in sequence
 _TILE_GROUPS = 4  # tiles run in up to this many groups (more when the gathers would not fit)
+_GROUPED_FROM = 8  # ... when there are more tiles than this
 
 
 @functools.partial(jax.named_call, name="xla_ragged_paged_attention")
@@ -194,20 +195,26 @@ def xla_ragged_paged_attention(
 
     itemsize = jnp.dtype(k_pages.dtype).itemsize
     per_tile = 2 * npg * ps * hkv * dh * max(itemsize, jnp.dtype(q.dtype).itemsize)
-    # Tiles run in groups of c, one group after another; live tiles come first (sequence rows
-    # past num_seqs have none), so a group with no live tile skips its gathers: a batch-1 decode
-    # on 32 slots gathers 8 sequences' pages, not 32
-    c = max(1, min(nt, _GATHER_BYTES // per_tile, -(-nt // _TILE_GROUPS)))
-    groups = -(-nt // c)
     xs = (q_tiles, pages, first_page, pos0, kv_len, row_ok)
-    xs = jax.tree.map(lambda a: jnp.pad(a, [(0, groups * c - nt)] + [(0, 0)] * (a.ndim - 1))
-                      .reshape(groups, c, *a.shape[1:]), xs)  # padded tiles: no live row
+    if nt <= _GROUPED_FROM:  # few tiles: skipping dead ones saves less than the loop costs
+        batch = max(1, min(nt, _GATHER_BYTES // per_tile))
+        o = (jax.lax.map(tile_attention, xs, batch_size=batch) if batch < nt
+             else jax.vmap(tile_attention)(xs))
+    else:
+        # Tiles run in groups of c, one group after another; live tiles come first (sequence
+        # rows past num_seqs have none), so a group with no live tile skips its gathers: a
+        # batch-1 decode on 32 slots gathers 8 sequences' pages, not 32
+        c = max(1, min(nt, _GATHER_BYTES // per_tile, -(-nt // _TILE_GROUPS)))
+        groups = -(-nt // c)
+        xs = jax.tree.map(lambda a: jnp.pad(a, [(0, groups * c - nt)] + [(0, 0)] * (a.ndim - 1))
+                          .reshape(groups, c, *a.shape[1:]), xs)  # padded tiles: no live row
 
-    def group(args):
-        g0, x = args
-        return jax.lax.cond(g0 < ends[-1], lambda: jax.vmap(tile_attention)(x),
-                            lambda: jnp.zeros((c, b, hq, dh), q.dtype))
+        def group(args):
+            g0, x = args
+            return jax.lax.cond(g0 < ends[-1], lambda: jax.vmap(tile_attention)(x),
+                                lambda: jnp.zeros((c, b, hq, dh), q.dtype))
 
-    o = jax.lax.map(group, (jnp.arange(groups) * c, xs)).reshape(groups * c, b, hq, dh)[:nt]
+        o = jax.lax.map(group, (jnp.arange(groups) * c, xs))
+        o = o.reshape(groups * c, b, hq, dh)[:nt]
     dest = jnp.where(row_ok, rows, t).reshape(-1)  # rows of no tile query dropped
     return jnp.zeros_like(q).at[dest].set(o.reshape(nt * b, hq, dh), mode="drop")
