@@ -144,18 +144,13 @@ def decode_vs_hf(llm, source, tokens: int = 64, batches=(1, 16), repeats: int = 
     """Greedy decode tokens/s (`tokens` per sequence, one prompt repeated `b` times, median of
     `repeats`) of ours and of HF transformers on the same checkpoint, in this process."""
     import torch
-    from pathlib import Path
-
-    from transformers import AutoModelForCausalLM
 
     from jaxinfer.runtime.requests import SamplingParams
+    from jaxinfer.tools.bench_throughput import hf_model
 
     prompt = "Tell me about the sea."
     sp = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    src = Path(source)
-    kw = {"gguf_file": src.name} if src.is_file() else {}
-    hf = AutoModelForCausalLM.from_pretrained(str(src.parent if src.is_file() else src),
-                                              dtype=torch.float32, **kw).eval()
+    hf = hf_model(source)
     ids = torch.tensor([llm.tokenizer.encode(prompt)])
     out = {}
     for b in batches:

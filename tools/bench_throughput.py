@@ -26,24 +26,28 @@ def _range(text: str) -> tuple[int, int]:
     return int(lo), int(hi or lo)
 
 
+def hf_model(model_source, dtype: str = "float32"):
+    """HF transformers' model of a checkpoint dir or a GGUF file, in eval mode."""
+    import torch
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    src = Path(model_source)
+    tdtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    kw = {"gguf_file": src.name} if src.is_file() else {}
+    return AutoModelForCausalLM.from_pretrained(str(src.parent if src.is_file() else src),
+                                                dtype=tdtype, **kw).eval()
+
+
 def run_hf(model_source, reqs, batches: tuple[int, ...], dtype: str, repeats: int = 1) -> dict:
     """HF transformers generate at each static batch size of `batches` (greedy, left padding;
     each batch generates its longest requested length, static batching's cost, and is credited
     only the requested tokens); the best size's median of `repeats` is HF's figure."""
     import torch
-    from transformers import AutoModelForCausalLM
-
-    from pathlib import Path
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    src = Path(model_source)
-    tdtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
-    if src.is_file():
-        model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name,
-                                                     torch_dtype=tdtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(str(src), torch_dtype=tdtype)
-    model.eval()
+    model = hf_model(model_source, dtype)
     pad = 0
 
     def gen(group):
