@@ -205,6 +205,7 @@ class Engine:
         # (step_s - wait_s = host time the device did not hide)
         self.step_stats = dict(steps=0, step_s=0.0, wait_s=0.0)
         self._rows = 0  # token rows of the plan the current step() call launched
+        self._decode_seqs = 0  # its sequences if it only decodes
         self.requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
         self._zero_masks = {}  # shape -> device zeros: the bitmasks of steps with no constraint
@@ -454,6 +455,7 @@ class Engine:
         reason "error", slots and pages freed) and the engine goes on with the rest."""
         t0 = time.perf_counter()
         self._rows = 0  # token rows of the plan this call launches (step-time measurements)
+        self._decode_seqs = 0  # ... and its sequences when every one decodes one token
         try:
             programs = self.compile_count
             deltas = self._admit_constrained() if self.constraints and self.constraints.held else []
@@ -461,7 +463,10 @@ class Engine:
             self.consecutive_faults = 0
             if self._rows and self.compile_count == programs:  # (a first launch compiles)
                 # what the latency targets predict from
-                self.scheduler.step_times.record(self._rows, time.perf_counter() - t0)
+                dt = time.perf_counter() - t0
+                self.scheduler.step_times.record(self._rows, dt)
+                if self._decode_seqs:
+                    self.scheduler.decode_times.record(self._decode_seqs, dt)
         except Exception as exc:  # noqa: BLE001 - a request may fail; the engine may not
             deltas = self._recover(exc)
         st = self.step_stats
@@ -516,6 +521,8 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan is not None:
             self._rows = len(plan.token_ids)
+            n = int(plan.num_seqs[0])
+            self._decode_seqs = n if plan.num_tokens == n else 0
         if plan is not None and plan.lora_loads:
             self._load_lora_slots(plan.lora_loads)
         if plan is not None and self.constraints is not None and plan.constrained.any():

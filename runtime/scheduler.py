@@ -213,6 +213,7 @@ class Scheduler:
         max_loras: int = 0,
         slo: SloConfig | None = None,
         step_times: StepTimes | None = None,
+        decode_times: StepTimes | None = None,
         clock=time.monotonic,
     ):
         for name, v in (("max_slots", max_slots), ("page_size", page_size),
@@ -235,6 +236,8 @@ class Scheduler:
         self.lora_slots = LoraSlots(max_loras)
         self.slo = slo or SloConfig()
         self.step_times = step_times or StepTimes()  # the engine records every step's time
+        # ... and decode-only steps' by live sequence count (the ITL budget's admission cap)
+        self.decode_times = decode_times or StepTimes(beyond="linear")
         self.clock = clock
 
         self.token_buckets = tuple(sorted(token_buckets or pow_buckets(8, token_budget)))
@@ -448,7 +451,17 @@ class Scheduler:
         if seq.cached_tokens is not None:  # preempted: readmitted before anyone new
             return (-1, seq.order)
         r = seq.req
-        return wait_key(r.params.priority, r.arrival_time, seq.order, now, self.slo)
+        lead = self._prefill_s(seq.num_tokens) if self.slo.ttft_s is not None else 0.0
+        return wait_key(r.params.priority, r.arrival_time, seq.order, now, self.slo, lead)
+
+    def _prefill_s(self, tokens: int) -> float:
+        """Predicted seconds to prefill `tokens` prompt tokens once admitted: steps of the
+        token budget at their measured times (0 while unmeasured)."""
+        full, rest = divmod(tokens, self.token_budget)
+        t = full * (self.step_times.predict(bucket(self.token_buckets, self.token_budget)) or 0)
+        if rest:
+            t += self.step_times.predict(bucket(self.token_buckets, rest)) or 0
+        return t
 
     def _order_waiting(self) -> None:
         """Sort the waiting queue by slo.wait_key when latency targets or priorities are in
@@ -467,7 +480,7 @@ class Scheduler:
         if not rate:
             return 0.0
         now = self.clock()
-        mine = wait_key(priority, now, self._counter, now, self.slo)
+        mine = wait_key(priority, now, self._counter, now, self.slo, self._prefill_s(prompt_len))
         waiting, running = list(self._waiting), list(self._running)
         ahead = sum(s.num_tokens for s in waiting if self._wait_key(s, now) < mine)
         ahead += sum(max(s.num_tokens - s.num_computed, 0) for s in running if not s.prefilled)
@@ -582,6 +595,9 @@ class Scheduler:
 
         # Admission, FCFS with no overtaking (the head also waits for its adapter's slot).
         while self._waiting and self._free_slots and budget > 0 and not preempted:
+            if (self.slo.itl_s is not None and self._running  # the decode batch's cap
+                    and not self.decode_times.fits(len(self._running) + 1, self.slo.itl_s)):
+                break
             seq = self._waiting[0]
             lora = seq.req.lora
             if lora is not None:

@@ -95,6 +95,42 @@ def test_itl_budget_caps_steps_with_decodes_and_rises_when_steps_get_faster():
     assert step(free)[0].num_tokens == 64
 
 
+def test_decode_batch_is_capped_at_admission_by_the_predicted_decode_step():
+    clock = Clock()
+    dec = StepTimes(beyond="linear")
+    for n, ms in ((1, 10.0), (2, 12.0), (4, 16.0)):  # 2 ms per sequence past the weights
+        dec.record(n, ms / 1e3)
+    # beyond the largest count: the slope of the two largest; below and with one: flat
+    assert dec.predict(6) == pytest.approx(0.020) and dec.predict(3) == pytest.approx(0.014)
+    one = StepTimes(beyond="linear")
+    one.record(4, 0.016)
+    assert one.predict(1) == one.predict(9) == pytest.approx(0.016)
+    # 19 ms fits 5 decoding sequences (18 ms), not 6
+    s = sched(clock, SloConfig(itl_s=0.019), linear(0.1), decode_times=dec)
+    for i in range(8):
+        add(s, f"r{i}", 5, 0.0, max_tokens=6)
+    most, done = 0, set()
+    while s.has_work:
+        most = max(most, s.num_running)
+        done |= {o.request_id for o in step(s)[1] if o.finished}
+    assert most == 5 and len(done) == 8  # the rest go when running ones finish
+    # a budget no step meets still admits one sequence at a time (nobody waits forever)
+    tight = sched(clock, SloConfig(itl_s=0.005), linear(0.1), decode_times=dec)
+    for i in range(3):
+        add(tight, f"t{i}", 5, 0.0, max_tokens=2)
+    most = 0
+    while tight.has_work:
+        most = max(most, tight.num_running)
+        step(tight)
+    assert most == 1
+    # no budget: all eight run at once
+    free = sched(clock, None, linear(0.1), decode_times=dec)
+    for i in range(8):
+        add(free, f"r{i}", 5, 0.0, max_tokens=6)
+    step(free)
+    assert free.num_running == 8
+
+
 def test_priority_orders_admission_and_fcfs_without_it():
     clock = Clock()
     s = sched(clock, max_slots=1)
@@ -125,6 +161,23 @@ def test_ttft_budget_serves_on_time_requests_before_late_ones_and_starving_first
     while s.has_work:
         order += [o.request_id for o in step(s)[1] if o.finished]
     assert order == ["ancient", "recent", "early"]
+
+
+def test_a_request_whose_own_prefill_would_end_past_the_ttft_budget_counts_as_late():
+    """1 ms per token row: a 300-token prompt prefills in 4 x 64 + 64 ms = 0.32 s, so after
+    0.8 s of waiting it can no longer start within a 1 s budget, and a short prompt that can
+    goes first; 0.3 s earlier both are on time and arrival order holds."""
+    clock = Clock()
+    for now, order in ((0.8, ["recent", "early"]), (0.5, ["early", "recent"])):
+        s = sched(clock, SloConfig(ttft_s=1.0), linear(1.0), max_slots=1)
+        assert s._prefill_s(300) == pytest.approx(0.32)
+        add(s, "early", 300, 0.0, max_tokens=1)
+        add(s, "recent", 4, 0.1, max_tokens=1)
+        clock.t = now
+        done = []
+        while s.has_work:
+            done += [o.request_id for o in step(s)[1] if o.finished]
+        assert done == order
 
 
 def test_no_request_waits_past_the_starvation_bound_under_a_priority_flood():
