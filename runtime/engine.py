@@ -204,8 +204,8 @@ class Engine:
         # step(): calls, seconds inside, seconds of those blocked on the device's results
         # (step_s - wait_s = host time the device did not hide)
         self.step_stats = dict(steps=0, step_s=0.0, wait_s=0.0)
-        self._rows = 0  # token rows of the plan the current step() call launched
-        self._decode_seqs = 0  # its sequences if it only decodes
+        self._timed = None  # the plan whose results the current step() call waited for
+        self._period = None  # (start, plan) of the last call, while the caller has more work
         self.requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
         self._zero_masks = {}  # shape -> device zeros: the bitmasks of steps with no constraint
@@ -454,19 +454,21 @@ class Engine:
         """One engine step. A step that raises fails the requests it may have touched (finish
         reason "error", slots and pages freed) and the engine goes on with the rest."""
         t0 = time.perf_counter()
-        self._rows = 0  # token rows of the plan this call launches (step-time measurements)
-        self._decode_seqs = 0  # ... and its sequences when every one decodes one token
+        if self._period is not None:  # the last call's plan, timed start to start
+            start, plan = self._period
+            self._record_step_time(plan, t0 - start)
+        self._period = None
+        self._timed = None  # the plan this call waits for (async: the one launched before)
         try:
             programs = self.compile_count
             deltas = self._admit_constrained() if self.constraints and self.constraints.held else []
             deltas += self._step_async() if self.async_scheduling else self._step_sync()
             self.consecutive_faults = 0
-            if self._rows and self.compile_count == programs:  # (a first launch compiles)
-                # what the latency targets predict from
-                dt = time.perf_counter() - t0
-                self.scheduler.step_times.record(self._rows, dt)
-                if self._decode_seqs:
-                    self.scheduler.decode_times.record(self._decode_seqs, dt)
+            if self._timed is not None and self.compile_count == programs:  # (no compile)
+                if self.scheduler.has_work:  # the caller comes straight back: time its period
+                    self._period = (t0, self._timed)
+                else:
+                    self._record_step_time(self._timed, time.perf_counter() - t0)
         except Exception as exc:  # noqa: BLE001 - a request may fail; the engine may not
             deltas = self._recover(exc)
         st = self.step_stats
@@ -519,10 +521,6 @@ class Engine:
     def _schedule(self):
         """The next plan, with its constrained rows' token masks filled."""
         plan = self.scheduler.schedule()
-        if plan is not None:
-            self._rows = len(plan.token_ids)
-            n = int(plan.num_seqs[0])
-            self._decode_seqs = n if plan.num_tokens == n else 0
         if plan is not None and plan.lora_loads:
             self._load_lora_slots(plan.lora_loads)
         if plan is not None and self.constraints is not None and plan.constrained.any():
@@ -614,7 +612,20 @@ class Engine:
                 st.metrics.cached_tokens = self.scheduler.cached_tokens_of(rid)
         return now
 
+    def _record_step_time(self, plan, seconds: float) -> None:
+        """What the latency targets predict from: the seconds from one step() call to the next
+        (what a streaming client sees between tokens: the step and the caller's own work), by
+        the token rows of the plan the call waited for (with async scheduling the device runs
+        plans back to back, so a call lasts about the device time of the plan launched before
+        it), and by live sequences when every one decodes."""
+        sched = self.scheduler
+        sched.step_times.record(len(plan.token_ids), seconds)
+        n = int(plan.num_seqs[0])
+        if plan.num_tokens == n:
+            sched.decode_times.record(n, seconds)
+
     def _apply(self, plan, host, outputs, now, prompt=None) -> list[Delta]:
+        self._timed = plan
         if prompt is not None:  # before the tokens: a first token streams with its prompt's
             self._record_prompt_logprobs(plan, prompt)
         row_of = {rid: s for s, rid in enumerate(plan.request_ids)}

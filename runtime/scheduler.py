@@ -88,6 +88,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import logging
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -100,6 +101,8 @@ from jaxinfer.runtime.page_allocator import PageAllocator, page_hashes
 from jaxinfer.runtime.requests import SamplingParams
 from jaxinfer.runtime.slo import SloConfig, StepTimes, wait_key
 from jaxinfer.runtime.plan import GROUPS, StepPlan, bucket, padding_arrays, pow_buckets
+
+log = logging.getLogger(__name__)
 
 LOGPROBS_BUCKET = 20  # static top-n logprobs width when any row asks for logprobs
 
@@ -239,6 +242,7 @@ class Scheduler:
         # ... and decode-only steps' by live sequence count (the ITL budget's admission cap)
         self.decode_times = decode_times or StepTimes(beyond="linear")
         self.clock = clock
+        self._floor_warned = False
 
         self.token_buckets = tuple(sorted(token_buckets or pow_buckets(8, token_budget)))
         if self.token_buckets[-1] < token_budget:
@@ -502,8 +506,20 @@ class Scheduler:
         """Tokens this step may carry under the ITL budget when it has decodes: the largest
         count whose predicted step time fits (never below the decodes themselves)."""
         fits = [b for b in self.token_buckets if self.step_times.fits(b, self.slo.itl_s)]
-        cap = fits[-1] if fits else self.token_buckets[0]
+        # the decodes' own bucket is never refused: its padding rows cost nothing more
+        own = bucket(self.token_buckets, min(decode_tokens, self.token_buckets[-1]))
+        cap = max(fits[-1] if fits else 0, own)
         return max(min(self.token_budget, cap), decode_tokens)
+
+    def _warn_floor(self) -> None:
+        """Say once when the ITL budget is below a one-sequence decode step: it cannot be met,
+        and requests then run about one at a time."""
+        one = self.decode_times.predict(1)
+        if one is not None and one > self.slo.itl_s and not self._floor_warned:
+            self._floor_warned = True
+            log.warning("the ITL budget (%.0f ms) is below the measured step of one decoding "
+                        "sequence (%.0f ms): it cannot be met; sequences decode one at a time",
+                        self.slo.itl_s * 1e3, one * 1e3)
 
     def decode_candidates(self) -> list:
         """Running sequences in pure decode that may take proposals this step, as
@@ -597,6 +613,7 @@ class Scheduler:
         while self._waiting and self._free_slots and budget > 0 and not preempted:
             if (self.slo.itl_s is not None and self._running  # the decode batch's cap
                     and not self.decode_times.fits(len(self._running) + 1, self.slo.itl_s)):
+                self._warn_floor()
                 break
             seq = self._waiting[0]
             lora = seq.req.lora

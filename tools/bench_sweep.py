@@ -82,6 +82,11 @@ def sweep(args) -> dict:
             for rate in rates:
                 r = asyncio.run(_point(server.port, reqs, rate, args))
                 r["max_slots"] = m
+                sched = served.engine.scheduler  # what the scheduler measured (ms)
+                r["step_ms_by_tokens"] = {k: round(v * 1e3, 1)
+                                          for k, v in sched.step_times.snapshot().items()}
+                r["decode_step_ms_by_seqs"] = {k: round(v * 1e3, 1)
+                                               for k, v in sched.decode_times.snapshot().items()}
                 points.append(r)
                 print(f"max_slots {m:>3} rate {r['rate']!s:>5}: {r['output_token_throughput']:7.1f} "
                       f"tok/s, TTFT p50/p99 {r['ttft_ms']['p50']:.0f}/{r['ttft_ms']['p99']:.0f} ms, "

@@ -351,3 +351,51 @@ def test_live_rows_head_gives_the_all_rows_tokens(tiny_llm, tiny_dir, monkeypatc
     llm = LLM(str(tiny_dir), max_slots=4, page_size=8, max_model_len=248)
     for (n, i), w in want.items():
         assert [o.token_ids for o in llm.generate(prompts[:n], sps[i])] == w, (n, i)
+
+
+def test_engine_times_each_step_from_call_to_call_by_rows_and_decode_batch(llm):
+    """The latency targets' measurements: while work remains, a step() is timed from its start
+    to the next call's (a caller that takes 60 ms between calls makes those steps at least
+    60 ms), the last one by itself; by the token rows of the plan it waited for, and the
+    all-decode steps also by their live sequence count."""
+    import time
+
+    from jaxinfer.runtime.slo import StepTimes
+
+    class Log(StepTimes):
+        def __init__(self):
+            super().__init__()
+            self.log = []
+
+        def record(self, n, seconds):
+            super().record(n, seconds)
+            self.log.append((n, seconds))
+
+    eng = llm.engine
+    sched = eng.scheduler
+
+    def run(pause):
+        ids = [eng.add_request([5, 6, 7, 8 + i], SamplingParams(max_tokens=6, ignore_eos=True))
+               for i in range(3)]
+        steps = 0
+        while eng.has_unfinished():
+            eng.step()
+            steps += 1
+            time.sleep(pause)
+        for rid in ids:
+            assert len(eng.pop(rid).token_ids) == 6
+        return steps
+
+    run(0)  # compiles what this needs (steps that compile are not timed)
+    keep = sched.step_times, sched.decode_times
+    sched.step_times, sched.decode_times = Log(), Log()
+    try:
+        steps = run(0.06)
+        rows, seqs = sched.step_times.log, sched.decode_times.log
+    finally:
+        sched.step_times, sched.decode_times = keep
+    # one prefill and 5 decode steps' results; async: the first call waits for nothing
+    assert len(rows) == 6 and steps == 7
+    assert {n for n, _ in rows} <= set(sched.token_buckets)
+    assert [n for n, _ in seqs] == [3] * 5  # the three decode together
+    assert min(t for _, t in rows[:-1]) >= 0.06 and rows[-1][1] < 0.06

@@ -95,7 +95,7 @@ def test_itl_budget_caps_steps_with_decodes_and_rises_when_steps_get_faster():
     assert step(free)[0].num_tokens == 64
 
 
-def test_decode_batch_is_capped_at_admission_by_the_predicted_decode_step():
+def test_decode_batch_is_capped_at_admission_by_the_predicted_decode_step(caplog):
     clock = Clock()
     dec = StepTimes(beyond="linear")
     for n, ms in ((1, 10.0), (2, 12.0), (4, 16.0)):  # 2 ms per sequence past the weights
@@ -123,6 +123,7 @@ def test_decode_batch_is_capped_at_admission_by_the_predicted_decode_step():
         most = max(most, tight.num_running)
         step(tight)
     assert most == 1
+    assert caplog.text.count("below the measured step of one decoding sequence (10 ms)") == 1
     # no budget: all eight run at once
     free = sched(clock, None, linear(0.1), decode_times=dec)
     for i in range(8):
