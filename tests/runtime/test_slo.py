@@ -124,6 +124,12 @@ def test_decode_batch_is_capped_at_admission_by_the_predicted_decode_step(caplog
         step(tight)
     assert most == 1
     assert caplog.text.count("below the measured step of one decoding sequence (10 ms)") == 1
+    # no token bucket fits (8 rows: 8 ms > 5 ms): decodes go alone, no prompt chunk rides along
+    alone = sched(clock, SloConfig(itl_s=0.005), linear(1.0))
+    add(alone, "a", 5, 0.0, max_tokens=8)
+    step(alone)
+    add(alone, "b", 20, 0.0, max_tokens=2)
+    assert [step(alone)[0].num_tokens for _ in range(3)] == [1, 1, 1]
     # no budget: all eight run at once
     free = sched(clock, None, linear(0.1), decode_times=dec)
     for i in range(8):
