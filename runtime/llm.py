@@ -108,6 +108,8 @@ class LLM:
             draft = self._load_draft(model, speculative, self.config.dtype)
         self.engine = Engine(self.model.cfg, self.model.params, self.tokenizer, self.config,
                              mesh=mesh, draft_model=draft)
+        # the engine's layer weights (sharded, or stored output-major) replace the loaded ones
+        self.model.params = self.model.params.replace(layers=self.engine.params.layers)
         self.warmup_stats: dict | None = None  # {"programs", "seconds"} of warmup()
         if self.config.warmup:
             self.warmup()

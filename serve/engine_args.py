@@ -9,7 +9,7 @@ import sys
 
 from jaxinfer.checkpoints.named import DEFAULT_MODEL
 from jaxinfer.runtime.config import (ATTENTION_BACKENDS, COMPUTE_DTYPES, KV_CACHE_DTYPES,
-                                     QUANTIZATIONS)
+                                     QUANTIZATIONS, WEIGHT_LAYOUTS)
 
 
 def engine_args(p: argparse.ArgumentParser) -> None:
@@ -71,6 +71,9 @@ def engine_args(p: argparse.ArgumentParser) -> None:
                    help="shard params and KV cache over N devices (multi-host: all devices); "
                         "default: on CPU, over the host's cores where the model's heads split "
                         "evenly and it is wide enough to gain (1: one device)")
+    p.add_argument("--weight-layout", choices=WEIGHT_LAYOUTS, default="auto",
+                   help="how dense layer weights are stored: auto = output axes first on CPU "
+                        "(faster small matmuls there), as loaded elsewhere")
     p.add_argument("--distributed", action="store_true",
                    help="join a multi-host job (jax.distributed.initialize; env "
                         "JAXINFER_COORDINATOR_ADDRESS / _NUM_PROCESSES / _PROCESS_ID or "
@@ -90,7 +93,8 @@ def llm_from_args(args):
                 speculative=args.speculative,
                 itl_slo_ms=getattr(args, "itl_slo_ms", None),
                 ttft_slo_ms=getattr(args, "ttft_slo_ms", None),
-                refuse_late=getattr(args, "refuse_late", False))
+                refuse_late=getattr(args, "refuse_late", False),
+                weight_layout=getattr(args, "weight_layout", "auto"))
     modules = lora_modules(getattr(args, "lora_modules", []))
     if modules or getattr(args, "enable_lora", False):
         opts.update(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
