@@ -104,8 +104,9 @@ def attend(
 
 
 _TILE_ROWS = 32  # query rows per tile when a step carries prompt chunks
+_CHUNK_POSITIONS = 64  # KV positions a tile reads per loop iteration (whole pages)
 _GATHER_BYTES = 64 << 20  # K+V gathered at once; more tiles than this run in sequence
-_TILE_GROUPS = 4  # tiles run in up to this many groups (more when the gathers would not fit)
+_TILE_GROUPS = 8  # tiles run in up to this many groups (more when the gathers would not fit)
 _GROUPED_FROM = 8  # ... when there are more tiles than this
 
 
@@ -127,9 +128,12 @@ def xla_ragged_paged_attention(
     v_scale=None,
 ):
     """Query tiles: each sequence's queries are cut into tiles of B rows (B = 1 on decode-only
-    steps, else min(max_q_len, 32)); a tile gathers only the pages its queries can see (with a
-    sliding window, the window's pages, not the whole context) and runs masked attention. Work is
-    (T / B + S) tiles x B rows, not S x max_q_len. Rows of no sequence come back 0.
+    steps, else min(max_q_len, 32)); a tile reads only the pages its queries can see (with a
+    sliding window, the window's pages, not the whole context). Tiles run in groups; a group
+    reads its pages a chunk of C pages at a time (online softmax), for as many chunks as its
+    longest live tile needs: work follows the sequences' lengths, not the page-table width P
+    (a decode of 32 sequences of ~250 tokens in a 512-position table reads ~4 chunks, not 8),
+    and a group with no live tile reads none. Rows of no sequence come back 0.
     int8 pages: the gathered int8 K/V are widened to q's dtype; the per-token scales multiply the
     scores (K) and the probabilities (V), so no dequantized page copy is made."""
     t, hq, dh = q.shape
@@ -140,6 +144,9 @@ def xla_ragged_paged_attention(
     # pages a tile sees: all P, or under a sliding window the pages of its last
     # (window + B - 1) positions (+1 page for misalignment)
     npg = p if sliding_window is None else min(p, -(-(sliding_window + b - 1) // ps) + 1)
+    # chunks covering npg pages (a window narrower than the table is read whole: one chunk)
+    nch = 1 if npg < p else -(-npg // max(1, _CHUNK_POSITIONS // ps))
+    cp = -(-npg // nch)  # (the last chunk padded with the null page)
 
     # tile -> (sequence, first query row within it)
     q_lens = jnp.where(jnp.arange(s) < num_seqs[0], cu_q_lens[1:] - cu_q_lens[:-1], 0)  # [S]
@@ -155,66 +162,88 @@ def xla_ragged_paged_attention(
     if npg < p:
         first_page = jnp.clip((pos0 - sliding_window + 1) // ps, 0, p - npg)
     pages = page_indices[seq[:, None], first_page[:, None] + jnp.arange(npg)]  # [NT, npg]
+    pages = jnp.pad(pages, [(0, 0), (0, nch * cp - npg)])  # [NT, nch * cp]
+    # chunks a tile reads: up to its last visible position (exclusive: min(kv_len, pos0 + B))
+    seen = jnp.minimum(kv_len, pos0 + b) - first_page * ps
+    chunks = jnp.where(tile_live, jnp.clip(-(-seen // (cp * ps)), 0, nch), 0)  # [NT]
 
     i = jnp.arange(b)
     rows = cu_q_lens[seq][:, None] + j0[:, None] + i  # [NT, B]
     row_ok = tile_live[:, None] & (j0[:, None] + i < q_len[:, None])  # [NT, B]
     q_tiles = q[jnp.clip(rows, 0, t - 1)]  # [NT, B, Hq, Dh]
+    n = cp * ps  # positions per chunk
 
-    def tile_attention(x):
-        qt, pg, fp, p0, kvl, ok = x  # one tile each: [B, Hq, Dh], [npg], (), (), (), [B]
-        n = pg.shape[0] * ps
-        k = k_pages[:, pg].reshape(hkv, n, dh)  # [Hkv, L, Dh]
+    def chunk_scores(x, j):
+        """One tile's masked scores [Hkv, B*G, n] and V [Hkv, n, Dh] over chunk j."""
+        qt, pg, fp, p0, kvl, ok = x  # one tile: [B, Hq, Dh], [nch * cp], (), (), (), [B]
+        pg = jax.lax.dynamic_slice_in_dim(pg, j * cp, cp)  # [cp]
+        k = k_pages[:, pg].reshape(hkv, n, dh)  # [Hkv, n, Dh]
         v = v_pages[:, pg].reshape(hkv, n, dh)
-        kv_pos = fp * ps + jnp.arange(n)  # [L]
+        local = j * n + jnp.arange(n)  # [n] position within the tile's npg pages
+        kv_pos = fp * ps + local
         q_pos = p0 + i  # [B]
-        kv_ok = kv_pos < kvl
-        mask = (kv_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :] & ok[:, None]  # [B, L]
+        kv_ok = (kv_pos < kvl) & (local < npg * ps)
+        mask = (kv_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :] & ok[:, None]  # [B, n]
         if sliding_window is not None:
             mask &= q_pos[:, None] - kv_pos[None, :] < sliding_window
         v = jnp.where(kv_ok[None, :, None], v, 0)  # unused slots may hold anything (NaN)
         if k_scale is not None:
             k, v = k.astype(qt.dtype), v.astype(qt.dtype)
         qh = qt.reshape(b, hkv, g, dh).transpose(1, 0, 2, 3).reshape(hkv, b * g, dh)
-        sc = jnp.einsum("hmd,hld->hml", qh, k, preferred_element_type=jnp.float32)
+        sc = jnp.einsum("hmd,hnd->hmn", qh, k, preferred_element_type=jnp.float32)
         if k_scale is not None:
             sc = sc * k_scale[:, pg].reshape(hkv, 1, n)
         sc = sc * sm_scale
         if soft_cap is not None:
             sc = soft_cap * jnp.tanh(sc / soft_cap)
-        m = jnp.repeat(mask, g, axis=0)[None]  # [1, B*G, L] (rows b-major, then g)
+        m = jnp.repeat(mask, g, axis=0)[None]  # [1, B*G, n] (rows b-major, then g)
         sc = jnp.where(m, sc, -jnp.inf)
-        mx = jnp.max(sc, axis=-1, keepdims=True)
-        e = jnp.where(m, jnp.exp(sc - jnp.where(jnp.isfinite(mx), mx, 0)), 0)
-        denom = jnp.sum(e, axis=-1, keepdims=True)
-        pr = e / jnp.where(denom > 0, denom, 1)
         if v_scale is not None:  # unused slots may hold any scale (NaN): keep their weight 0
-            pr = pr * jnp.where(kv_ok, v_scale[:, pg].reshape(hkv, n), 0)[:, None, :]
-        o = jnp.einsum("hml,hld->hmd", pr.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        return o.reshape(hkv, b, g, dh).transpose(1, 0, 2, 3).reshape(b, hq, dh).astype(q.dtype)
+            v_w = jnp.where(kv_ok, v_scale[:, pg].reshape(hkv, n), 0)[:, None, :]
+        else:
+            v_w = None
+        return sc, v, v_w
+
+    def chunk_update(x, j, carry):
+        """Online softmax: fold chunk j into one tile's (max, sum, output) [Hkv, B*G, 1|Dh]."""
+        mx, den, acc = carry
+        sc, v, v_w = chunk_scores(x, j)
+        new = jnp.maximum(mx, jnp.max(sc, axis=-1, keepdims=True))
+        base = jnp.where(jnp.isfinite(new), new, 0)
+        scale = jnp.exp(mx - base)  # 0 while mx is -inf
+        e = jnp.exp(sc - base)  # 0 at masked scores
+        den = den * scale + jnp.sum(e, axis=-1, keepdims=True)
+        if v_w is not None:
+            e = e * v_w
+        o = jnp.einsum("hmn,hnd->hmd", e.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return new, den, acc * scale + o
+
+    def run_group(xg, n_chunks):
+        """Tiles xg (a leading axis of c) through `n_chunks` chunks -> [c, B, Hq, Dh]."""
+        c = xg[0].shape[0]
+        carry = (jnp.full((c, hkv, b * g, 1), -jnp.inf, jnp.float32),
+                 jnp.zeros((c, hkv, b * g, 1), jnp.float32),
+                 jnp.zeros((c, hkv, b * g, dh), jnp.float32))
+        step = jax.vmap(chunk_update, in_axes=(0, None, 0))
+        _, den, acc = jax.lax.fori_loop(0, n_chunks, lambda j, cr: step(xg, j, cr), carry)
+        o = acc / jnp.where(den > 0, den, 1)  # [c, Hkv, B*G, Dh]
+        return o.reshape(c, hkv, b, g, dh).transpose(0, 2, 1, 3, 4).reshape(c, b, hq, dh)
 
     itemsize = jnp.dtype(k_pages.dtype).itemsize
-    per_tile = 2 * npg * ps * hkv * dh * max(itemsize, jnp.dtype(q.dtype).itemsize)
+    per_tile = 2 * n * hkv * dh * max(itemsize, jnp.dtype(q.dtype).itemsize)  # K+V of a chunk
     xs = (q_tiles, pages, first_page, pos0, kv_len, row_ok)
-    if nt <= _GROUPED_FROM:  # few tiles: skipping dead ones saves less than the loop costs
-        batch = max(1, min(nt, _GATHER_BYTES // per_tile))
-        o = (jax.lax.map(tile_attention, xs, batch_size=batch) if batch < nt
-             else jax.vmap(tile_attention)(xs))
+    # tiles per group: all of them when few, else about nt / _TILE_GROUPS (live tiles come
+    # first, so groups past the live ones run no chunk), and never more than fit the budget
+    c = nt if nt <= _GROUPED_FROM else -(-nt // _TILE_GROUPS)
+    c = max(1, min(c, _GATHER_BYTES // per_tile))
+    groups = -(-nt // c)
+    if groups == 1:
+        o = run_group(xs, jnp.max(chunks)).astype(q.dtype)
     else:
-        # Tiles run in groups of c, one group after another; live tiles come first (sequence
-        # rows past num_seqs have none), so a group with no live tile skips its gathers: a
-        # batch-1 decode on 32 slots gathers 8 sequences' pages, not 32
-        c = max(1, min(nt, _GATHER_BYTES // per_tile, -(-nt // _TILE_GROUPS)))
-        groups = -(-nt // c)
-        xs = jax.tree.map(lambda a: jnp.pad(a, [(0, groups * c - nt)] + [(0, 0)] * (a.ndim - 1))
-                          .reshape(groups, c, *a.shape[1:]), xs)  # padded tiles: no live row
-
-        def group(args):
-            g0, x = args
-            return jax.lax.cond(g0 < ends[-1], lambda: jax.vmap(tile_attention)(x),
-                                lambda: jnp.zeros((c, b, hq, dh), q.dtype))
-
-        o = jax.lax.map(group, (jnp.arange(groups) * c, xs))
+        pad = lambda a: jnp.pad(a, [(0, groups * c - nt)] + [(0, 0)] * (a.ndim - 1))  # noqa: E731
+        xs = jax.tree.map(lambda a: pad(a).reshape(groups, c, *a.shape[1:]), xs)
+        need = jnp.max(pad(chunks).reshape(groups, c), axis=1)  # [groups]
+        o = jax.lax.map(lambda a: run_group(*a).astype(q.dtype), (xs, need))
         o = o.reshape(groups * c, b, hq, dh)[:nt]
     dest = jnp.where(row_ok, rows, t).reshape(-1)  # rows of no tile query dropped
     return jnp.zeros_like(q).at[dest].set(o.reshape(nt * b, hq, dh), mode="drop")

@@ -61,10 +61,13 @@ def test_xla_path_matches_reference(heads, head_dim, page_size, window, dtype):
 @pytest.mark.parametrize("seqs,max_q,window,gather_bytes", [
     ([(1, 40), (1, 3), (1, 97)], 1, None, None),  # decode-only: one-row tiles
     ([(1, 40), (1, 3), (1, 97)], 1, 9, None),  # decode under a window: only its pages gathered
+    # 20 decodes: tiles in groups, each reading the chunks its longest sequence needs
+    ([(1, n) for n in (1, 200, 9, 64, 65, 130, 7, 3, 150, 33, 2, 90, 120, 8, 1, 17, 66, 5,
+                       199, 40)], 1, None, None),
     ([(70, 70), (1, 33), (33, 80)], 128, None, None),  # 32-row tiles, a prompt of 3 tiles
     ([(70, 70), (1, 33), (33, 80)], 128, 20, None),
     ([(70, 70), (1, 33), (33, 80)], 128, 20, 1),  # tiles run one at a time (lax.map)
-], ids=["decode", "decode-w9", "tiles", "tiles-w20", "tiles-seq"])
+], ids=["decode", "decode-w9", "decode-groups", "tiles", "tiles-w20", "tiles-seq"])
 def test_xla_path_query_tiles(monkeypatch, seqs, max_q, window, gather_bytes):
     """The tiled XLA path over prompts longer than one tile, windows narrower than the context
     (tiles gather a page window), and the sequential-tiles branch, vs the reference."""
