@@ -144,8 +144,7 @@ def xla_ragged_paged_attention(
     # pages a tile sees: all P, or under a sliding window the pages of its last
     # (window + B - 1) positions (+1 page for misalignment)
     npg = p if sliding_window is None else min(p, -(-(sliding_window + b - 1) // ps) + 1)
-    # chunks covering npg pages (a window narrower than the table is read whole: one chunk)
-    nch = 1 if npg < p else -(-npg // max(1, _CHUNK_POSITIONS // ps))
+    nch = -(-npg // max(1, _CHUNK_POSITIONS // ps))  # chunks covering npg pages
     cp = -(-npg // nch)  # (the last chunk padded with the null page)
 
     # tile -> (sequence, first query row within it)

@@ -211,7 +211,8 @@ class EngineConfig:
     # platform's (MIN_TOKEN_BUCKET; env JAXINFER_MIN_TOKEN_BUCKET overrides it)
     min_token_bucket: int | None = None
     # a step's page-table width (pages per sequence) is padded to a power-of-4 bucket from this
-    # one up (capped at pages_per_seq). None: 1, or env JAXINFER_MIN_PAGE_BUCKET
+    # one up (capped at pages_per_seq). None: env JAXINFER_MIN_PAGE_BUCKET, else one width
+    # (pages_per_seq) with the XLA attention path, 1 with the Pallas kernels
     min_page_bucket: int | None = None
     enable_prefix_caching: bool = True  # share KV pages of common full-page prompt prefixes
     # a dict like {"method": "ngram", "k": 4} is parsed into a SpecConfig on construction

@@ -123,11 +123,14 @@ def min_token_bucket(ecfg: EngineConfig) -> int:
                   MIN_TOKEN_BUCKET.get(jax.default_backend(), 1))
 
 
-def page_buckets(ecfg: EngineConfig, max_pages: int) -> tuple[int, ...]:
+def page_buckets(ecfg: EngineConfig, max_pages: int, backend: str = "xla") -> tuple[int, ...]:
     """Page-table widths up to `max_pages`: powers of 4 from ecfg.min_page_bucket (else env
-    JAXINFER_MIN_PAGE_BUCKET, else 1), the last one `max_pages`. The XLA attention path reads
-    every page of the width, so short sequences get narrow tables; each width is a program."""
-    lo = min(_floor(ecfg.min_page_bucket, "JAXINFER_MIN_PAGE_BUCKET", 1), max_pages)
+    JAXINFER_MIN_PAGE_BUCKET, else the backend's), the last one `max_pages`; each width is a
+    program. The XLA attention path reads only the chunks of pages its sequences fill, whatever
+    the width, so it takes one width (fewer programs to compile); the Pallas kernels walk the
+    table, so short sequences get narrow ones (from 1)."""
+    default = max_pages if backend == "xla" else 1
+    lo = min(_floor(ecfg.min_page_bucket, "JAXINFER_MIN_PAGE_BUCKET", default), max_pages)
     return pow_buckets(lo, max_pages, 4, cap=True)
 
 
@@ -175,7 +178,7 @@ class Engine:
         # a full decode batch (with k proposals per row) always fits
         budget = max(ecfg.prefill_chunk, ecfg.max_slots * (1 + k))
         tokens = pow_buckets(min(min_token_bucket(ecfg), budget), budget, cap=True)
-        pages = page_buckets(ecfg, ecfg.pages_per_seq)
+        pages = page_buckets(ecfg, ecfg.pages_per_seq, self.backend)
         self.scheduler = Scheduler(
             max_slots=ecfg.max_slots, num_pages=ecfg.total_pages, page_size=ecfg.page_size,
             max_model_len=ecfg.max_model_len, token_budget=budget, token_buckets=tokens,
@@ -250,7 +253,8 @@ class Engine:
                 dcfg, dparams, k=sp.k, max_slots=e.max_slots, page_size=e.page_size,
                 num_pages=e.total_pages + extra, token_budget=budget, backend=self.backend,
                 # a shadow holds up to k proposals past max_model_len
-                page_buckets=page_buckets(e, -(-(e.max_model_len + sp.k) // e.page_size)),
+                page_buckets=page_buckets(e, -(-(e.max_model_len + sp.k) // e.page_size),
+                                         self.backend),
                 dtype=kv_dtype)
         self._verify = make_verify(self.cfg, self.backend, vocab_limit=self.text_vocab)
 

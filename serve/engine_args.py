@@ -35,8 +35,9 @@ def engine_args(p: argparse.ArgumentParser) -> None:
                    help="smallest token-row bucket a step pads to (default: 16 on TPU/GPU, 1 "
                         "on CPU; env JAXINFER_MIN_TOKEN_BUCKET)")
     p.add_argument("--min-page-bucket", type=int, default=None,
-                   help="narrowest page table a step pads to, in pages (default 1; env "
-                        "JAXINFER_MIN_PAGE_BUCKET): fewer step programs, more attention work")
+                   help="narrowest page table a step pads to, in pages (env JAXINFER_MIN_PAGE_BUCKET; "
+                        "default: every page with the XLA attention path, which reads only the "
+                        "pages sequences fill; 1 with the Pallas kernels, which walk the table)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="do not share KV pages of common prompt prefixes")
     p.add_argument("--no-async-scheduling", action="store_true",

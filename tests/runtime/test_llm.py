@@ -234,12 +234,14 @@ def test_min_page_bucket_sets_the_narrowest_page_table_and_changes_no_output(tin
     a, b = narrow.generate(prompts, sp), wide.generate(prompts, sp)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert all(o.metrics["acceptance_rate"] == 1.0 for o in a)  # draft = target
-    # the field, then env JAXINFER_MIN_PAGE_BUCKET, then 1; capped at the most pages
+    # the field, then env JAXINFER_MIN_PAGE_BUCKET, then the backend's (XLA: one width, the
+    # attention reads only filled chunks; Pallas: from 1); capped at the most pages
+    monkeypatch.delenv("JAXINFER_MIN_PAGE_BUCKET")
+    assert page_buckets(EngineConfig(), 40) == (40,)
+    assert page_buckets(EngineConfig(), 40, "pallas_tpu") == (1, 4, 16, 40)
     monkeypatch.setenv("JAXINFER_MIN_PAGE_BUCKET", "16")
     assert page_buckets(EngineConfig(min_page_bucket=2), 40) == (2, 8, 32, 40)
     assert page_buckets(EngineConfig(), 40) == (16, 40) and page_buckets(EngineConfig(), 5) == (5,)
-    monkeypatch.delenv("JAXINFER_MIN_PAGE_BUCKET")
-    assert page_buckets(EngineConfig(), 40) == (1, 4, 16, 40)
     for bad in ("0", "-3"):
         monkeypatch.setenv("JAXINFER_MIN_PAGE_BUCKET", bad)
         with pytest.raises(ValueError, match="JAXINFER_MIN_PAGE_BUCKET"):
