@@ -35,6 +35,7 @@ from jaxinfer.runtime.scheduler import Request, Scheduler
 from jaxinfer.runtime.steps import make_step, sampled_tokens
 from jaxinfer.runtime.structured import Constraints, Grammars
 from jaxinfer.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+from jaxinfer.runtime.fused_projections import fuse_projections
 from jaxinfer.runtime.weight_layout import (cpu_pieces, output_major_layers,
                                             use_output_major)
 
@@ -138,6 +139,7 @@ class Engine:
     def __init__(self, cfg: ModelConfig, params: Params, tokenizer: Tokenizer, ecfg: EngineConfig,
                  mesh=None, draft_model=None):
         self.adapters = None  # runtime.adapters.Adapters with enable_lora
+        loaded = params
         if ecfg.enable_lora:
             params = self._init_lora(cfg, params, ecfg)
         self.cfg, self.params, self.tokenizer, self.ecfg = cfg, params, tokenizer, ecfg
@@ -150,6 +152,13 @@ class Engine:
             from jaxinfer.runtime.sharding import make_mesh
 
             self.mesh = make_mesh(ecfg.tensor_parallel)
+        output_major = self.mesh is None and use_output_major(ecfg.weight_layout,
+                                                              jax.default_backend())
+        fuse = ecfg.fuse_projections
+        if fuse or (fuse is None and not output_major):
+            # one QKV and one gate/up weight (runtime/fused_projections.py)
+            tp = 1 if self.mesh is None else self.mesh.shape["model"]
+            params = self.params = fuse_projections(params, tp)
         make_cache = lambda: init_cache(cfg, ecfg.total_pages, ecfg.page_size, kv_dtype)  # noqa: E731
         if self.mesh is None:
             self._new_cache = make_cache
@@ -158,13 +167,12 @@ class Engine:
 
             self.params = shard_params(params, self.mesh)
             self._new_cache = lambda: init_sharded_cache(make_cache, self.mesh)  # noqa: E731
-        if self.mesh is None and use_output_major(ecfg.weight_layout, jax.default_backend()):
+        if output_major:
             # layer weights stored [out, in], a piece per core (runtime/weight_layout.py). Not
             # when split over host devices: the mixed workload measured 282 vs 288 tok/s there
-            loaded = self.params
             self.params = output_major_layers(self.params, cpu_pieces())
-            if draft_model is not None and draft_model[1] is loaded:  # the target drafts itself
-                draft_model = (draft_model[0], self.params)
+        if draft_model is not None and draft_model[1] is loaded:  # the target drafts itself
+            draft_model = (draft_model[0], self.params)
         self.cache = self._new_cache()
         # ids the tokenizer can decode: a vocabulary padded past the tokenizer's (Qwen2.5: 151936
         # rows, 151665 tokens) never samples the padding rows

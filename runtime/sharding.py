@@ -59,9 +59,11 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "wq": ("embed", "heads", "head_dim"),  # [D, Hq, Dh]
     "wk": ("embed", "kv_heads", "head_dim"),  # [D, Hkv, Dh]
     "wv": ("embed", "kv_heads", "head_dim"),
+    "wqkv": ("embed", "kv_heads", None, "head_dim"),  # [D, Hkv, G + 2, Dh]
     "wo": ("heads", "head_dim", "embed"),  # [Hq, Dh, D]
     "w_gate": ("embed", "mlp"),  # [D, F]
     "w_up": ("embed", "mlp"),
+    "w_gate_up": ("embed", "mlp", None),  # [D, F, 2]
     "w_down": ("mlp", "embed"),  # [F, D]
     "router": ("embed", None),  # [D, E] (replicated: every device routes every token)
     "we_gate": ("expert", "embed", "mlp"),  # [E, D, Fe]: split by expert first

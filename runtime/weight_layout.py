@@ -26,6 +26,7 @@ from jaxinfer.runtime.quantization import parse_einsum
 # The axes each layer weight's einsum in runtime/model.py contracts (the rest are its outputs).
 CONTRACTED_AXES: dict[str, tuple[int, ...]] = {
     "wq": (0,), "wk": (0,), "wv": (0,),  # [D, H, Dh]: "td,dhk->thk"
+    "wqkv": (0,), "w_gate_up": (0,),  # "td,dhgk->thgk", "td,dfc->tfc" (fused_projections.py)
     "wo": (0, 1),  # [Hq, Dh, D]: "thk,hkd->td"
     "w_gate": (0,), "w_up": (0,), "w_down": (0,),  # "td,df->tf", "tf,fd->td"
 }

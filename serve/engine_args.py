@@ -75,6 +75,9 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-layout", choices=WEIGHT_LAYOUTS, default="auto",
                    help="how dense layer weights are stored: auto = output axes first on CPU "
                         "(faster small matmuls there), as loaded elsewhere")
+    p.add_argument("--fuse-projections", action=argparse.BooleanOptionalAction, default=None,
+                   help="Q/K/V and gate/up as one weight each, split after the product "
+                        "(default: yes, except with CPU's output-major layer weights)")
     p.add_argument("--distributed", action="store_true",
                    help="join a multi-host job (jax.distributed.initialize; env "
                         "JAXINFER_COORDINATOR_ADDRESS / _NUM_PROCESSES / _PROCESS_ID or "
@@ -95,7 +98,8 @@ def llm_from_args(args):
                 itl_slo_ms=getattr(args, "itl_slo_ms", None),
                 ttft_slo_ms=getattr(args, "ttft_slo_ms", None),
                 refuse_late=getattr(args, "refuse_late", False),
-                weight_layout=getattr(args, "weight_layout", "auto"))
+                weight_layout=getattr(args, "weight_layout", "auto"),
+                fuse_projections=getattr(args, "fuse_projections", None))
     modules = lora_modules(getattr(args, "lora_modules", []))
     if modules or getattr(args, "enable_lora", False):
         opts.update(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,

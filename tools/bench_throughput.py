@@ -94,7 +94,8 @@ def run(args) -> dict:
     from jaxinfer.tools.bench_attention import copy_bandwidth
 
     opts = dict(dtype=args.dtype, max_slots=args.max_slots, page_size=args.page_size,
-                max_model_len=args.max_model_len, prefill_chunk=args.prefill_chunk)
+                max_model_len=args.max_model_len, prefill_chunk=args.prefill_chunk,
+                fuse_projections=getattr(args, "fuse_projections", None))
     if args.num_pages:
         opts["num_pages"] = args.num_pages
     if args.quantization:
@@ -238,6 +239,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="also run a second engine with asynchronous scheduling off")
     p.add_argument("--decode-contexts", default="", help="e.g. 512,2048,8192 (needs max-model-len)")
     p.add_argument("--out", default=None, help="write the JSON report here")
+    p.add_argument("--fuse-projections", action=argparse.BooleanOptionalAction, default=None,
+                   help="Q/K/V and gate/up as one weight each (default: as the engine picks)")
     p.add_argument("--speculative", default=None,
                    help='speculative decoding as JSON, e.g. \'{"method": "ngram", "k": 4}\'')
 
