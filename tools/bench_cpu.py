@@ -5,9 +5,10 @@
 
 1. Matmul table: a chain of 16 [M, D] x [D, D] products (D = --width, tanh between, one jitted
    program) at M = 1, 8, 32, 256; microseconds per product, median of --repeats:
-   XLA on one device; XLA split over the host devices (column-split then row-split products
-   with an all-reduce, as tensor parallelism lays a layer out); torch with one thread and with
-   every core (when torch is installed).
+   XLA on one device; XLA with each weight output-major in a piece per core (the engine's
+   unsplit CPU layout, runtime/weight_layout.py); XLA split over the host devices (column-split
+   then row-split products with an all-reduce, as tensor parallelism lays a layer out); torch
+   with one thread and with every core (when torch is installed).
 2. Step kinds on --model: decode steps of 1 / 8 / 32 sequences (median inter-token latency) and
    a mixed step (one 256-token prompt chunk, time to first token): matmul GFLOP/s achieved
    (2 x rows x layer weights, plus the vocabulary projection per logits row) beside the chain's
@@ -61,7 +62,20 @@ def matmul_table(width: int, repeats: int) -> dict:
             x = jnp.tanh(x @ w)
         return x
 
-    out: dict[str, dict[int, float]] = {"XLA, one device": {}}
+    # the engine's layout on one CPU device: each weight output-major, a piece per core
+    from jaxinfer.runtime.weight_layout import OutputMajor, cpu_pieces
+
+    pieces = cpu_pieces()
+    oms = [OutputMajor.of(jnp.asarray(w), (0,), pieces) for w in ws]
+
+    @jax.jit
+    def om_chain(x, oms):
+        for w in oms:
+            x = jnp.tanh(w.einsum("md,de->me", x))
+        return x
+
+    engine_row = f"XLA, output-major in {pieces} pieces (engine)"
+    out: dict[str, dict[int, float]] = {"XLA, one device": {}, engine_row: {}}
     n = jax.device_count()
     if n > 1 and width % n == 0:
         from jaxinfer.runtime.sharding import make_mesh
@@ -73,6 +87,7 @@ def matmul_table(width: int, repeats: int) -> dict:
     for m in ROWS:
         x = jnp.asarray(rng.standard_normal((m, width)).astype(np.float32))
         out["XLA, one device"][m] = _median_us(chain, (x, [jnp.asarray(w) for w in ws]), repeats)
+        out[engine_row][m] = _median_us(om_chain, (x, oms), repeats)
         if n > 1 and width % n == 0:
             xr = jax.device_put(x, NamedSharding(mesh, P()))
             out[f"XLA, split over {n} host devices"][m] = _median_us(chain, (xr, split), repeats)
@@ -224,9 +239,9 @@ def main(argv=None) -> int:
     rep = {"platform": jax.default_backend(), "devices": jax.device_count(),
            "matmul_us": matmul_table(a.width, a.repeats)}
     print(f"[M, {a.width}] x [{a.width}, {a.width}], us per product (median of {a.repeats}):")
-    print(f"{'':34s}" + "".join(f"{'M=' + str(m):>10s}" for m in ROWS))
+    print(f"{'':44s}" + "".join(f"{'M=' + str(m):>10s}" for m in ROWS))
     for name, row in rep["matmul_us"].items():
-        print(f"{name:34s}" + "".join(f"{row[m]:10.1f}" for m in ROWS))
+        print(f"{name:44s}" + "".join(f"{row[m]:10.1f}" for m in ROWS))
     opts = {"max_slots": a.max_slots, "max_model_len": 512}
     if a.tensor_parallel is not None:
         opts["tensor_parallel"] = a.tensor_parallel

@@ -10,6 +10,7 @@ def test_layer_weights_and_step_kinds(tiny_llm):
     assert bench_cpu._layer_weights(tiny_llm.model.params) == 2 * per_layer
     table = bench_cpu.matmul_table(64, repeats=2)
     assert "XLA, one device" in table and "torch, 1 thread" in table
+    assert any(name.startswith("XLA, output-major in") for name in table)
     assert all(set(row) == set(bench_cpu.ROWS) and min(row.values()) > 0
                for row in table.values())
     steps = bench_cpu.step_kinds(tiny_llm, repeats=1)
