@@ -19,6 +19,7 @@ import pytest
 from jaxinfer.pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 from jaxinfer.runtime.attention import resolve_backend, xla_ragged_paged_attention
 from jaxinfer.runtime.config import ModelConfig
+from jaxinfer.runtime.fused_projections import fuse_projections
 from jaxinfer.runtime.kv_cache import init_cache
 from jaxinfer.runtime.model import init_params
 from jaxinfer.runtime.plan import STEP_GROUPS, fields_of
@@ -138,9 +139,12 @@ GEMMA3_270M = ModelConfig(
 TRITON_OK = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
 
 
-def _step_args(cfg, dtype, t, s, p, num_pages=64, page_size=16):
+def _step_args(cfg, dtype, t, s, p, num_pages=64, page_size=16, fused=False):
+    """Abstract step arguments; `fused`: Q/K/V and gate/up joined, as engines on TPU/GPU hold
+    them (runtime/fused_projections.py)."""
     sds = jax.ShapeDtypeStruct
-    params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), dtype=dtype))
+    fuse = fuse_projections if fused else (lambda x: x)
+    params = jax.eval_shape(lambda: fuse(init_params(cfg, jax.random.key(0), dtype=dtype)))
     cache = jax.eval_shape(lambda: init_cache(cfg, num_pages, page_size, dtype))
     dims = {"T": t, "S": s, "P": p, "K": 0, "W": -(-cfg.vocab_size // 32)}
     arrays = {f.name: sds(f.extent(dims), f.dtype) for f in fields_of(*STEP_GROUPS)}
@@ -167,10 +171,12 @@ def test_step_exports_with_pallas(platform, model, dtype, shape):
     with cuda_target() if platform == "cuda" else contextlib.nullcontext():
         exported = jax.export.export(jax.jit(f), platforms=[platform],
                                      disabled_checks=TRITON_OK if platform == "cuda" else ())(
-            *_step_args(cfg, dtype, t, s=8, p=8))
+            *_step_args(cfg, dtype, t, s=8, p=8, fused=True))
     packed = exported.out_avals[0]
     assert packed.shape == (8, 1 + 1 + 2 * 20) and packed.dtype == jnp.float32
     text = exported.mlir_module()
+    hkv, g, d = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.hidden_size
+    assert f"tensor<{d}x{hkv}x{g + 2}x{cfg.head_dim}x" in text  # the fused Q/K/V weight
     assert ("tpu_custom_call" if platform == "tpu" else "__gpu$xla.gpu.triton") in text
 
 

@@ -18,6 +18,7 @@ from jaxinfer.checkpoints.hf import load_hf
 from jaxinfer.checkpoints.peft import load_peft_adapter
 from jaxinfer.runtime import lora as lora_ops
 from jaxinfer.runtime.attention import AttentionMetadata
+from jaxinfer.runtime.fused_projections import fuse_projections
 from jaxinfer.runtime.kv_cache import init_cache
 from jaxinfer.runtime.lora_slots import LoraSlots
 from jaxinfer.runtime.model import forward
@@ -76,11 +77,16 @@ def _ragged_metadata(lens: list[int], page_size: int = 8) -> tuple[AttentionMeta
         logits_indices=jnp.arange(t, dtype=jnp.int32), max_q_len=max(lens)), page
 
 
-def test_one_ragged_batch_of_base_and_three_adapters_matches_hf_peft(family):
+@pytest.mark.parametrize("fused", [False, True], ids=["apart", "fused"])
+def test_one_ragged_batch_of_base_and_three_adapters_matches_hf_peft(family, fused):
     """One forward over four sequences (base model, then each adapter), adapters in device slots
-    in another order: each sequence's logits within 1e-4 of HF + PEFT on that adapter alone."""
+    in another order: each sequence's logits within 1e-4 of HF + PEFT on that adapter alone,
+    with the base's Q/K/V and gate/up apart or fused (the adapters add per projection)."""
     base, adapters, hf = family
     cfg, params = load_hf(base)
+    if fused:
+        params = fuse_projections(params)
+        assert params.layers[0].wqkv is not None and params.layers[0].w_gate_up is not None
     names = list(adapters)
     stack = lora_ops.init_lora(cfg, 4, 16)
     slot_of = {"qv-rs": 1, "mlp-o": 2, "every-proj": 4}  # slot 3 stays empty
