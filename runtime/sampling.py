@@ -69,6 +69,27 @@ def filter_logits(
     return jnp.take_along_axis(kept, inv, axis=-1)
 
 
+_RUN = 128  # entries per run in row_argmax's first pass
+
+
+def row_argmax(x: jax.Array) -> jax.Array:
+    """`jnp.argmax(x, axis=-1)` as int32 (the first index of the max; NaN counts as the max) in
+    two passes: the max of each run of 128 entries, then the first run holding the row's max
+    and the first max within it. XLA:CPU's one-pass argmax (a variadic reduce) is far slower:
+    Gemma 3 270M's [16, 262144] logits 5.9 vs 0.6 ms, one row 0.78 vs 0.13 ms."""
+    v = x.shape[-1]
+    if v < 2 * _RUN:
+        return jnp.argmax(x, axis=-1).astype(jnp.int32)
+    if v % _RUN:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, -v % _RUN)], constant_values=-jnp.inf)
+    runs = x.reshape(*x.shape[:-1], -1, _RUN)  # [..., V / 128, 128]
+    # XLA:CPU's vectorised max reduction may drop a NaN: a run holding one is marked NaN
+    peak = jnp.where(jnp.any(jnp.isnan(runs), axis=-1), jnp.nan, jnp.max(runs, axis=-1))
+    run = jnp.argmax(peak, axis=-1)  # [...] the first run holding the row's max (or a NaN)
+    within = jnp.take_along_axis(runs, run[..., None, None], axis=-2)[..., 0, :]  # [..., 128]
+    return (run * _RUN + jnp.argmax(within, axis=-1)).astype(jnp.int32)
+
+
 def sample(
     logits: jax.Array,  # [S, V] f32
     temperature: jax.Array,  # [S]
@@ -80,7 +101,7 @@ def sample(
     *,
     filtered: bool,  # static: any row has top_k / top_p / min_p set
 ) -> jax.Array:  # [S] int32
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = row_argmax(logits)
 
     def drawn() -> jax.Array:
         t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
@@ -89,8 +110,7 @@ def sample(
             scaled = filter_logits(scaled, top_k, top_p, min_p)
         keys = row_keys(seeds, positions)
         gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(keys)
-        return jnp.where(temperature > 0, jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32),
-                         greedy)
+        return jnp.where(temperature > 0, row_argmax(scaled + gumbel), greedy)
 
     # all-greedy steps skip the noise (S x V draws) at run time; one compiled program
     return jax.lax.cond(jnp.any(temperature > 0), drawn, lambda: greedy)
@@ -122,7 +142,7 @@ def probs_of(logits, temperature, top_k, top_p, min_p, *, filtered: bool):
 def gumbel_pick(keys, log_dist):
     """argmax(log_dist + Gumbel(key)) per row: one draw from the (unnormalized) distribution."""
     g = jax.vmap(lambda k: jax.random.gumbel(k, (log_dist.shape[-1],), jnp.float32))(keys)
-    return jnp.argmax(log_dist + g, axis=-1).astype(jnp.int32)
+    return row_argmax(log_dist + g)
 
 
 def accept(
@@ -153,7 +173,7 @@ def accept(
     K = K1 - 1
     rows = jnp.arange(S)
     greedy_row = temperature <= 0
-    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [S, K+1]
+    argmax = row_argmax(logits)  # [S, K+1]
     p = probs_of(logits, temperature[:, None], top_k[:, None], top_p[:, None], min_p[:, None],
                  filtered=filtered)  # [S, K+1, V]
     if q is None:

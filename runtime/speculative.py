@@ -31,7 +31,7 @@ from jaxinfer.runtime.kv_cache import init_cache
 from jaxinfer.runtime.model import forward
 from jaxinfer.runtime.page_allocator import PageAllocator
 from jaxinfer.runtime.plan import STEP_GROUPS, bucket, padding_arrays, pow_buckets
-from jaxinfer.runtime.sampling import gumbel_pick, probs_of, row_keys
+from jaxinfer.runtime.sampling import gumbel_pick, probs_of, row_argmax, row_keys
 from jaxinfer.runtime.steps import Launches, shared_jit
 
 # ---------------------------------------------------------------------------------- proposals
@@ -116,7 +116,7 @@ def draft_step(params, cache, arrays, *, cfg, backend, max_q_len, filtered, want
         logits_indices=arrays["logits_indices"], max_q_len=max_q_len,
     )
     logits, cache = forward(params, arrays["token_ids"], cache, md, cfg, backend)  # [S, V]
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = row_argmax(logits)
     if not want_q:
         return greedy, None, cache
     q = probs_of(logits, arrays["temperature"], arrays["top_k"], arrays["top_p"], arrays["min_p"],
