@@ -257,6 +257,9 @@ class EngineConfig:
         for name in ("max_slots", "page_size", "max_model_len", "prefill_chunk", "tensor_parallel"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.fuse_projections not in (None, True, False):
+            raise ValueError("fuse_projections must be True, False or None (auto), "
+                             f"got {self.fuse_projections!r}")
         if self.weight_layout not in WEIGHT_LAYOUTS:
             raise ValueError(
                 f"weight_layout must be one of {WEIGHT_LAYOUTS}, got {self.weight_layout!r}")

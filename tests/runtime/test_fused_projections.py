@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.checkpoints.quantize import quantize_params
-from jaxinfer.runtime.config import ModelConfig
+from jaxinfer.runtime.config import EngineConfig, ModelConfig
 from jaxinfer.runtime.fused_projections import fuse_layer, fuse_projections, split_qkv
 from jaxinfer.runtime.model import init_params
 from jaxinfer.runtime.quantization import QuantizedArray, einsum
@@ -63,10 +63,9 @@ def test_quantized_weights_join_with_their_scales(fmt, mode):
         np.testing.assert_allclose(np.asarray(y), np.asarray(einsum("td,dhk->thk", x, w)),
                                    rtol=2e-5, atol=2e-5)
     gu = einsum("td,dfc->tfc", x, fused.w_gate_up)
-    np.testing.assert_allclose(np.asarray(gu[..., 0]), np.asarray(einsum("td,df->tf", x, lp.w_gate)),
-                               rtol=2e-5, atol=2e-5)
-    np.testing.assert_allclose(np.asarray(gu[..., 1]), np.asarray(einsum("td,df->tf", x, lp.w_up)),
-                               rtol=2e-5, atol=2e-5)
+    for c, w in enumerate((lp.w_gate, lp.w_up)):
+        np.testing.assert_allclose(np.asarray(gu[..., c]), np.asarray(einsum("td,df->tf", x, w)),
+                                   rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("layout", ["as_loaded", "output_major"])
@@ -114,3 +113,5 @@ def test_engine_setting(tiny_llm, tiny_dir):
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
     assert ([o.token_ids for o in tiny_llm.generate(prompts, sp)]
             == [o.token_ids for o in fused.generate(prompts, sp)])
+    with pytest.raises(ValueError, match="fuse_projections must be True, False or None"):
+        EngineConfig(fuse_projections="yes")
