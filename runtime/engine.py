@@ -26,6 +26,7 @@ import numpy as np
 
 from jaxinfer.runtime.attention import resolve_backend
 from jaxinfer.runtime.config import MIN_TOKEN_BUCKET, EngineConfig, ModelConfig
+from jaxinfer.runtime.fused_projections import fuse_projections
 from jaxinfer.runtime.request_error import RequestError
 from jaxinfer.runtime.requests import Limits, SamplingParams, check_request
 from jaxinfer.runtime.kv_cache import init_cache
@@ -35,7 +36,6 @@ from jaxinfer.runtime.scheduler import Request, Scheduler
 from jaxinfer.runtime.steps import make_step, sampled_tokens
 from jaxinfer.runtime.structured import Constraints, Grammars
 from jaxinfer.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
-from jaxinfer.runtime.fused_projections import fuse_projections
 from jaxinfer.runtime.weight_layout import (cpu_pieces, output_major_layers,
                                             use_output_major)
 
