@@ -56,11 +56,13 @@ def _join(ws: list, shapes: list[tuple[int, ...]], axis: int):
 
 
 def fuse_layer(lp, tensor_parallel: int = 1):
-    """LayerParams with wqkv / w_gate_up in place of the separate weights, where they join."""
+    """LayerParams with wqkv / w_gate_up in place of the separate weights, where they join
+    (a layer already fused stays as it is)."""
     upd = {}
-    hq, dh = lp.wq.shape[1:]
-    hkv = lp.wk.shape[1]
-    if hkv % tensor_parallel == 0 or tensor_parallel == 1:  # else K/V replicate, Q shards
+    # K/V heads that do not split over the devices replicate while Q shards: kept apart
+    if lp.wq is not None and lp.wk.shape[1] % tensor_parallel == 0:
+        hq, dh = lp.wq.shape[1:]
+        hkv = lp.wk.shape[1]
         g = hq // hkv
         shapes = [(hkv, g, dh), (hkv, 1, dh), (hkv, 1, dh)]
         qkv = [lp.wq, lp.wk, lp.wv]

@@ -34,6 +34,7 @@ def test_split_gives_each_head_its_own_product(kv_heads):
     lp, fused = params.layers[0], fuse_layer(params.layers[0])
     g = 4 // kv_heads
     assert fused.wq is None and fused.wqkv.shape == (32, kv_heads, g + 2, 8)
+    assert fuse_layer(fused).wqkv is fused.wqkv  # fusing twice changes nothing
     assert fused.w_gate is None and fused.w_gate_up.shape == (32, 48, 2)
     x = np.random.default_rng(0).standard_normal((5, 32)).astype(np.float32)
     q, k, v = split_qkv(jnp.einsum("td,dhgk->thgk", x, fused.wqkv, precision=HI))
