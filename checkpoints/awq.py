@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.checkpoints.smoothing import calibration_tokens, record_inputs
-from jaxinfer.runtime.quantization import int4_fake
+from jaxinfer.runtime.device.quantization import int4_fake
 
 # (what divides by s, its kind, the weights whose rows multiply by s)
 FOLDS = (("attn_norm", "norm", ("wq", "wk", "wv")),

@@ -44,8 +44,8 @@ from jaxinfer.checkpoints.errors import CheckpointError
 from jaxinfer.checkpoints.hf import assemble_params
 from jaxinfer.checkpoints.quantize import WEIGHT_REDUCE_AXES, weight_name
 from jaxinfer.runtime.config import ConfigError, ModelConfig, RopeScaling
-from jaxinfer.runtime.model import Params, init_params
-from jaxinfer.runtime.quantization import QuantizedArray, pack_nibbles
+from jaxinfer.runtime.device.model import Params, init_params
+from jaxinfer.runtime.device.quantization import QuantizedArray, pack_nibbles
 
 try:  # the import is cheap, but keep a clear message if the package is absent
     import gguf
@@ -314,7 +314,7 @@ def _rope_scaling(m: _Meta, a: str, reader, head_dim: int, theta: float) -> Rope
     stored = np.asarray(_dequantize(t, m.source), np.float32).reshape(-1)
     if np.allclose(stored, 1.0):
         return None
-    from jaxinfer.runtime.model import rope_inv_freq
+    from jaxinfer.runtime.device.model import rope_inv_freq
 
     orig = int(m.get(a + "rope.scaling.original_context_length") or 8192)
     cand = RopeScaling(kind="llama3", factor=float(stored.max()), low_freq_factor=1.0,
@@ -571,7 +571,7 @@ def _check_unsupported_types(reader, source: str) -> None:
             )
 
 
-def _is_quantized(a) -> bool:  # a runtime.quantization.QuantizedArray counts as one leaf
+def _is_quantized(a) -> bool:  # a runtime.device.quantization.QuantizedArray counts as one leaf
     return hasattr(a, "dequantize")
 
 
@@ -623,9 +623,9 @@ def load_gguf(path: str | os.PathLike, dtype=jnp.float32, *, reader=None, place=
 
 
 def load_gguf_tokenizer(path: str | os.PathLike, *, reader=None):
-    """The tokenizer stored in the GGUF's metadata (runtime.tokenizer.tokenizer_from_gguf).
+    """The tokenizer stored in the GGUF's metadata (runtime.host.tokenizer.tokenizer_from_gguf).
     Pass the `reader` already used for load_gguf to avoid parsing the header twice."""
-    from jaxinfer.runtime.tokenizer import TokenizerError, tokenizer_from_gguf
+    from jaxinfer.runtime.host.tokenizer import TokenizerError, tokenizer_from_gguf
 
     if reader is None:
         reader = open_gguf(path)

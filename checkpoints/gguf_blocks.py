@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-PACKED_KINDS = ("Q4_0", "Q4_1", "Q4_K")  # kept two values a byte (runtime.quantization)
+PACKED_KINDS = ("Q4_0", "Q4_1", "Q4_K")  # kept two values a byte (runtime.device.quantization)
 GROUP_SIZES = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32,
                "Q4_K": 32, "Q5_K": 32, "Q6_K": 16}
 _BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),

@@ -18,7 +18,7 @@ from jaxinfer.checkpoints.errors import CheckpointError, read_json_object
 from jaxinfer.checkpoints.hf_config import from_hf_config
 from jaxinfer.checkpoints.hf_int4 import group_linears, scheme_of
 from jaxinfer.runtime.config import ConfigError, ModelConfig
-from jaxinfer.runtime.model import LayerParams, Params
+from jaxinfer.runtime.device.model import LayerParams, Params
 
 # Prefixes of multimodal / wrapped checkpoints around the text model.
 _PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
@@ -223,12 +223,12 @@ def load_hf(path: str | Path, dtype=jnp.float32, place: Callable | None = None,
     return cfg, params
 
 
-def _is_quantized(a) -> bool:  # a runtime.quantization.QuantizedArray counts as one leaf
+def _is_quantized(a) -> bool:  # a runtime.device.quantization.QuantizedArray counts as one leaf
     return hasattr(a, "dequantize")
 
 
 def _check_shapes(cfg: ModelConfig, params: Params, path: Path) -> None:
-    from jaxinfer.runtime.model import init_params
+    from jaxinfer.runtime.device.model import init_params
     import jax
 
     want = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))

@@ -6,7 +6,7 @@ Each format's linear layer is a few tensors (packed int32 values, f16/bf16 scale
 ...); `group_linears` collects them as the safetensors stream passes and yields one
 `Int4Linear` per layer: unsigned values q [out, in] in 0..15 and per-group scales / offsets
 [out, in / g], w = q * scale + offset (offset = -zero * scale). Its `layout` makes the runtime's
-int4 QuantizedArray in the param's layout (runtime/quantization.py), or None when the groups do
+int4 QuantizedArray in the param's layout (runtime/device/quantization.py), or None when the groups do
 not fit that layout (act-order groups, or a group wider than o_proj's head_dim): the loader then
 takes `dense()`, the exact f32 weight.
 
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.checkpoints.errors import CheckpointError
-from jaxinfer.runtime.quantization import QuantizedArray, pack_nibbles
+from jaxinfer.runtime.device.quantization import QuantizedArray, pack_nibbles
 
 AWQ_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)  # AWQ: output column j of 8 sits in nibble AWQ_NIBBLE[j]
 

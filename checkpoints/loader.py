@@ -12,8 +12,8 @@ import jax.numpy as jnp
 from jaxinfer.checkpoints.errors import CheckpointError
 from jaxinfer.checkpoints.named import DEFAULT_MODEL
 from jaxinfer.runtime.config import COMPUTE_DTYPES, ModelConfig
-from jaxinfer.runtime.model import Params
-from jaxinfer.runtime.tokenizer import Tokenizer, check_compatible, load_tokenizer
+from jaxinfer.runtime.device.model import Params
+from jaxinfer.runtime.host.tokenizer import Tokenizer, check_compatible, load_tokenizer
 
 
 

@@ -22,7 +22,7 @@ import orbax.checkpoint as ocp
 
 from jaxinfer.checkpoints.errors import CheckpointError
 from jaxinfer.runtime.config import ModelConfig
-from jaxinfer.runtime.model import Params, init_params
+from jaxinfer.runtime.device.model import Params, init_params
 
 MANIFEST = "jaxinfer.json"
 FORMAT = "jaxinfer-orbax"
@@ -76,13 +76,13 @@ def read_manifest(path: Path) -> dict:
 def load_converted(path: str | Path, dtype=None, place=None, mesh=None
                    ) -> tuple[ModelConfig, Params]:
     """Restore params saved by `save_converted`. `dtype` None keeps the saved dtype.
-    `mesh` (tensor parallel): restore straight into the shards `runtime.sharding` assigns, on
+    `mesh` (tensor parallel): restore straight into the shards `runtime.device.sharding` assigns, on
     any layout whatever the one saved (each device reads only its slice).
     Quantized params (manifest "quantization") are restored as saved, bit-exact, with no
     re-quantization; `place` (a quantizing hook) then applies only to unquantized params."""
     from jaxinfer.checkpoints.quantize import abstract_quantized
-    from jaxinfer.runtime.quantization import QuantizedArray
-    from jaxinfer.runtime.tree_paths import path_str
+    from jaxinfer.runtime.device.quantization import QuantizedArray
+    from jaxinfer.runtime.device.tree_paths import path_str
 
     path = Path(path).absolute()
     m = read_manifest(path)
@@ -105,7 +105,7 @@ def load_converted(path: str | Path, dtype=None, place=None, mesh=None
 
         target = jax.tree_util.tree_map_with_path(leaf, target)
     if mesh is not None:
-        from jaxinfer.runtime.sharding import param_shardings
+        from jaxinfer.runtime.device.sharding import param_shardings
 
         target = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
                               target, param_shardings(target, mesh))

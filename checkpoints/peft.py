@@ -4,7 +4,7 @@ Checked once, here: the adapter kind (plain LoRA: no DoRA, no trained biases, no
 modules), its target modules (q/k/v/o and gate/up/down projections of decoder layers), each
 rank against `max_rank`, each tensor's shape against the base model. Result: host arrays with
 PEFT's scale (lora_alpha / r, rsLoRA: lora_alpha / sqrt(r)) folded into B, laid out for
-runtime.lora (A [Din, r], B [r, Dout]).
+runtime.device.lora (A [Din, r], B [r, Dout]).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from safetensors.numpy import load_file
 
 from jaxinfer.checkpoints.errors import CheckpointError, read_json_object
 from jaxinfer.runtime.config import ModelConfig
-from jaxinfer.runtime.lora import TARGETS, target_dims
+from jaxinfer.runtime.device.lora import TARGETS, target_dims
 
 _MODULE_TO_TARGET = {peft: t for t, (_, peft) in TARGETS.items()}
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[^.]+)?\.weight$")
@@ -30,7 +30,7 @@ _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[^.
 class LoraAdapter:
     path: str
     rank: int  # the largest module rank
-    targets: tuple[str, ...]  # runtime.lora target names present
+    targets: tuple[str, ...]  # runtime.device.lora target names present
     tensors: dict  # {(layer, target): (A [Din, r] f32, s * B [r, Dout] f32)}
     base_model: str | None
 

@@ -2,7 +2,7 @@
 loaders' `place` hook that quantizes each tensor as it is read (with SmoothQuant-style smoothing
 for int8 W8A8, activation-aware scaling for int4), whole-tree quantization, and the
 quantization spec saved with a converted model. The type and its matmuls live in
-runtime/quantization.py."""
+runtime/device/quantization.py."""
 
 from __future__ import annotations
 
@@ -12,19 +12,19 @@ import jax.numpy as jnp
 from jaxinfer.checkpoints import awq
 from jaxinfer.checkpoints.smoothing import (SMOOTHED_WEIGHTS, calibration_tokens,
                                             norm_input_maxima, smooth_layers)
-from jaxinfer.runtime.quantization import (INT4_GROUP, STORAGE_DTYPES, QuantizationError,
+from jaxinfer.runtime.device.quantization import (INT4_GROUP, STORAGE_DTYPES, QuantizationError,
                                            QuantizedArray, check_compute_dtype, check_format,
                                            check_mode, default_mode, int4_group_size, quantize)
-from jaxinfer.runtime.tree_paths import path_str
+from jaxinfer.runtime.device.tree_paths import path_str
 
-# Which weights are quantized, and the axes their einsum in runtime/model.py contracts.
+# Which weights are quantized, and the axes their einsum in runtime/device/model.py contracts.
 # embed / lm_head: "nd,vd->nv" contracts d (axis 1); take_rows reads whole rows, also per-row.
 WEIGHT_REDUCE_AXES: dict[str, tuple[int, ...]] = {
     "wq": (0,), "wk": (0,), "wv": (0,),  # "td,dhk->thk"
     "wo": (0, 1),  # "thk,hkd->td"
     "w_gate": (0,), "w_up": (0,), "w_down": (0,),  # "td,df->tf", "tf,fd->td"
     "embed": (1,), "lm_head": (1,),
-    # stacked experts [E, D, F] / [E, F, D] (runtime/moe.py): per expert and output channel.
+    # stacked experts [E, D, F] / [E, F, D] (runtime/device/moe.py): per expert and output channel.
     # The expert forms widen the experts they read whatever the mode (weight-only math).
     "we_gate": (1,), "we_up": (1,), "we_down": (1,),
 }

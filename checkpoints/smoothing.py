@@ -26,10 +26,10 @@ import numpy as np
 from flax import struct
 
 from jaxinfer.checkpoints.calibration import CALIBRATION_TEXT
-from jaxinfer.runtime.attention import whole_sequence_metadata
-from jaxinfer.runtime.kv_cache import init_cache
-from jaxinfer.runtime.model import forward_hidden
-from jaxinfer.runtime.quantization import QuantizedArray, einsum, parse_einsum
+from jaxinfer.runtime.device.attention import whole_sequence_metadata
+from jaxinfer.runtime.device.kv_cache import init_cache
+from jaxinfer.runtime.device.model import forward_hidden
+from jaxinfer.runtime.device.quantization import QuantizedArray, einsum, parse_einsum
 
 # norm -> the weights that read its output (their row j multiplies the norm's channel j)
 NORM_CONSUMERS = {"attn_norm": ("wq", "wk", "wv"), "mlp_norm": ("w_gate", "w_up")}

@@ -23,10 +23,10 @@ __all__ = ["LLM", "SamplingParams", "RequestOutput", "RequestError", "LoRAReques
 
 _HOMES = {
     "LLM": "jaxinfer.runtime.llm",
-    "SamplingParams": "jaxinfer.runtime.requests",
-    "RequestOutput": "jaxinfer.runtime.requests",
-    "RequestError": "jaxinfer.runtime.requests",
-    "LoRARequest": "jaxinfer.runtime.requests",
+    "SamplingParams": "jaxinfer.runtime.host.requests",
+    "RequestOutput": "jaxinfer.runtime.host.requests",
+    "RequestError": "jaxinfer.runtime.host.requests",
+    "LoRARequest": "jaxinfer.runtime.host.requests",
     "EngineConfig": "jaxinfer.runtime.config",
     "ModelConfig": "jaxinfer.runtime.config",
 }

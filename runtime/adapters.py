@@ -17,7 +17,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from jaxinfer.runtime.config import ModelConfig
-from jaxinfer.runtime.lora import LoraLayer, padded_weights
+from jaxinfer.runtime.device.lora import LoraLayer, padded_weights
 
 MAX_NAME_CHARS = 256
 

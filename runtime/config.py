@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-# Allowed values of the quantization options (runtime/quantization.py implements them); kept
+# Allowed values of the quantization options (runtime/device/quantization.py implements them); kept
 # here, JAX-free, so the CLI and the request door check options without importing JAX.
 FORMATS = ("int8", "fp8", "int4")  # what weights can be quantized to as they load
 # EngineConfig.quantization: None = the weights as the checkpoint stores them (on TPU/GPU a
@@ -24,7 +24,7 @@ FORMATS = ("int8", "fp8", "int4")  # what weights can be quantized to as they lo
 QUANTIZATIONS = (None, *FORMATS, "gguf", "dequantize")
 MODES = ("w8a8", "weight_only")
 KV_CACHE_DTYPES = ("auto", "int8")
-WEIGHT_LAYOUTS = ("auto", "as_loaded", "output_major")  # runtime/weight_layout.py
+WEIGHT_LAYOUTS = ("auto", "as_loaded", "output_major")  # runtime/device/weight_layout.py
 
 
 class ConfigError(ValueError):
@@ -69,7 +69,7 @@ class ModelConfig:
     rope_local_theta: float | None = None
     final_logit_softcap: float | None = None
     attn_logit_softcap: float | None = None
-    # mixture of experts in every layer (0 experts: a dense MLP); runtime/moe.py
+    # mixture of experts in every layer (0 experts: a dense MLP); runtime/device/moe.py
     num_experts: int = 0
     experts_per_token: int = 0  # top-k of the router's softmax
     moe_intermediate_size: int = 0  # each expert's F
@@ -139,6 +139,39 @@ class ModelConfig:
         d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
         d["dense_layers"] = tuple(d.get("dense_layers") or ())
         return cls(**d)
+
+
+# ---- latency targets (runtime/host/slo.py) ----
+STARVE_FACTOR = 5.0  # max wait = this x the TTFT budget
+DEFAULT_MAX_WAIT_S = 30.0  # ... without one
+
+
+@dataclass(frozen=True)
+class SloConfig:
+    """Latency targets of the scheduler's admission (runtime/host/slo.py); seconds."""
+
+    itl_s: float | None = None  # decode steps' time budget
+    ttft_s: float | None = None  # time-to-first-token budget
+    refuse_late: bool = False  # refuse requests predicted to miss ttft_s
+    max_wait_s: float | None = None  # starvation bound (None: STARVE_FACTOR x ttft_s or default)
+
+    def __post_init__(self):
+        for name in ("itl_s", "ttft_s", "max_wait_s"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ValueError(f"{name} must be > 0, got {v}")
+        if self.refuse_late and self.ttft_s is None:
+            raise ValueError("refusing late requests needs a TTFT budget")
+
+    @property
+    def active(self) -> bool:
+        return self.itl_s is not None or self.ttft_s is not None
+
+    @property
+    def starve_s(self) -> float:
+        if self.max_wait_s is not None:
+            return self.max_wait_s
+        return STARVE_FACTOR * self.ttft_s if self.ttft_s is not None else DEFAULT_MAX_WAIT_S
 
 
 ATTENTION_BACKENDS = (None, "xla", "pallas", "pallas_interpret")
@@ -218,13 +251,13 @@ class EngineConfig:
     # a dict like {"method": "ngram", "k": 4} is parsed into a SpecConfig on construction
     speculative: SpecConfig | None = None
     # devices the model splits over; LLM on CPU picks one per host core where that gains, unless
-    # given (runtime/host_devices.py)
+    # given (runtime/device/host_devices.py)
     tensor_parallel: int = 1
     # how dense layer weights are stored: "auto" (output axes first on CPU, where it makes the
     # matmuls of a few rows up to 1.5x faster; as loaded elsewhere) | "as_loaded" |
-    # "output_major" (runtime/weight_layout.py)
+    # "output_major" (runtime/device/weight_layout.py)
     weight_layout: str = "auto"
-    # Q/K/V and gate/up as one weight each, split after the product (runtime/fused_projections.py);
+    # Q/K/V and gate/up as one weight each, split after the product (runtime/device/fused_projections.py);
     # None: fused unless the layer weights are stored output-major (CPU), where Gemma 3 270M
     # batch-1 decode measured 4 % slower fused and batch 16 the same
     fuse_projections: bool | None = None
@@ -234,18 +267,21 @@ class EngineConfig:
     # compile every step shape at construction (Engine.warmup; the persistent compilation cache
     # makes later starts load them), so no request waits on a compile
     warmup: bool = False
-    # LoRA adapters (runtime/lora.py): max_loras device slots of rank <= max_lora_rank; up to
+    # LoRA adapters (runtime/device/lora.py): max_loras device slots of rank <= max_lora_rank; up to
     # max_cpu_loras adapters (None: unbounded) stay read on the host, least recently used out
     enable_lora: bool = False
     max_loras: int = 4
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
-    # latency targets (runtime/slo.py): steps with decodes fit itl_slo_ms by the measured step
+    # latency targets (runtime/host/slo.py): steps with decodes fit itl_slo_ms by the measured step
     # times; waiting requests go by priority, on-time before late for ttft_slo_ms; refuse_late
     # refuses requests predicted to miss ttft_slo_ms instead of queueing them
     itl_slo_ms: float | None = None
     ttft_slo_ms: float | None = None
     refuse_late: bool = False
+    # join a multi-host job before loading (runtime/device/distributed.py): process 0 serves,
+    # the others follow its steps
+    distributed: bool = False
 
     def __post_init__(self):
         if self.dtype not in COMPUTE_DTYPES:
@@ -288,8 +324,6 @@ class EngineConfig:
 
     @property
     def slo(self):
-        from jaxinfer.runtime.slo import SloConfig
-
         ms = lambda v: None if v is None else v / 1e3  # noqa: E731
         try:
             return SloConfig(itl_s=ms(self.itl_slo_ms), ttft_s=ms(self.ttft_slo_ms),

@@ -24,19 +24,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.runtime.attention import resolve_backend
+from jaxinfer.runtime.device.attention import resolve_backend
 from jaxinfer.runtime.config import MIN_TOKEN_BUCKET, EngineConfig, ModelConfig
-from jaxinfer.runtime.fused_projections import fuse_projections
-from jaxinfer.runtime.request_error import RequestError
-from jaxinfer.runtime.requests import Limits, SamplingParams, check_request
-from jaxinfer.runtime.kv_cache import init_cache
-from jaxinfer.runtime.model import Params
+from jaxinfer.runtime.device.fused_projections import fuse_projections
+from jaxinfer.runtime.host.errors import RequestError
+from jaxinfer.runtime.host.requests import Limits, SamplingParams, check_request
+from jaxinfer.runtime.device.kv_cache import init_cache
+from jaxinfer.runtime.device.model import Params
 from jaxinfer.runtime.plan import STEP_GROUPS, padding_arrays, pow_buckets, verify_inputs
-from jaxinfer.runtime.scheduler import Request, Scheduler
-from jaxinfer.runtime.steps import make_step, sampled_tokens
-from jaxinfer.runtime.structured import Constraints, Grammars
-from jaxinfer.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
-from jaxinfer.runtime.weight_layout import (cpu_pieces, output_major_layers,
+from jaxinfer.runtime.host.scheduler import Request, Scheduler
+from jaxinfer.runtime.device.steps import make_step, sampled_tokens
+from jaxinfer.runtime.host.structured import Constraints, Grammars
+from jaxinfer.runtime.host.tokenizer import IncrementalDetokenizer, Tokenizer
+from jaxinfer.runtime.device.weight_layout import (cpu_pieces, output_major_layers,
                                             use_output_major)
 
 log = logging.getLogger(__name__)
@@ -149,26 +149,26 @@ class Engine:
         # tensor parallel: params and page pools live in shards on a ("data", "model") mesh
         self.mesh = mesh
         if mesh is None and (ecfg.tensor_parallel > 1 or jax.process_count() > 1):
-            from jaxinfer.runtime.sharding import make_mesh
+            from jaxinfer.runtime.device.sharding import make_mesh
 
             self.mesh = make_mesh(ecfg.tensor_parallel)
         output_major = self.mesh is None and use_output_major(ecfg.weight_layout,
                                                               jax.default_backend())
         fuse = ecfg.fuse_projections
         if fuse or (fuse is None and not output_major):
-            # one QKV and one gate/up weight (runtime/fused_projections.py)
+            # one QKV and one gate/up weight (runtime/device/fused_projections.py)
             tp = 1 if self.mesh is None else self.mesh.shape["model"]
             params = self.params = fuse_projections(params, tp)
         make_cache = lambda: init_cache(cfg, ecfg.total_pages, ecfg.page_size, kv_dtype)  # noqa: E731
         if self.mesh is None:
             self._new_cache = make_cache
         else:
-            from jaxinfer.runtime.sharding import init_sharded_cache, shard_params
+            from jaxinfer.runtime.device.sharding import init_sharded_cache, shard_params
 
             self.params = shard_params(params, self.mesh)
             self._new_cache = lambda: init_sharded_cache(make_cache, self.mesh)  # noqa: E731
         if output_major:
-            # layer weights stored [out, in], a piece per core (runtime/weight_layout.py). Not
+            # layer weights stored [out, in], a piece per core (runtime/device/weight_layout.py). Not
             # when split over host devices: the mixed workload measured 282 vs 288 tok/s there
             self.params = output_major_layers(self.params, cpu_pieces())
         if draft_model is not None and draft_model[1] is loaded:  # the target drafts itself
@@ -202,7 +202,7 @@ class Engine:
             self._init_speculative(draft_model, kv_dtype, budget)
         shardings, self.plan_channel, self.leader = None, None, jax.process_index() == 0
         if self.mesh is not None:
-            from jaxinfer.runtime import sharding as shd
+            from jaxinfer.runtime.device import sharding as shd
 
             if self.mesh.shape["model"] > 1 and self.backend in ("pallas_tpu", "pallas_gpu"):
                 # Mosaic / Triton kernels are not auto-partitioned by XLA SPMD (they need a
@@ -215,9 +215,10 @@ class Engine:
             shardings = (shd.param_shardings(self.params, self.mesh),
                          shd.cache_shardings(self.cache, self.mesh), shd.replicated(self.mesh))
             if jax.process_count() > 1:  # multi-host: process 0 schedules and broadcasts plans
-                self.plan_channel = shd.PlanChannel(
-                    shd.PlanCodec(tokens[-1], ecfg.max_slots, pages[-1],
-                                 self.scheduler.mask_words))
+                from jaxinfer.runtime.device.distributed import PlanChannel, PlanCodec
+
+                self.plan_channel = PlanChannel(
+                    PlanCodec(tokens[-1], ecfg.max_slots, pages[-1], self.scheduler.mask_words))
         self._step = make_step(cfg, self.backend, shardings, vocab_limit=self.text_vocab)
         self._inflight = None  # (plan, packed, sampled tokens) of the launched, unapplied step
         self._no_prev = None  # zeros [S]: `prev` of a step launched with nothing in flight
@@ -243,8 +244,8 @@ class Engine:
                 and self.plan_channel is None)
 
     def _init_speculative(self, draft_model, kv_dtype, budget) -> None:
-        from jaxinfer.runtime.speculative import DraftModelProposer, NgramProposer, check_vocab
-        from jaxinfer.runtime.steps import make_verify
+        from jaxinfer.runtime.proposers import DraftModelProposer, NgramProposer, check_vocab
+        from jaxinfer.runtime.device.steps import make_verify
 
         if self.mesh is not None:
             raise ValueError("speculative decoding with tensor_parallel > 1 is not supported yet")
@@ -270,7 +271,7 @@ class Engine:
     # ---- LoRA adapters -------------------------------------------------------------------
     def _init_lora(self, cfg: ModelConfig, params: Params, ecfg: EngineConfig) -> Params:
         from jaxinfer.runtime.adapters import Adapters
-        from jaxinfer.runtime.lora import init_lora
+        from jaxinfer.runtime.device.lora import init_lora
 
         if jax.process_count() > 1:
             raise ValueError("LoRA adapters with several hosts are not supported yet")
@@ -310,7 +311,7 @@ class Engine:
 
     def _load_lora_slots(self, loads: list[tuple[int, str]]) -> None:
         """Copy the adapters the plan's new rows use into their device slots."""
-        from jaxinfer.runtime.lora import write_slot
+        from jaxinfer.runtime.device.lora import write_slot
 
         old = stack = self.params.lora
         for slot, key in loads:
@@ -391,7 +392,7 @@ class Engine:
         1 only for steps small enough to be decode-only) with all-padding plans; under
         speculation also the verify step (no proposer distributions: greedy, n-gram) and the
         draft model's steps. Returns the number of new compilations."""
-        from jaxinfer.runtime.scheduler import LOGPROBS_BUCKET
+        from jaxinfer.runtime.host.scheduler import LOGPROBS_BUCKET
 
         before = self.compile_count
         sch, s = self.scheduler, self.ecfg.max_slots
@@ -426,7 +427,7 @@ class Engine:
         if self._no_prev is None:
             self._no_prev = jnp.zeros(self.ecfg.max_slots, jnp.int32)
             if self.mesh is not None:
-                from jaxinfer.runtime.sharding import replicated
+                from jaxinfer.runtime.device.sharding import replicated
 
                 self._no_prev = jax.device_put(self._no_prev, replicated(self.mesh))
         return self._no_prev
@@ -434,14 +435,14 @@ class Engine:
     def _run(self, arrays, max_q_len, logprobs, filtered, prev=None):
         """Launch the step on a plan's arrays. Rows scoring prompt tokens (prompt_targets >= 0)
         select the step's prompt-logprob program, whose output is (packed, prompt rows)."""
-        from jaxinfer.runtime.scheduler import LOGPROBS_BUCKET
+        from jaxinfer.runtime.host.scheduler import LOGPROBS_BUCKET
 
         prompt = bool((np.asarray(arrays["prompt_targets"]) >= 0).any())
 
         if self.plan_channel is not None and self.leader:  # followers run the same step
             self.plan_channel.send(arrays, max_q_len, LOGPROBS_BUCKET if logprobs else 0, filtered)
         if self.mesh is not None and jax.process_count() > 1:
-            from jaxinfer.runtime.sharding import global_plan
+            from jaxinfer.runtime.device.distributed import global_plan
 
             arrays = global_plan(arrays, self.mesh)
         elif self.mesh is None:
@@ -466,9 +467,21 @@ class Engine:
         return out
 
     def release_followers(self) -> None:
-        """Multi-host leader: tell the follower processes (in `runtime.sharding.follow`) to stop."""
+        """Multi-host leader: tell the follower processes (in `follow`) to stop."""
         if self.plan_channel is not None and self.leader:
             self.plan_channel.send_stop()
+
+    def follow(self) -> int:
+        """A follower process's loop: run every step the leader broadcasts, until it sends stop.
+        Returns the number of steps run."""
+        n = 0
+        while True:
+            msg = self.plan_channel.recv()
+            if msg is None:
+                return n
+            arrays, max_q_len, num_logprobs, filtered = msg
+            self.cache = self._run(arrays, max_q_len, num_logprobs > 0, filtered)[1]
+            n += 1
 
     # ---- the loop -------------------------------------------------------------------------
     def step(self) -> list[Delta]:

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 from jaxinfer.runtime.config import FORMATS, QUANTIZATIONS, EngineConfig
 from jaxinfer.runtime.engine import Engine
-from jaxinfer.runtime.host_devices import auto_tensor_parallel, request_host_devices
-from jaxinfer.runtime.quantization import default_mode, keeps_gguf_blocks
-from jaxinfer.runtime.requests import (Limits, LoRARequest, RequestError, RequestOutput,
+from jaxinfer.runtime.device.host_devices import auto_tensor_parallel, request_host_devices
+from jaxinfer.runtime.device.quantization import default_mode, keeps_gguf_blocks
+from jaxinfer.runtime.host.requests import (Limits, LoRARequest, RequestError, RequestOutput,
                                        SamplingParams, check_request, parse_prompt)
 
 
@@ -31,6 +31,10 @@ class LLM:
         from jaxinfer.checkpoints.loader import load_model
 
         enable_compilation_cache()
+        if options.get("distributed"):  # join the multi-host job: one mesh over every process
+            from jaxinfer.runtime.device.distributed import init_distributed
+
+            init_distributed()
         request_host_devices()  # before anything starts JAX's backends
         known = {f.name for f in dataclasses.fields(EngineConfig)}
         unknown = sorted(set(options) - known)
@@ -59,7 +63,7 @@ class LLM:
             # tensor parallel: every tensor streams straight into its shards on the mesh
             import jax.numpy as jnp
 
-            from jaxinfer.runtime.sharding import make_mesh, shard_placer
+            from jaxinfer.runtime.device.sharding import make_mesh, shard_placer
 
             mesh = make_mesh(options.get("tensor_parallel", 1))
             place = shard_placer(mesh, jnp.dtype(options.get("dtype", "float32")), inner=place)
@@ -97,7 +101,7 @@ class LLM:
             tp = auto_tensor_parallel(self.model.cfg, dataclasses.replace(config, **from_model),
                                       platform=jax.default_backend(), devices=jax.device_count())
             if tp > 1:
-                from jaxinfer.runtime.sharding import make_mesh
+                from jaxinfer.runtime.device.sharding import make_mesh
 
                 mesh, from_model["tensor_parallel"] = make_mesh(tp), tp
         self.config = dataclasses.replace(config, **from_model)
@@ -136,7 +140,7 @@ class LLM:
         import os
 
         from jaxinfer.checkpoints.loader import load_model
-        from jaxinfer.runtime.speculative import check_vocab
+        from jaxinfer.runtime.proposers import check_vocab
 
         same = spec.model == target or (os.path.exists(spec.model) and os.path.exists(target)
                                         and os.path.samefile(spec.model, target))
@@ -237,9 +241,9 @@ class LLM:
             self.engine.pop(rid)
 
     def generate_jsonl(self, in_path, out_path, **kw) -> dict:
-        """Run a JSONL file through the engine (see `runtime.batch.run_batch` for the format and
+        """Run a JSONL file through the engine (see `runtime.host.batch.run_batch` for the format and
         options: sampling=dict(...), resume, ordered, ...); returns the summary dict."""
-        from jaxinfer.runtime.batch import run_batch
+        from jaxinfer.runtime.host.batch import run_batch
 
         return run_batch(self.engine, self.tokenizer, str(in_path), str(out_path), **kw)
 

@@ -9,7 +9,7 @@ sequence; rows >= num_seqs are padding (q_len 0, kv_len 0, page row all 0 = the 
 
 `PLAN_FIELDS` is the one schema of the plan's arrays. StepPlan's array attributes, the padding
 arrays (`padding_arrays`, which the scheduler fills), the step's sampling inputs
-(`SAMPLING_FIELDS`) and the multi-host plan codec (runtime/sharding.py) derive from it.
+(`SAMPLING_FIELDS`) and the multi-host plan codec (runtime/device/sharding.py) derive from it.
 """
 
 from __future__ import annotations
@@ -76,9 +76,9 @@ PLAN_FIELDS = (
 # t takes the token sampled at row feed_rows[t] of the previous step, on the device; -1: token_ids[t].
 # prompt_targets (prompt logprobs): the prompt token after row t's, scored by row t's logits;
 # -1: none wanted (no such token, the request asks for none, or a decode row).
-# lora_ids: the LoRA adapter slot of row t's sequence (runtime/lora.py; 0: the base model).
+# lora_ids: the LoRA adapter slot of row t's sequence (runtime/device/lora.py; 0: the base model).
 # host: bookkeeping never sent to the device. constrained / token_bitmask (structured output):
-# the scheduler flags the rows, the engine fills their masks (runtime/structured.py);
+# the scheduler flags the rows, the engine fills their masks (runtime/host/structured.py);
 # draft_bitmask[s, j]: the mask of verify row j + 1, after the row's first j + 1 proposals.
 
 GROUPS = tuple(dict.fromkeys(f.group for f in PLAN_FIELDS))  # every field

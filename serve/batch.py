@@ -1,4 +1,4 @@
-"""`jaxinfer batch`: the command line over the JSONL runner (runtime/batch.py).
+"""`jaxinfer batch`: the command line over the JSONL runner (runtime/host/batch.py).
 
     jaxinfer batch --model M --input in.jsonl --output out.jsonl [--resume] [--ordered]
     jaxinfer batch --ray [--replicas N] [--ray-address ADDR] ...   (serve/ray_batch.py)
@@ -10,10 +10,10 @@ import json
 import os
 import sys
 
-from jaxinfer.runtime import batch
-from jaxinfer.runtime.batch import (FSYNC_MODES, BatchError, format_summary, prepare_output,
+from jaxinfer.runtime.host import batch
+from jaxinfer.runtime.host.batch import (FSYNC_MODES, BatchError, format_summary, prepare_output,
                                     run_batch)
-from jaxinfer.runtime.requests import SamplingParams
+from jaxinfer.runtime.host.requests import SamplingParams
 
 
 def register(subparsers, engine_args) -> None:

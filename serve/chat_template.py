@@ -6,7 +6,7 @@
 
 Where the template comes from, first found: an explicit override (`jaxinfer serve
 --chat-template FILE`), the checkpoint (tokenizer_config.json `chat_template`, `chat_template.jinja`,
-GGUF `tokenizer.chat_template`; see runtime/tokenizer.py), then a built-in template for a model
+GGUF `tokenizer.chat_template`; see runtime/host/tokenizer.py), then a built-in template for a model
 family whose turn format is fixed (Gemma 3: the GGUF of the default model carries no template,
 so `GEMMA_TEMPLATE` below writes Gemma's documented turn format). Otherwise there is none and
 the chat endpoint refuses with a clear error.

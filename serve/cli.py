@@ -9,7 +9,7 @@ import time
 from jaxinfer.serve.engine_args import engine_args, llm_from_args
 
 def cmd_generate(args) -> int:
-    from jaxinfer.runtime.requests import SamplingParams
+    from jaxinfer.runtime.host.requests import SamplingParams
 
     t0 = time.perf_counter()
     llm = llm_from_args(args)

@@ -1,5 +1,5 @@
 """The engine options every `jaxinfer` command takes, and the LLM they build. Allowed values
-come from the typed configs (runtime/config.py, runtime/quantization.py), never listed here."""
+come from the typed configs (runtime/config.py, runtime/device/quantization.py), never listed here."""
 
 from __future__ import annotations
 
@@ -112,12 +112,9 @@ def llm_from_args(args):
     if tp is not None:
         opts["tensor_parallel"] = tp
     if getattr(args, "distributed", False):
-        from jaxinfer.runtime.sharding import follow, init_distributed
-
-        leader = init_distributed()
-        llm = LLM(args.model, **opts)
-        if not leader:  # a follower runs the leader's steps on its devices until released
-            follow(llm.engine)
+        llm = LLM(args.model, distributed=True, **opts)
+        if not llm.engine.leader:  # a follower runs the leader's steps on its devices until released
+            llm.engine.follow()
             sys.exit(0)
         import atexit
 

@@ -7,7 +7,7 @@
     h.cancel()                       # abort at the next step: slot and pages freed
 
 Every engine call happens on the loop thread. Callers only touch thread-safe queues: `submit`
-checks the request at the request door (runtime.requests) on the caller's thread, so bad input
+checks the request at the request door (runtime.host.requests) on the caller's thread, so bad input
 and a full queue fail at once without waiting for a device step, then hands the request to the
 loop thread, which adds it to the engine before the next step. After each step the deltas of one
 handle are delivered as ONE batch (a list with one SampleUpdate per sample that advanced), so a
@@ -41,8 +41,8 @@ from concurrent.futures import Future
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from jaxinfer.runtime.requests import RequestError, RequestOutput, SamplingParams, check_request
-from jaxinfer.runtime.scheduler import QueueFull
+from jaxinfer.runtime.host.requests import RequestError, RequestOutput, SamplingParams, check_request
+from jaxinfer.runtime.host.scheduler import QueueFull
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ class EngineLoop:
         self._steps = 0
         self.on_finish: list[Callable[[object, str], None]] = []  # (RequestState, outcome)
         self.on_fault: list[Callable[[BaseException], None]] = []
-        self.limits = engine.limits  # runtime.requests.Limits of the served model
+        self.limits = engine.limits  # runtime.host.requests.Limits of the served model
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 

@@ -39,9 +39,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from jaxinfer.runtime.requests import (Limits, RequestError, SamplingParams, check_samples, parse_prompt,
+from jaxinfer.runtime.host.requests import (Limits, RequestError, SamplingParams, check_samples, parse_prompt,
                               sampling_from_json)
-from jaxinfer.runtime.scheduler import Overloaded
+from jaxinfer.runtime.host.scheduler import Overloaded
 from jaxinfer.serve.engine_loop import EngineFault, EngineLoop, QueueFull, ShuttingDown
 from jaxinfer.serve.metrics import ServingMetrics
 from jaxinfer.serve.offload import Offload

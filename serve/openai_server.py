@@ -55,13 +55,13 @@ from starlette.responses import JSONResponse as _StarletteJSON
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from jaxinfer.runtime.requests import (MAX_LOGPROBS, RequestError, SamplingParams, check_samples,
+from jaxinfer.runtime.host.requests import (MAX_LOGPROBS, RequestError, SamplingParams, check_samples,
                               check_structured, parse_prompt, sampling_from_json)
-from jaxinfer.runtime.structured import StructuredOutputs
+from jaxinfer.runtime.host.structured import StructuredOutputs
 from jaxinfer.serve.tool_calls import (ToolPlan, check_tool_calls, parse_tools, plain_turns,
                                        tool_result, with_tools)
 from jaxinfer.serve.chat_template import ChatTemplate, ChatTemplateError
-from jaxinfer.runtime.scheduler import Overloaded
+from jaxinfer.runtime.host.scheduler import Overloaded
 from jaxinfer.serve.engine_loop import EngineFault, EngineLoop, QueueFull, ShuttingDown
 from jaxinfer.serve.offload import Offload
 

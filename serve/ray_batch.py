@@ -4,7 +4,7 @@ Two ways in (`pip install 'jaxinfer[ray]'`; the core never imports ray):
 
 * Your own pipeline: `LLMPredictor` is a callable class for `map_batches`. Each actor builds one
   `LLM` from the constructor kwargs and feeds a batch's rows to the engine continuously (the
-  runner behind `jaxinfer batch`, runtime/batch.py), not one `generate` per row:
+  runner behind `jaxinfer batch`, runtime/host/batch.py), not one `generate` per row:
 
       ds.map_batches(LLMPredictor, batch_format="pyarrow", batch_size=64,
                      fn_constructor_kwargs={"model": "gemma3-270m", "max_slots": 16},
@@ -53,7 +53,7 @@ import tempfile
 import time
 import uuid
 
-from jaxinfer.runtime.batch import BatchError, encode_record, fsync_dir_of, id_key, run_batch
+from jaxinfer.runtime.host.batch import BatchError, encode_record, fsync_dir_of, id_key, run_batch
 
 RECORD_COLUMNS = ("id", "text", "token_ids", "finish_reason", "usage", "metrics", "error")
 JSON_COLUMNS = ("logprobs", "prompt_logprobs")
@@ -111,7 +111,7 @@ def batch_rows(batch) -> list[dict]:
 
 def _actor_host_devices() -> None:
     """Inside a Ray actor: as many JAX CPU devices as the CPUs Ray gave it (at least 1), not one
-    per host core (runtime/host_devices.py), so replicas sharing a host do not split their
+    per host core (runtime/device/host_devices.py), so replicas sharing a host do not split their
     matmuls over each other's cores. JAXINFER_HOST_DEVICES, if set, wins."""
     import os
 
@@ -139,7 +139,7 @@ class LLMPredictor:
     def __init__(self, model: str | None = None, *, sampling: dict | None = None,
                  keep_columns: tuple[str, ...] | list[str] = (), **llm_kwargs):
         from jaxinfer.runtime.llm import LLM
-        from jaxinfer.runtime.requests import RequestError, SamplingParams
+        from jaxinfer.runtime.host.requests import RequestError, SamplingParams
 
         try:  # bad defaults fail the actor at once, before a batch is taken
             SamplingParams(**{"temperature": 0.0, **(sampling or {})})

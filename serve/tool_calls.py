@@ -28,8 +28,8 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from jaxinfer.runtime.requests import RequestError
-from jaxinfer.runtime.structured import StructuredOutputs
+from jaxinfer.runtime.host.requests import RequestError
+from jaxinfer.runtime.host.structured import StructuredOutputs
 
 MAX_TOOLS = 128
 MAX_PARALLEL_CALLS = 4

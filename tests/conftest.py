@@ -43,7 +43,7 @@ os.environ.setdefault("JAXINFER_MIN_TOKEN_BUCKET", "16")
 # the tiny model's attention over 32 pages costs nothing. test_llm runs the default (1) against it.
 os.environ.setdefault("JAXINFER_MIN_PAGE_BUCKET", "4096")
 # One CPU device for the suite and its children, whatever the host's cores: LLM would otherwise
-# ask for one device per core (runtime/host_devices.py) in whichever process starts JAX's
+# ask for one device per core (runtime/device/host_devices.py) in whichever process starts JAX's
 # backends first. Tests of the split set their own device counts.
 os.environ.setdefault("JAXINFER_HOST_DEVICES", "1")
 
@@ -126,7 +126,7 @@ def gemma_ours(gemma_gguf_path, gemma_reader):
 
 @pytest.fixture(scope="session")
 def gemma_tokenizer(gemma_gguf_path, gemma_reader):
-    from jaxinfer.runtime.tokenizer import tokenizer_from_gguf
+    from jaxinfer.runtime.host.tokenizer import tokenizer_from_gguf
 
     return tokenizer_from_gguf(gemma_reader, str(gemma_gguf_path))
 
@@ -261,7 +261,7 @@ def _release_compiled_programs(request):
     if n > _RELEASE_AT_MAPS:
         import gc
 
-        from jaxinfer.runtime.steps import shared_jit
+        from jaxinfer.runtime.device.steps import shared_jit
 
         shared_jit.cache_clear()
         jax.clear_caches()

@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.runtime.attention import AttentionMetadata
-from jaxinfer.runtime.kv_cache import init_cache
-from jaxinfer.runtime.model import forward
+from jaxinfer.runtime.device.attention import AttentionMetadata
+from jaxinfer.runtime.device.kv_cache import init_cache
+from jaxinfer.runtime.device.model import forward
 
 
 def single_sequence_metadata(start: int, num_tokens: int, page_size: int, pages: list[int],

@@ -9,7 +9,7 @@ by a constant, read + write bytes over median time).
     python tools/bench_attention.py --backend tpu --batches 8,32,64 --contexts 512,2048,8192 --out r.json
 
 Backends: reference (jitted jnp gather + masked attention), xla
-(runtime.attention.xla_ragged_paged_attention), tpu / gpu (the Pallas kernels; add --interpret to
+(runtime.device.attention.xla_ragged_paged_attention), tpu / gpu (the Pallas kernels; add --interpret to
 run them on CPU, slowly). auto: the platform's kernel on TPU/GPU, xla (else reference) on CPU.
 """
 
@@ -75,7 +75,7 @@ def resolve_backend(name: str) -> str:
     if platform in ("gpu", "cuda", "rocm"):
         return "gpu"
     try:
-        from jaxinfer.runtime.attention import xla_ragged_paged_attention  # noqa: F401
+        from jaxinfer.runtime.device.attention import xla_ragged_paged_attention  # noqa: F401
     except ImportError:
         return "reference"
     return "xla"
@@ -85,7 +85,7 @@ def attention_fn(backend: str, *, sm_scale: float, max_q_len: int, interpret: bo
     if backend == "reference":
         return jax.jit(lambda *a: ragged_paged_attention_reference(*a, sm_scale=sm_scale))
     if backend == "xla":
-        from jaxinfer.runtime.attention import xla_ragged_paged_attention
+        from jaxinfer.runtime.device.attention import xla_ragged_paged_attention
 
         return jax.jit(lambda *a: xla_ragged_paged_attention(*a, sm_scale=sm_scale, max_q_len=max_q_len))
     if backend in ("tpu", "gpu"):

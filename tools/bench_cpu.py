@@ -6,7 +6,7 @@
 1. Matmul table: a chain of 16 [M, D] x [D, D] products (D = --width, tanh between, one jitted
    program) at M = 1, 8, 32, 256; microseconds per product, median of --repeats:
    XLA on one device; XLA with each weight output-major in a piece per core (the engine's
-   unsplit CPU layout, runtime/weight_layout.py); XLA split over the host devices (column-split
+   unsplit CPU layout, runtime/device/weight_layout.py); XLA split over the host devices (column-split
    then row-split products with an all-reduce, as tensor parallelism lays a layer out); torch
    with one thread and with every core (when torch is installed).
 2. Step kinds on --model: decode steps of 1 / 8 / 32 sequences (median inter-token latency) and
@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxinfer.runtime.host_devices import request_host_devices
+from jaxinfer.runtime.device.host_devices import request_host_devices
 
 CHAIN = 16
 ROWS = (1, 8, 32, 256)
@@ -63,7 +63,7 @@ def matmul_table(width: int, repeats: int) -> dict:
         return x
 
     # the engine's layout on one CPU device: each weight output-major, a piece per core
-    from jaxinfer.runtime.weight_layout import OutputMajor, cpu_pieces
+    from jaxinfer.runtime.device.weight_layout import OutputMajor, cpu_pieces
 
     pieces = cpu_pieces()
     oms = [OutputMajor.of(jnp.asarray(w), (0,), pieces) for w in ws]
@@ -78,7 +78,7 @@ def matmul_table(width: int, repeats: int) -> dict:
     out: dict[str, dict[int, float]] = {"XLA, one device": {}, engine_row: {}}
     n = jax.device_count()
     if n > 1 and width % n == 0:
-        from jaxinfer.runtime.sharding import make_mesh
+        from jaxinfer.runtime.device.sharding import make_mesh
 
         mesh = make_mesh(n)
         col, row = NamedSharding(mesh, P(None, "model")), NamedSharding(mesh, P("model", None))
@@ -123,7 +123,7 @@ def _layer_weights(params) -> int:
 
 def step_kinds(llm, repeats: int) -> dict:
     """Seconds and matmul GFLOP/s of decode steps (1 / 8 / 32 rows) and a 256-row prefill."""
-    from jaxinfer.runtime.requests import SamplingParams
+    from jaxinfer.runtime.host.requests import SamplingParams
 
     cfg, eng = llm.model.cfg, llm.engine
     lw, vd = _layer_weights(llm.model.params), cfg.vocab_size * cfg.hidden_size
@@ -160,7 +160,7 @@ def decode_vs_hf(llm, source, tokens: int = 64, batches=(1, 16), repeats: int = 
     `repeats`) of ours and of HF transformers on the same checkpoint, in this process."""
     import torch
 
-    from jaxinfer.runtime.requests import SamplingParams
+    from jaxinfer.runtime.host.requests import SamplingParams
     from jaxinfer.tools.bench_throughput import hf_model
 
     prompt = "Tell me about the sea."
@@ -194,7 +194,7 @@ _NOT_OPS = re.compile(r"^[$]|^(Pjit|np\.|Thunk)|::|Execute|Wait|Rendezvous|shard
 
 def profile_decode(llm, rows: int) -> dict:
     """Share of XLA:CPU op time by kind over steady decode steps of `rows` sequences."""
-    from jaxinfer.runtime.requests import SamplingParams
+    from jaxinfer.runtime.host.requests import SamplingParams
 
     sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     prompts = [[5 + i, 6, 7, 8] for i in range(rows)]

@@ -59,7 +59,7 @@ from jaxinfer.pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
-from jaxinfer.runtime.tokenizer import Tokenizer
+from jaxinfer.runtime.host.tokenizer import Tokenizer
 from jaxinfer.tools.bench_attention import copy_bandwidth, make_step, median_seconds
 
 DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
@@ -384,7 +384,7 @@ def _csv(xs) -> str:
 
 
 def bandwidth_section(rep: Report, shapes: Shapes, platform: str, mem_bytes: int) -> float:
-    from jaxinfer.runtime.attention import xla_ragged_paged_attention
+    from jaxinfer.runtime.device.attention import xla_ragged_paged_attention
 
     repeats = shapes.repeats
     bw = copy_bandwidth(shapes.copy_bytes, repeats)
@@ -424,7 +424,7 @@ def bandwidth_section(rep: Report, shapes: Shapes, platform: str, mem_bytes: int
 def _decode_rate(eng, batch: int, prompt_len: int, new_tokens: int, seed: int) -> dict:
     """`batch` requests of random prompts: wall until every one has its first token (prefill),
     then decode tokens/s and ms/step until all finish."""
-    from jaxinfer.runtime.requests import SamplingParams
+    from jaxinfer.runtime.host.requests import SamplingParams
 
     rng = np.random.default_rng(seed)
     sp = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
@@ -477,8 +477,8 @@ def _engine_rows(rep: Report, section: str, shapes: Shapes, full: dict, tiny: di
     from jaxinfer.checkpoints.quantize import quantize_params
     from jaxinfer.runtime.config import EngineConfig, ModelConfig
     from jaxinfer.runtime.engine import Engine
-    from jaxinfer.runtime.model import init_params
-    from jaxinfer.runtime.quantization import param_bytes
+    from jaxinfer.runtime.device.model import init_params
+    from jaxinfer.runtime.device.quantization import param_bytes
 
     fields = shapes.model(full, tiny)
     cfg = ModelConfig(family="llama", **fields)

@@ -33,7 +33,7 @@ def write_random_adapter(out: Path, cfg, rank: int, seed: int, scale: float = 0.
     import numpy as np
     from safetensors.numpy import save_file
 
-    from jaxinfer.runtime.lora import TARGETS, target_dims
+    from jaxinfer.runtime.device.lora import TARGETS, target_dims
 
     rng = np.random.default_rng(seed)
     out.mkdir(parents=True, exist_ok=True)
@@ -59,7 +59,7 @@ def _timed(llm, prompts, params, loras) -> tuple[float, int]:
 
 def main(argv=None) -> int:
     from jaxinfer.runtime.llm import LLM
-    from jaxinfer.runtime.requests import LoRARequest, SamplingParams
+    from jaxinfer.runtime.host.requests import LoRARequest, SamplingParams
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="gemma3-270m")

@@ -3,7 +3,7 @@
     python -m jaxinfer.tools.bench_moe [--experts 64] [--top-k 8] [--hidden 1024]
                                        [--expert-ffn 256] [--tokens 1,16,128] [--repeats 20]
 
-For each token count (a decode batch, a prefill chunk): what the engine serves (runtime/moe.py:
+For each token count (a decode batch, a prefill chunk): what the engine serves (runtime/device/moe.py:
 on CPU blocks padded per expert; on TPU/GPU experts gathered per pair when T*k <= E, else
 ragged_dot), then each form alone: gathered, grouped (pairs sorted by expert, `ragged_dot`),
 blocked; the dense-over-experts reference (every expert on every token), and a dense gated
@@ -40,8 +40,8 @@ def main(argv=None) -> int:
     import jax
     import jax.numpy as jnp
 
-    from jaxinfer.runtime.moe import _blocked, _gathered, _grouped, moe_mlp, moe_mlp_dense, route
-    from jaxinfer.runtime.quantization import quantize
+    from jaxinfer.runtime.device.moe import _blocked, _gathered, _grouped, moe_mlp, moe_mlp_dense, route
+    from jaxinfer.runtime.device.quantization import quantize
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--experts", type=int, default=64)

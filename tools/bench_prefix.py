@@ -89,7 +89,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
 
     from jaxinfer.runtime.llm import LLM
-    from jaxinfer.runtime.requests import SamplingParams
+    from jaxinfer.runtime.host.requests import SamplingParams
 
     modes = [m for m in args.modes.split(",") if m]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)

@@ -63,7 +63,7 @@ def _scorer(cfg, backend: str):
     import jax
     import jax.numpy as jnp
 
-    from jaxinfer.runtime.model import forward
+    from jaxinfer.runtime.device.model import forward
 
     @jax.jit
     def score(params, tokens, cache, md):
@@ -82,8 +82,8 @@ def teacher_forced(llm, tokens: list[int], page_size: int = 16, bucket: int = 12
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxinfer.runtime.attention import whole_sequence_metadata
-    from jaxinfer.runtime.kv_cache import init_cache
+    from jaxinfer.runtime.device.attention import whole_sequence_metadata
+    from jaxinfer.runtime.device.kv_cache import init_cache
 
     e = llm.engine
     n = len(tokens)
@@ -97,7 +97,7 @@ def teacher_forced(llm, tokens: list[int], page_size: int = 16, bucket: int = 12
 
 
 def _bench_decode(llm, batch: int, max_tokens: int) -> float:
-    from jaxinfer.runtime.requests import SamplingParams
+    from jaxinfer.runtime.host.requests import SamplingParams
 
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
@@ -147,8 +147,8 @@ def run(model: str = "gemma3-270m", *, variants=tuple(VARIANTS), ppl_tokens: int
         load_rss: bool = False, max_model_len: int = 1024, log=print) -> dict:
     import numpy as np
 
-    from jaxinfer.runtime.requests import SamplingParams
-    from jaxinfer.runtime.quantization import param_bytes
+    from jaxinfer.runtime.host.requests import SamplingParams
+    from jaxinfer.runtime.device.quantization import param_bytes
 
     if "f32" not in variants:
         variants = ("f32",) + tuple(variants)

@@ -93,7 +93,7 @@ def constraints() -> dict[str, tuple[dict, object]]:
 def validity(llm, n: int, temperatures=(0.0, 1.0), max_tokens: int = 96, names=None) -> dict:
     """{constraint: {temperature: (valid, total, first failure or None)}}: every completion in
     one generate call (the engine batches them all). `names`: only these constraints."""
-    from jaxinfer.runtime.requests import SamplingParams
+    from jaxinfer.runtime.host.requests import SamplingParams
 
     cases = [(name, so, check, t) for name, (so, check) in constraints().items()
              for t in temperatures if names is None or name in names]
@@ -119,7 +119,7 @@ def validity(llm, n: int, temperatures=(0.0, 1.0), max_tokens: int = 96, names=N
 def speed(llm, *, n: int = 8, max_tokens: int = 48, repeats: int = 3) -> dict:
     """8 concurrent JSON-schema requests vs 8 unconstrained, same prompts and length (the
     unconstrained ones ignore EOS so they run the same number of tokens)."""
-    from jaxinfer.runtime.requests import SamplingParams
+    from jaxinfer.runtime.host.requests import SamplingParams
 
     ps = prompts(n, "a JSON record")
     so = {"json": {"type": "object", "additionalProperties": False, "required": ["items"],

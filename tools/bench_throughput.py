@@ -78,7 +78,7 @@ def run_hf(model_source, reqs, batches: tuple[int, ...], dtype: str, repeats: in
 
 def decode_step_time(llm, context: int, steps: int = 24) -> float:
     """Median inter-token latency of one sequence decoding at `context` tokens."""
-    from jaxinfer.runtime.requests import SamplingParams
+    from jaxinfer.runtime.host.requests import SamplingParams
 
     prompt = (np.arange(context) % 1000 + 10).tolist()
     out = llm.generate([prompt], SamplingParams(max_tokens=steps, temperature=0.0,
@@ -90,7 +90,7 @@ def run(args) -> dict:
     import jax
 
     from jaxinfer.runtime.llm import LLM
-    from jaxinfer.runtime.quantization import param_bytes
+    from jaxinfer.runtime.device.quantization import param_bytes
     from jaxinfer.tools.bench_attention import copy_bandwidth
 
     opts = dict(dtype=args.dtype, max_slots=args.max_slots, page_size=args.page_size,

@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     import torch
 
     from jaxinfer.runtime.llm import LLM
-    from jaxinfer.runtime.requests import SamplingParams
+    from jaxinfer.runtime.host.requests import SamplingParams
     from jaxinfer.checkpoints.named import resolve_named
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

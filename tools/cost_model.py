@@ -56,12 +56,12 @@ def step_cost(shape: dict, layers: int, batch: int, context: int, tp: int,
     import jax.numpy as jnp
 
     from jaxinfer.runtime.config import ModelConfig
-    from jaxinfer.runtime.kv_cache import init_cache
-    from jaxinfer.runtime.model import init_params
+    from jaxinfer.runtime.device.kv_cache import init_cache
+    from jaxinfer.runtime.device.model import init_params
     from jaxinfer.runtime.plan import STEP_GROUPS, fields_of
-    from jaxinfer.runtime.sharding import (cache_shardings, make_mesh, param_shardings,
+    from jaxinfer.runtime.device.sharding import (cache_shardings, make_mesh, param_shardings,
                                            replicated)
-    from jaxinfer.runtime.steps import step
+    from jaxinfer.runtime.device.steps import step
 
     cfg = ModelConfig(family="llama", **(shape | {"num_layers": layers}))
     pages = -(-context // page_size)

@@ -25,7 +25,7 @@ def _pct(xs, q):
 
 
 def run_engine(llm, reqs, *, static: bool) -> dict:
-    from jaxinfer.runtime.requests import SamplingParams
+    from jaxinfer.runtime.host.requests import SamplingParams
 
     sps = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for _, o in reqs]
     prompts = [p for p, _ in reqs]

@@ -30,7 +30,7 @@ N_TOKENS = 16 if QUICK else 64
 N_REQUESTS = 6 if QUICK else 32"""),
     ("md", "## The backend\nOn a TPU or GPU, attention runs in the Pallas kernel; on CPU, in XLA."),
     ("code", """import jax
-from jaxinfer.runtime.attention import resolve_backend
+from jaxinfer.runtime.device.attention import resolve_backend
 print("platform:", jax.default_backend(), "| devices:", jax.devices())
 print("attention backend:", resolve_backend(None))"""),
     ("md", "## Load the default model and generate"),

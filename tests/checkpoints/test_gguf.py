@@ -128,7 +128,7 @@ def test_kept_quantized_equals_dequantized(tmp_path, arch, qtype):
     dequantizing loader's weight, and the model's logits agree."""
     import jax
 
-    from jaxinfer.runtime.quantization import QuantizedArray, param_bytes
+    from jaxinfer.runtime.device.quantization import QuantizedArray, param_bytes
 
     if arch == "gemma3":
         hf = tiny_gemma3_hf(tmp_path / "hf", layer_types=PATTERN6)
@@ -218,7 +218,7 @@ def test_moe_gguf_quantized_experts(moe_gguf, tmp_path):
     values, or kept in their blocks. Oracle: HF with each such weight replaced by
     dequantize(quantize(w)); Q8_0 works per row of the [out, in] weight, so llama's q/k row
     permutation and the split of HF's fused gate/up stack change nothing."""
-    from jaxinfer.runtime.quantization import QuantizedArray
+    from jaxinfer.runtime.device.quantization import QuantizedArray
 
     hf, _ = moe_gguf["mixtral"]
     path = write_gguf_like_llama_cpp(hf, tmp_path / "q8.gguf", "llama", qtype=QT.Q8_0)

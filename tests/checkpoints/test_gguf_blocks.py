@@ -12,7 +12,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from jaxinfer.checkpoints import gguf_blocks
-from jaxinfer.runtime.quantization import QuantizedArray
+from jaxinfer.runtime.device.quantization import QuantizedArray
 
 KINDS = sorted(gguf_blocks.GROUP_SIZES)
 Q_RANGE = {"Q4_0": (-8, 7), "Q4_1": (0, 15), "Q5_0": (-16, 15), "Q5_1": (0, 31),
@@ -84,7 +84,7 @@ def test_hand_worked_q4_0_and_q4_k_blocks():
 
 
 def test_rows_that_are_not_whole_blocks_and_w8a8_are_refused():
-    from jaxinfer.runtime.quantization import QuantizationError, check_mode
+    from jaxinfer.runtime.device.quantization import QuantizationError, check_mode
 
     with pytest.raises(ValueError, match="not whole 256-weight blocks"):
         gguf_blocks.decode(np.zeros((1, 144), np.uint8), "Q4_K", (1, 200))
@@ -94,7 +94,7 @@ def test_rows_that_are_not_whole_blocks_and_w8a8_are_refused():
 
 
 def test_platform_default_keeps_blocks_on_accelerators_only():
-    from jaxinfer.runtime.quantization import keeps_gguf_blocks
+    from jaxinfer.runtime.device.quantization import keeps_gguf_blocks
 
     assert keeps_gguf_blocks("tpu") and keeps_gguf_blocks("gpu")
     assert not keeps_gguf_blocks("cpu")

@@ -18,7 +18,7 @@ from safetensors.numpy import load_file, save_file
 
 from jaxinfer.checkpoints.errors import CheckpointError
 from jaxinfer.checkpoints.hf import hf_tensor_plan, load_hf
-from jaxinfer.runtime.quantization import QuantizedArray
+from jaxinfer.runtime.device.quantization import QuantizedArray
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")

@@ -147,7 +147,7 @@ def test_tokenizer_model_mismatch(hf_dir, tmp_path):
     t["model.embed_tokens.weight"] = t["model.embed_tokens.weight"][:1000]
     t["lm_head.weight"] = t["lm_head.weight"][:1000]
     save_file(t, str(d / "model.safetensors"))
-    from jaxinfer.runtime.tokenizer import TokenizerError
+    from jaxinfer.runtime.host.tokenizer import TokenizerError
 
     with pytest.raises(TokenizerError, match=str(d)):
         load_model(d)
@@ -156,7 +156,7 @@ def test_tokenizer_model_mismatch(hf_dir, tmp_path):
 def test_missing_tokenizer(hf_dir, tmp_path):
     d = _copy(hf_dir, tmp_path / "m")
     (d / "tokenizer.model").unlink()
-    from jaxinfer.runtime.tokenizer import TokenizerError
+    from jaxinfer.runtime.host.tokenizer import TokenizerError
 
     with pytest.raises(TokenizerError, match="tokenizer.json"):
         load_model(d)

@@ -83,6 +83,7 @@ def test_every_folder_is_read():
     graph = import_graph()
     for folder in FOLDERS:
         assert any(m.startswith(f"jaxinfer.{folder}.") for m in graph), folder
+    assert any(m.startswith("jaxinfer.runtime.host.") for m in graph)
     assert "jaxinfer.runtime.engine" in graph["jaxinfer.runtime.llm"]  # a plain import
     assert "jaxinfer.serve.batch" in graph["jaxinfer.serve.cli"]  # imported by name
 
@@ -91,43 +92,83 @@ def test_no_import_cycles():
     assert _cycles(import_graph()) == []
 
 
-# Each folder may import only the folders listed for it (and itself). The CLI is the top floor:
-# it alone in serve/ registers the benchmark commands of tools/.
+# The rooms: each may import only the rooms listed for it (and itself). runtime/ is three rooms
+# and its two schemas: runtime/config.py and runtime/plan.py (the configs and the step plan every
+# room reads), runtime/host/ (the host's work, no JAX), runtime/device/ (what runs on the device,
+# JAX), and the engine level above them (runtime/*.py: the engine, the LLM API, the prepare step,
+# the proposers). A module's room is its folder: a new module obeys the rules where it is put.
 ALLOWED = {
     "pallas_kernels": set(),
-    "runtime": {"pallas_kernels", "checkpoints"},
-    "checkpoints": {"runtime", "pallas_kernels"},
-    "serve": {"runtime", "checkpoints", "pallas_kernels"},
-    "tools": {"serve", "runtime", "checkpoints", "pallas_kernels"},
+    "runtime.schema": set(),
+    "runtime.host": {"runtime.schema"},
+    "runtime.device": {"runtime.schema", "pallas_kernels"},
+    # loaders build parameters of the device code's types; they never reach the engine level
+    "checkpoints": {"runtime.schema", "runtime.host", "runtime.device", "pallas_kernels"},
+    "runtime.engine": {"runtime.schema", "runtime.host", "runtime.device", "checkpoints",
+                       "pallas_kernels"},
+    # front ends talk to the engine (its interface, the request door), never to device code
+    "serve": {"runtime.schema", "runtime.host", "runtime.engine", "checkpoints"},
+    "tools": {"serve", "runtime.schema", "runtime.host", "runtime.device", "runtime.engine",
+              "checkpoints", "pallas_kernels"},
 }
-TOP_FLOOR = {"jaxinfer.serve.cli"}
-# Device code (what runs inside the jitted steps) reaches neither the host core above it nor
-# load-time code.
-DEVICE = {f"jaxinfer.runtime.{m}" for m in
-          ("model", "attention", "kv_cache", "sampling", "steps", "quantization", "plan")}
-HOST_CORE = {f"jaxinfer.runtime.{m}" for m in
-             ("llm", "engine", "scheduler", "speculative", "requests", "batch", "page_allocator")}
+TOP_FLOOR = {"jaxinfer.serve.cli"}  # the CLI registers the benchmark commands of tools/
+SCHEMAS = {"jaxinfer.runtime.config", "jaxinfer.runtime.plan"}
 
 
-def _layer(module: str) -> str:
-    return module.split(".")[1] if module.count(".") else "jaxinfer"
+def room(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) < 3:
+        return "jaxinfer"
+    if parts[1] != "runtime":
+        return parts[1]
+    if module in SCHEMAS:
+        return "runtime.schema"
+    if len(parts) > 3 and parts[2] in ("host", "device"):
+        return f"runtime.{parts[2]}"
+    return "runtime.engine"
+
+
+def test_every_room_is_read():
+    rooms = {room(m) for m in import_graph()}
+    assert set(ALLOWED) <= rooms, set(ALLOWED) - rooms
+    assert room("jaxinfer.runtime.host.scheduler") == "runtime.host"
+    assert room("jaxinfer.runtime.device.model") == "runtime.device"
+    assert room("jaxinfer.runtime.engine") == "runtime.engine"
+    assert room("jaxinfer.runtime.plan") == "runtime.schema"
 
 
 def test_dependencies_point_down():
     bad = []
     for mod, deps in import_graph().items():
-        layer = _layer(mod)
-        if layer == "jaxinfer" or mod in TOP_FLOOR:
+        r = room(mod)
+        if r == "jaxinfer" or mod in TOP_FLOOR:
             continue
-        for dep in deps:
-            if _layer(dep) not in ALLOWED[layer] | {layer}:
-                bad.append(f"{mod} -> {dep}")
-            if mod in DEVICE and (dep in HOST_CORE or _layer(dep) == "checkpoints"):
-                bad.append(f"{mod} -> {dep}")
+        bad += [f"{mod} -> {dep}" for dep in deps if room(dep) not in ALLOWED[r] | {r}]
     assert bad == []
 
 
-def test_runtime_imports_neither_serve_nor_tools():
-    bad = [f"{m} -> {d}" for m, deps in import_graph().items() if _layer(m) == "runtime"
-           for d in deps if _layer(d) in ("serve", "tools")]
-    assert bad == []
+def test_the_rules_catch_a_planted_violation():
+    graph = import_graph()
+    graph["jaxinfer.runtime.device.moe"] = {"jaxinfer.runtime.engine"}
+    graph["jaxinfer.runtime.host.scheduler"] = {"jaxinfer.runtime.device.model"}
+    bad = [(m, d) for m, deps in graph.items() if room(m) in ALLOWED
+           for d in deps if room(d) not in ALLOWED[room(m)] | {room(m)}]
+    assert ("jaxinfer.runtime.device.moe", "jaxinfer.runtime.engine") in bad
+    assert ("jaxinfer.runtime.host.scheduler", "jaxinfer.runtime.device.model") in bad
+
+
+def test_the_host_room_and_the_schemas_never_import_jax():
+    """Every module of runtime/host/ and both schemas, imported in a fresh interpreter, leave
+    jax (and jaxlib) out of sys.modules."""
+    import subprocess
+    import sys
+
+    mods = sorted(m for m in import_graph() if room(m) in ("runtime.host", "runtime.schema"))
+    assert len(mods) > 8, mods
+    code = ("import importlib, sys\n"
+            f"for m in {mods!r}:\n"
+            "    importlib.import_module(m)\n"
+            "print(sorted(k for k in sys.modules if k.split('.')[0] in ('jax', 'jaxlib')))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "[]", r.stdout

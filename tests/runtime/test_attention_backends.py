@@ -3,7 +3,7 @@
 - the XLA path (CPU serving) vs the kernels' jnp reference over the parameter product, with
   unused pages NaN-filled;
 - the model forward with the Pallas kernel (interpret mode) vs the XLA path;
-- `jax.export` of runtime.steps.step with attention_backend pallas for ["tpu"] and ["cuda"].
+- `jax.export` of runtime.device.steps.step with attention_backend pallas for ["tpu"] and ["cuda"].
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 
 from jaxinfer.pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
-from jaxinfer.runtime.attention import resolve_backend, xla_ragged_paged_attention
+from jaxinfer.runtime.device.attention import resolve_backend, xla_ragged_paged_attention
 from jaxinfer.runtime.config import ModelConfig
-from jaxinfer.runtime.fused_projections import fuse_projections
-from jaxinfer.runtime.kv_cache import init_cache
-from jaxinfer.runtime.model import init_params
+from jaxinfer.runtime.device.fused_projections import fuse_projections
+from jaxinfer.runtime.device.kv_cache import init_cache
+from jaxinfer.runtime.device.model import init_params
 from jaxinfer.runtime.plan import STEP_GROUPS, fields_of
-from jaxinfer.runtime.steps import step
+from jaxinfer.runtime.device.steps import step
 from tests.aot import cuda_target
 from tests.model_utils import run_sequence
 from tests.pallas_kernels.test_ragged_paged_attention import make_case
@@ -72,7 +72,7 @@ def test_xla_path_matches_reference(heads, head_dim, page_size, window, dtype):
 def test_xla_path_query_tiles(monkeypatch, seqs, max_q, window, gather_bytes):
     """The tiled XLA path over prompts longer than one tile, windows narrower than the context
     (tiles gather a page window), and the sequential-tiles branch, vs the reference."""
-    import jaxinfer.runtime.attention as ra
+    import jaxinfer.runtime.device.attention as ra
 
     if gather_bytes is not None:
         monkeypatch.setattr(ra, "_GATHER_BYTES", gather_bytes)
@@ -141,7 +141,7 @@ TRITON_OK = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
 
 def _step_args(cfg, dtype, t, s, p, num_pages=64, page_size=16, fused=False):
     """Abstract step arguments; `fused`: Q/K/V and gate/up joined, as engines on TPU/GPU hold
-    them (runtime/fused_projections.py)."""
+    them (runtime/device/fused_projections.py)."""
     sds = jax.ShapeDtypeStruct
     fuse = fuse_projections if fused else (lambda x: x)
     params = jax.eval_shape(lambda: fuse(init_params(cfg, jax.random.key(0), dtype=dtype)))
@@ -184,8 +184,8 @@ def _gguf_kept(params, group: int = 32):
     """Abstract params with every matmul weight as GGUF blocks kept quantized (int8 values,
     f32 per-group scales and offsets along the axis the weight's einsum contracts)."""
     from jaxinfer.checkpoints.quantize import WEIGHT_REDUCE_AXES
-    from jaxinfer.runtime.quantization import QuantizedArray
-    from jaxinfer.runtime.tree_paths import path_str
+    from jaxinfer.runtime.device.quantization import QuantizedArray
+    from jaxinfer.runtime.device.tree_paths import path_str
 
     group_axis = {"wq": 0, "wk": 0, "wv": 0, "wo": 1, "w_gate": 0, "w_up": 0, "w_down": 0,
                   "embed": 1, "lm_head": 1}
@@ -230,7 +230,7 @@ def test_step_with_int4_weights_exports(platform):
     points, as quantization="int4" makes them) lowers for both targets, the packed bytes
     reaching the program as they are."""
     from jaxinfer.checkpoints.quantize import WEIGHT_REDUCE_AXES, abstract_quantized
-    from jaxinfer.runtime.tree_paths import path_str
+    from jaxinfer.runtime.device.tree_paths import path_str
 
     cfg = GEMMA3_270M
     backend = "pallas_tpu" if platform == "tpu" else "pallas_gpu"

@@ -1,8 +1,8 @@
-"""`runtime.batch` driven by a fake engine (no JAX): admission, reorder window, and bounded memory
+"""`runtime.host.batch` driven by a fake engine (no JAX): admission, reorder window, and bounded memory
 on a 20,000-line input.
 
 The 20k-line memory test runs the real reader, parser, admission loop, reorder logic and
-writer of `runtime.batch.run_batch` in a subprocess, but with `FakeEngine` instead of the JAX
+writer of `runtime.host.batch.run_batch` in a subprocess, but with `FakeEngine` instead of the JAX
 engine: a real-engine run of 20k lines would take minutes on this 2-core machine, and the
 memory question is about the batch layer (does it hold the file or the results?), not the
 engine, whose memory is fixed by its page pool.
@@ -17,8 +17,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from jaxinfer.runtime.requests import Limits
-from jaxinfer.runtime.batch import run_batch
+from jaxinfer.runtime.host.requests import Limits
+from jaxinfer.runtime.host.batch import run_batch
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -162,7 +162,7 @@ def test_ordered_reorder_window_stops_admission_until_head_finishes(tmp_path):
 
 
 def test_queue_full_is_retried_not_an_error(tmp_path):
-    from jaxinfer.runtime.scheduler import QueueFull
+    from jaxinfer.runtime.host.scheduler import QueueFull
 
     class Limited(FakeEngine):
         def add_request(self, prompt_ids, params, request_id):
@@ -180,8 +180,8 @@ def test_queue_full_is_retried_not_an_error(tmp_path):
 _MEM_SCRIPT = r"""
 import json, resource, sys
 sys.path.insert(0, sys.argv[4])
-from jaxinfer.runtime.requests import Limits
-from jaxinfer.runtime.batch import run_batch
+from jaxinfer.runtime.host.requests import Limits
+from jaxinfer.runtime.host.batch import run_batch
 from tests.runtime.test_batch_fake import FakeEngine, FakeTokenizer
 s = run_batch(FakeEngine(max_slots=32, text_len=1500), FakeTokenizer(), sys.argv[1], sys.argv[2],
               sampling={"max_tokens": int(sys.argv[3])}, progress=False)
@@ -241,8 +241,8 @@ def test_error_records_are_written_in_order_and_counted(tmp_path, ordered):
 _BAR_SCRIPT = r"""
 import sys
 sys.path.insert(0, sys.argv[3])
-from jaxinfer.runtime.requests import Limits
-from jaxinfer.runtime.batch import run_batch
+from jaxinfer.runtime.host.requests import Limits
+from jaxinfer.runtime.host.batch import run_batch
 from tests.runtime.test_batch_fake import FakeEngine, FakeTokenizer
 run_batch(FakeEngine(max_slots=4), FakeTokenizer(), sys.argv[1], sys.argv[2],
           sampling={"max_tokens": 3})

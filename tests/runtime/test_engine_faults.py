@@ -111,7 +111,7 @@ def test_padded_vocabulary_rows_are_never_sampled(padded_dir):
     # the padding rows win the raw argmax: the mask is what keeps them out
     import jax.numpy as jnp
 
-    from jaxinfer.runtime.model import compute_logits
+    from jaxinfer.runtime.device.model import compute_logits
     h = jnp.ones((1, llm.engine.cfg.hidden_size), jnp.float32)
     assert int(jnp.argmax(compute_logits(llm.engine.params, h, llm.engine.cfg)[0])) >= 2000
     params = [GREEDY, SamplingParams(max_tokens=12, temperature=1.0, seed=3, ignore_eos=True),

@@ -1,4 +1,4 @@
-"""Fused QKV and gate/up projections (runtime/fused_projections.py): the fused product split
+"""Fused QKV and gate/up projections (runtime/device/fused_projections.py): the fused product split
 back gives the separate products (float, int8, fp8, int4 per group); a whole model's logits are
 unchanged, with and without the output-major layout; weights that cannot join stay separate;
 the engine's default and override."""
@@ -12,10 +12,10 @@ import pytest
 
 from jaxinfer.checkpoints.quantize import quantize_params
 from jaxinfer.runtime.config import EngineConfig, ModelConfig
-from jaxinfer.runtime.fused_projections import fuse_layer, fuse_projections, split_qkv
-from jaxinfer.runtime.model import init_params
-from jaxinfer.runtime.quantization import QuantizedArray, einsum
-from jaxinfer.runtime.weight_layout import OutputMajor, output_major_layers
+from jaxinfer.runtime.device.fused_projections import fuse_layer, fuse_projections, split_qkv
+from jaxinfer.runtime.device.model import init_params
+from jaxinfer.runtime.device.quantization import QuantizedArray, einsum
+from jaxinfer.runtime.device.weight_layout import OutputMajor, output_major_layers
 from tests.model_utils import assert_same_logits
 
 HI = jax.lax.Precision.HIGHEST
@@ -99,7 +99,7 @@ def test_what_cannot_join_stays_separate():
 def test_engine_setting(tiny_llm, tiny_dir):
     """Default: fused, except over CPU's output-major layer weights; either way when told."""
     from jaxinfer import LLM
-    from jaxinfer.runtime.requests import SamplingParams
+    from jaxinfer.runtime.host.requests import SamplingParams
 
     kw = dict(max_slots=4, page_size=8, max_model_len=256)
     lp = tiny_llm.engine.params.layers[0]  # CPU default: output-major, not fused

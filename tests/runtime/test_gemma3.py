@@ -152,7 +152,7 @@ def test_real_blocks_kept_quantized_equal_the_dequantized_model(gemma_ours, gemm
     under 0.3x the f32 bytes, logits within 1e-4 of the dequantized model over 64 tokens and the
     same greedy choice after every prefix."""
     from jaxinfer.checkpoints.gguf import load_gguf
-    from jaxinfer.runtime.quantization import QuantizedArray, param_bytes
+    from jaxinfer.runtime.device.quantization import QuantizedArray, param_bytes
 
     cfg, dense = gemma_ours
     t = time.perf_counter()

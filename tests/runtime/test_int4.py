@@ -23,7 +23,7 @@ import pytest
 
 from jaxinfer.checkpoints import awq
 from jaxinfer.checkpoints.quantize import quantization_spec, quantize_params
-from jaxinfer.runtime.quantization import (QuantizationError, QuantizedArray, einsum,
+from jaxinfer.runtime.device.quantization import (QuantizationError, QuantizedArray, einsum,
                                            pack_nibbles, param_bytes, quantize, quantize_int4,
                                            take_rows, unpack_nibbles)
 
@@ -216,7 +216,7 @@ def test_llm_int4_convert_round_trip(tiny_dir, tmp_path, monkeypatch):
     manifest = json.loads((out / "jaxinfer.json").read_text())["quantization"]
     assert manifest["fmt"] == "int4" and manifest["group_size"] == 64
     assert manifest["embeddings"]["fmt"] == "int8"
-    import jaxinfer.runtime.quantization as rq
+    import jaxinfer.runtime.device.quantization as rq
 
     def boom(*a, **k):
         raise AssertionError("re-quantized on load")

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.runtime.kv_cache import write_pages
+from jaxinfer.runtime.device.kv_cache import write_pages
 
 
 @pytest.mark.parametrize("rows", [1, 3])

@@ -19,9 +19,9 @@ from jaxinfer.pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention_reference,
     validate_static,
 )
-from jaxinfer.runtime.attention import xla_ragged_paged_attention
+from jaxinfer.runtime.device.attention import xla_ragged_paged_attention
 from jaxinfer.runtime.config import EngineConfig, ModelConfig
-from jaxinfer.runtime.kv_cache import QuantizedPages, init_cache, quantize_kv, write_pages
+from jaxinfer.runtime.device.kv_cache import QuantizedPages, init_cache, quantize_kv, write_pages
 from tests.pallas_kernels.test_ragged_paged_attention import make_case
 
 CASES = [  # (seqs, Hq, Hkv, head_dim, page_size, window, soft_cap)

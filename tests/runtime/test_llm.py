@@ -315,7 +315,7 @@ def test_gguf_blocks_kept_serve_the_same_tokens(tiny_dir, hf, tmp_path):
     dequantizes them at load; both serve the same greedy tokens. Block weights run weight-only."""
     from gguf import GGMLQuantizationType as QT
 
-    from jaxinfer.runtime.quantization import QuantizationError, QuantizedArray
+    from jaxinfer.runtime.device.quantization import QuantizationError, QuantizedArray
     from tests.gemma_fixtures import write_gguf_like_llama_cpp
 
     path = write_gguf_like_llama_cpp(hf, tmp_path / "tiny.gguf", "llama", qtype=QT.Q8_0,
@@ -340,7 +340,7 @@ def test_live_rows_head_gives_the_all_rows_tokens(tiny_llm, tiny_dir, monkeypatc
     """The vocabulary projection on the live sequences' rows only (1, S/2 or S of them; on for
     large vocabularies, forced on here) samples what the head over every slot row samples,
     for 1 to S live sequences, greedy and seeded."""
-    from jaxinfer.runtime import steps
+    from jaxinfer.runtime.device import steps
 
     prompts = [[5 + i, 17, 9 * i + 3] for i in range(4)]
     sps = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
@@ -362,7 +362,7 @@ def test_engine_times_each_step_from_call_to_call_by_rows_and_decode_batch(llm):
     all-decode steps also by their live sequence count."""
     import time
 
-    from jaxinfer.runtime.slo import StepTimes
+    from jaxinfer.runtime.host.slo import StepTimes
 
     class Log(StepTimes):
         def __init__(self):

@@ -16,12 +16,12 @@ from jaxinfer import LLM, LoRARequest, RequestError, SamplingParams
 from jaxinfer.checkpoints.errors import CheckpointError
 from jaxinfer.checkpoints.hf import load_hf
 from jaxinfer.checkpoints.peft import load_peft_adapter
-from jaxinfer.runtime import lora as lora_ops
-from jaxinfer.runtime.attention import AttentionMetadata
-from jaxinfer.runtime.fused_projections import fuse_projections
-from jaxinfer.runtime.kv_cache import init_cache
-from jaxinfer.runtime.lora_slots import LoraSlots
-from jaxinfer.runtime.model import forward
+from jaxinfer.runtime.device import lora as lora_ops
+from jaxinfer.runtime.device.attention import AttentionMetadata
+from jaxinfer.runtime.device.fused_projections import fuse_projections
+from jaxinfer.runtime.device.kv_cache import init_cache
+from jaxinfer.runtime.host.lora_slots import LoraSlots
+from jaxinfer.runtime.device.model import forward
 
 peft = pytest.importorskip("peft")
 

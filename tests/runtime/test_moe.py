@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from jaxinfer.runtime.moe import (_blocked, _gathered, _grouped, block_rows, moe_mlp,
+from jaxinfer.runtime.device.moe import (_blocked, _gathered, _grouped, block_rows, moe_mlp,
                                   moe_mlp_dense, route)
-from jaxinfer.runtime.quantization import QuantizedArray, quantize
+from jaxinfer.runtime.device.quantization import QuantizedArray, quantize
 
 D, F, T = 32, 24, 13
 

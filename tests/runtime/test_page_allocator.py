@@ -2,7 +2,7 @@
 
 import pytest
 
-from jaxinfer.runtime.page_allocator import PageAllocator, PageAllocatorError
+from jaxinfer.runtime.host.page_allocator import PageAllocator, PageAllocatorError
 
 
 def test_lowest_first_then_fifo_free_queue():
@@ -80,7 +80,7 @@ def test_bad_sizes():
 
 # --------------------------------------------------------------------------- prefix caching
 
-from jaxinfer.runtime.page_allocator import hash_page, page_hashes, root_hash  # noqa: E402
+from jaxinfer.runtime.host.page_allocator import hash_page, page_hashes, root_hash  # noqa: E402
 
 
 def test_page_hashes_chain_over_the_whole_prefix():

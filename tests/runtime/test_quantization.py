@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.checkpoints.quantize import quantization_spec, quantize_params
-from jaxinfer.runtime.quantization import (
+from jaxinfer.runtime.device.quantization import (
     QuantizationError,
     QuantizedArray,
     dequantize,
@@ -37,7 +37,7 @@ from jaxinfer.runtime.quantization import (
     take_rows,
 )
 
-# (spec, x shape, w shape, the weight's reduce axes): every weight einsum in runtime/model.py
+# (spec, x shape, w shape, the weight's reduce axes): every weight einsum in runtime/device/model.py
 MODEL_SPECS = [
     ("td,dhk->thk", (5, 16), (16, 4, 8), (0,)),  # wq / wk / wv
     ("thk,hkd->td", (5, 4, 8), (4, 8, 16), (0, 1)),  # wo
@@ -136,7 +136,7 @@ def test_w8a8_grouped_activation_scales(spec, xs, ws, axes):
     """Contractions over >= MIN_GROUPS * ACT_GROUP channels quantize activations per token per group of
     ACT_GROUP channels: exact on those operands, and closer to f32 than one scale per token
     when a few channels are outliers."""
-    from jaxinfer.runtime.quantization import ACT_GROUP
+    from jaxinfer.runtime.device.quantization import ACT_GROUP
 
     rng = np.random.default_rng(8)
     xn = rng.standard_normal(xs)
@@ -287,7 +287,7 @@ def test_llm_quantized_generate_and_convert_round_trip(tiny_dir, tmp_path, f32_t
     manifest = json.loads((out / "jaxinfer.json").read_text())
     assert manifest["quantization"]["fmt"] == fmt and manifest["dtype"] == "float32"
     # loading needs no re-quantization: the quantizer must not run
-    import jaxinfer.runtime.quantization as rq
+    import jaxinfer.runtime.device.quantization as rq
 
     def boom(*a, **k):
         raise AssertionError("re-quantized on load")
@@ -386,7 +386,7 @@ def test_smoothing_keeps_the_float_function(tiny_models, family):
 
 
 def test_norm_input_maxima_is_the_first_norm_output(tiny_models):
-    from jaxinfer.runtime.model import rms_norm
+    from jaxinfer.runtime.device.model import rms_norm
     from jaxinfer.checkpoints.smoothing import norm_input_maxima
 
     cfg, params = tiny_models["gemma3"]

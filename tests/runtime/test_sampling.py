@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxinfer.runtime.sampling import row_argmax
+from jaxinfer.runtime.device.sampling import row_argmax
 
 
 def _numpy_argmax(x: np.ndarray) -> np.ndarray:

@@ -7,15 +7,12 @@ equals `next_token(prompt + outputs)` only if slot mapping, page tables, kv_lens
 are right — any leak or overwrite by another sequence changes the tokens.
 """
 
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from jaxinfer.runtime.requests import SamplingParams
-from jaxinfer.runtime.scheduler import QueueFull, Request, Scheduler
+from jaxinfer.runtime.host.requests import SamplingParams
+from jaxinfer.runtime.host.scheduler import QueueFull, Request, Scheduler
 
 V = 101  # fake vocabulary
 
@@ -535,11 +532,6 @@ def test_randomized_soak_matches_running_alone(caching):
     assert sched.num_preemptions >= 10  # the pool is small enough to force preemption
     assert any(not p.samples[: int(p.num_seqs[0])].all() for p in plans)  # chunked prefills ran
     assert sched.free_pages == 13 and not sched.has_work
-
-
-def test_scheduler_imports_no_jax():
-    code = "import sys, runtime.scheduler, runtime.page_allocator; assert 'jax' not in sys.modules"
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
 
 
 # --------------------------------------------------------------------------- prefix caching

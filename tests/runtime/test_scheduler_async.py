@@ -10,7 +10,7 @@ equal each request run alone (and the synchronous loop's).
 import numpy as np
 import pytest
 
-from jaxinfer.runtime.scheduler import Request, Scheduler
+from jaxinfer.runtime.host.scheduler import Request, Scheduler
 from tests.runtime.test_scheduler import FakeEngine, check_plan, drive, greedy, rows, run_alone
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxinfer.runtime.requests import SamplingParams
-from jaxinfer.runtime.scheduler import Overloaded, Request, Scheduler
-from jaxinfer.runtime.slo import SloConfig, StepTimes
+from jaxinfer.runtime.host.requests import SamplingParams
+from jaxinfer.runtime.host.scheduler import Overloaded, Request, Scheduler
+from jaxinfer.runtime.config import SloConfig
+from jaxinfer.runtime.host.slo import StepTimes
 
 
 class Clock:

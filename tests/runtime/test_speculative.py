@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.runtime.speculative import NgramProposer
+from jaxinfer.runtime.proposers import NgramProposer
 from jaxinfer.tools.make_test_model import make
 
 BASE = [

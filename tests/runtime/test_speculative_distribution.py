@@ -1,7 +1,7 @@
 """Speculative sampling preserves the target's distribution.
 
 1. The acceptance rule on explicit distributions: 20k independent rows (distinct seeds) through
-   `runtime.sampling.accept` in one vmapped call; the empirical distribution of the first
+   `runtime.device.sampling.accept` in one vmapped call; the empirical distribution of the first
    emitted token must match p exactly (TV distance under a stated bound), and so must the second
    token given the first proposal was accepted — for a good draft, a deliberately bad draft (q far
    from p), and a deterministic (n-gram, one-hot q) draft; with temperature and top-k filtering.
@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 
 from jaxinfer.runtime.config import EngineConfig, ModelConfig
-from jaxinfer.runtime.requests import SamplingParams
+from jaxinfer.runtime.host.requests import SamplingParams
 from jaxinfer.runtime.engine import Engine
-from jaxinfer.runtime.model import init_params
-from jaxinfer.runtime.sampling import accept, probs_of
-from jaxinfer.runtime.tokenizer import Tokenizer
+from jaxinfer.runtime.device.model import init_params
+from jaxinfer.runtime.device.sampling import accept, probs_of
+from jaxinfer.runtime.host.tokenizer import Tokenizer
 
 V, K, N = 12, 3, 20_000
 BOUND = 0.03

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxinfer import LLM, RequestError, SamplingParams
-from jaxinfer.runtime.structured import StructuredOutputs, token_bytes
+from jaxinfer.runtime.host.structured import StructuredOutputs, token_bytes
 
 PROMPTS = ["To be, or not to be", "Hello", "Now is the winter of our discontent", "O Romeo",
            "All the world's a stage", "Cry havoc", "Et tu, Brute?", "Good night, sweet prince"]
@@ -47,7 +47,7 @@ def test_mask_unpacking_equals_llguidance_numpy():
     import jax.numpy as jnp
     from llguidance.numpy import apply_token_bitmask_inplace
 
-    from jaxinfer.runtime.sampling import allow_tokens
+    from jaxinfer.runtime.device.sampling import allow_tokens
 
     rng = np.random.default_rng(0)
     S, V = 3, 70  # V not a multiple of 32: the last word is partial
@@ -100,7 +100,7 @@ def test_bad_constraints_are_refused_at_the_door_naming_the_field(llm, so, field
 
 
 def test_shortest_bytes_is_the_shortest_match_by_hand():
-    from jaxinfer.runtime.shortest_output import shortest_bytes
+    from jaxinfer.runtime.host.shortest_output import shortest_bytes
 
     shortest = '{"name": "", "age": 0, "tags": []}'  # written by hand, valid, nothing shorter
     assert _valid_json(shortest, SCHEMA)

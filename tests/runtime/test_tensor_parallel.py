@@ -22,10 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from jaxinfer.runtime import sharding as shd
+from jaxinfer.runtime.device import distributed as dist
+from jaxinfer.runtime.device import sharding as shd
 from jaxinfer.runtime.config import ModelConfig
-from jaxinfer.runtime.kv_cache import init_cache
-from jaxinfer.runtime.model import init_params
+from jaxinfer.runtime.device.kv_cache import init_cache
+from jaxinfer.runtime.device.model import init_params
 
 from tests import background
 from tests.model_utils import _fwd, single_sequence_metadata
@@ -152,7 +153,7 @@ def test_automatic_split_over_cpu_devices_only_where_it_can_gain():
     import dataclasses
 
     from jaxinfer.runtime.config import EngineConfig
-    from jaxinfer.runtime.host_devices import MIN_HIDDEN, auto_tensor_parallel
+    from jaxinfer.runtime.device.host_devices import MIN_HIDDEN, auto_tensor_parallel
 
     e = EngineConfig()
     wide = dataclasses.replace(LLAMA, hidden_size=MIN_HIDDEN)  # 8 q / 8 kv heads
@@ -175,7 +176,7 @@ def test_automatic_split_over_cpu_devices_only_where_it_can_gain():
 def test_host_devices_count_is_checked(monkeypatch):
     from jax._src import xla_bridge
 
-    from jaxinfer.runtime import host_devices
+    from jaxinfer.runtime.device import host_devices
 
     monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
     monkeypatch.delenv("XLA_FLAGS", raising=False)
@@ -187,7 +188,7 @@ def test_host_devices_count_is_checked(monkeypatch):
 
 def test_quantized_leaves_shard_values_and_scales_alike():
     from jaxinfer.checkpoints.quantize import quantize_params
-    from jaxinfer.runtime.tree_paths import path_names
+    from jaxinfer.runtime.device.tree_paths import path_names
 
     mesh_like = type("M", (), {"shape": {"data": 1, "model": 4}})()
     qp = jax.eval_shape(lambda: quantize_params(init_params(LLAMA, jax.random.key(0)), "int8"))
@@ -228,7 +229,7 @@ def _plan(t=16, s=4, p=3, seed=0, w=1):
 
 
 def test_plan_codec_round_trip_is_bit_exact():
-    codec = shd.PlanCodec(max_tokens=64, max_seqs=4, max_pages=8, mask_words=5)
+    codec = dist.PlanCodec(max_tokens=64, max_seqs=4, max_pages=8, mask_words=5)
     for t, s, p, q, n, f in ((16, 4, 3, 1, 0, False), (64, 4, 8, 64, 20, True), (16, 1, 1, 16, 0, True)):
         arrays = _plan(t, s, p, w=1 + t % 5)
         buf = codec.pack(arrays, q, n, f)
@@ -253,11 +254,11 @@ def test_plan_codec_round_trip_is_bit_exact():
 def test_single_process_channel_sends_nothing_and_broadcast_is_identity():
     from jax.experimental import multihost_utils
 
-    assert jax.process_count() == 1 and shd.is_leader()
-    ch = shd.PlanChannel(shd.PlanCodec(16, 4, 3))
+    assert jax.process_count() == 1 and dist.is_leader()
+    ch = dist.PlanChannel(dist.PlanCodec(16, 4, 3))
     ch.send(_plan(), 1, 0, False)  # nobody to receive: must neither block nor fail
     ch.send_stop()
-    buf = shd.PlanCodec(16, 4, 3).pack(_plan(), 1, 0, False)
+    buf = dist.PlanCodec(16, 4, 3).pack(_plan(), 1, 0, False)
     assert np.array_equal(multihost_utils.broadcast_one_to_all(buf), buf)
 
 
@@ -275,10 +276,10 @@ def test_follower_replaying_broadcast_plans_matches_leader(tiny_dir):
         return buf
 
     leader = LLM(str(tiny_dir), max_slots=2, page_size=8, max_model_len=64)
-    codec = shd.PlanCodec(leader.engine.scheduler.token_buckets[-1], 2,
+    codec = dist.PlanCodec(leader.engine.scheduler.token_buckets[-1], 2,
                           leader.engine.scheduler.page_buckets[-1],
                           leader.engine.scheduler.mask_words)
-    leader.engine.plan_channel = shd.PlanChannel(codec, leader_broadcast)
+    leader.engine.plan_channel = dist.PlanChannel(codec, leader_broadcast)
     outs = leader.generate(["To be, or not to be", "Hello"],
                            SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     leader.engine.release_followers()
@@ -293,8 +294,8 @@ def test_follower_replaying_broadcast_plans_matches_leader(tiny_dir):
         return next(queue)
 
     follower.engine.leader = False
-    follower.engine.plan_channel = shd.PlanChannel(codec, follower_broadcast)
-    assert shd.follow(follower.engine) == len(sent) - 1
+    follower.engine.plan_channel = dist.PlanChannel(codec, follower_broadcast)
+    assert follower.engine.follow() == len(sent) - 1
     for a, b in zip(jax.tree.leaves(leader.engine.cache), jax.tree.leaves(follower.engine.cache)):
         assert np.array_equal(np.asarray(a), np.asarray(b))
     assert not follower.engine.requests  # the follower never scheduled anything itself
@@ -348,8 +349,8 @@ def test_expert_parallel_moves_no_weights_and_the_engine_matches_one_device():
 
     from jaxinfer.runtime.config import EngineConfig
     from jaxinfer.runtime.engine import Engine
-    from jaxinfer.runtime.moe import moe_mlp
-    from jaxinfer.runtime.requests import SamplingParams
+    from jaxinfer.runtime.device.moe import moe_mlp
+    from jaxinfer.runtime.host.requests import SamplingParams
     from jaxinfer.tools.bench_device import _IdTokenizer
 
     mesh = shd.make_mesh(4)
@@ -408,7 +409,7 @@ def test_int8_smoothing_under_tp_equals_single_device(tmp_path):
     assert not np.allclose(np.asarray(a.attn_norm), np.asarray(plain.engine.params.layers[0].attn_norm))
     np.testing.assert_allclose(np.asarray(b.attn_norm), np.asarray(a.attn_norm), rtol=1e-6)
     # one device keeps Q/K/V apart (CPU's output-major default); the shards hold them fused
-    from jaxinfer.runtime.fused_projections import fuse_layer
+    from jaxinfer.runtime.device.fused_projections import fuse_layer
 
     np.testing.assert_array_equal(np.asarray(b.wqkv.values), np.asarray(fuse_layer(a).wqkv.values))
     assert b.wqkv.values.sharding.spec == P(None, "model")
@@ -580,7 +581,7 @@ def test_cpu_devices_split_a_wide_enough_model_unless_told_otherwise(tmp_path, m
     all 8 once it counts as wide enough (the bar lowered to its width here), the same greedy
     tokens as one device; `--tensor-parallel 1` keeps it on one."""
     from jaxinfer import SamplingParams
-    from jaxinfer.runtime import host_devices
+    from jaxinfer.runtime.device import host_devices
     from jaxinfer.serve.cli import build_parser
     from jaxinfer.serve.engine_args import llm_from_args
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxinfer.runtime.tokenizer import (
+from jaxinfer.runtime.host.tokenizer import (
     HFTokenizer,
     IncrementalDetokenizer,
     SentencePieceTokenizer,

@@ -1,4 +1,4 @@
-"""Layer weights stored output-major (runtime/weight_layout.py): every einsum the model writes gives
+"""Layer weights stored output-major (runtime/device/weight_layout.py): every einsum the model writes gives
 jnp.einsum's result on the logical weight (rtol 1e-5: the same products summed in another order),
 in one piece or two; the logical shape and weight come back; a whole model's logits are
 unchanged; the engine stores them so on CPU unless told otherwise, and bad settings are refused."""
@@ -11,17 +11,17 @@ import numpy as np
 import pytest
 
 from jaxinfer.runtime.config import EngineConfig
-from jaxinfer.runtime.weight_layout import (CONTRACTED_AXES, OutputMajor, output_major_layers,
+from jaxinfer.runtime.device.weight_layout import (CONTRACTED_AXES, OutputMajor, output_major_layers,
                                             use_output_major)
 
-# (weight name, spec as runtime/model.py writes it, x shape, w shape): Hkv = 1 as in Gemma 3
+# (weight name, spec as runtime/device/model.py writes it, x shape, w shape): Hkv = 1 as in Gemma 3
 SPECS = [
     ("wq", "td,dhk->thk", (5, 16), (16, 4, 8)),
     ("wk", "td,dhk->thk", (1, 16), (16, 1, 8)),  # one head: the pieces split head_dim
     ("wo", "thk,hkd->td", (3, 4, 8), (4, 8, 16)),
     ("w_gate", "td,df->tf", (8, 16), (16, 24)),
     ("w_down", "tf,fd->td", (2, 24), (24, 16)),
-    ("wqkv", "td,dhgk->thgk", (4, 16), (16, 1, 6, 8)),  # fused (runtime/fused_projections.py)
+    ("wqkv", "td,dhgk->thgk", (4, 16), (16, 1, 6, 8)),  # fused (runtime/device/fused_projections.py)
     ("w_gate_up", "td,dfc->tfc", (3, 16), (16, 24, 2)),
 ]
 
@@ -50,7 +50,7 @@ def test_einsum_equals_the_logical_product(name, spec, xs, ws, pieces):
 
 def test_model_logits_unchanged_and_other_leaves_kept():
     from jaxinfer.runtime.config import ModelConfig
-    from jaxinfer.runtime.model import init_params
+    from jaxinfer.runtime.device.model import init_params
     from tests.model_utils import assert_same_logits
 
     cfg = ModelConfig(family="llama", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,

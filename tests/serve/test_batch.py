@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.runtime.batch import BatchError, run_batch, scan_output
+from jaxinfer.runtime.host.batch import BatchError, run_batch, scan_output
 
 REPO = Path(__file__).resolve().parents[2]
 ENGINE = dict(max_slots=4, page_size=8, max_model_len=128)

@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxinfer import LLM
-from jaxinfer.runtime.requests import (SAMPLING_FIELDS, Limits, RequestError, check_request, parse_prompt,
+from jaxinfer.runtime.host.requests import (SAMPLING_FIELDS, Limits, RequestError, check_request, parse_prompt,
                               sampling_from_json)
-from jaxinfer.runtime.batch import LineError, _Parser
+from jaxinfer.runtime.host.batch import LineError, _Parser
 from jaxinfer.serve.grpc_server import ServerConfig, ServerThread
 from jaxinfer.serve.proto import jaxinfer_pb2, jaxinfer_pb2_grpc
 

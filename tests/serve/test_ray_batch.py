@@ -15,7 +15,7 @@ import ray
 import ray.data
 
 from jaxinfer import SamplingParams
-from jaxinfer.runtime.batch import BatchError
+from jaxinfer.runtime.host.batch import BatchError
 from jaxinfer.serve import ray_batch
 
 REPO = Path(__file__).resolve().parents[2]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.runtime.quantization import QuantizedArray
+from jaxinfer.runtime.device.quantization import QuantizedArray
 
 
 def split_qkv(y: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -23,8 +23,8 @@ import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from jaxinfer.runtime.request_error import RequestError
-from jaxinfer.runtime.structured import StructuredOutputs
+from jaxinfer.runtime.host.errors import RequestError
+from jaxinfer.runtime.host.structured import StructuredOutputs
 
 INT32_MAX = 2**31 - 1
 MAX_STOP_STRINGS = 16
@@ -141,8 +141,8 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs per generated token
     prompt_logprobs: int | None = None  # top-n logprobs per prompt token (the first gets None)
     ignore_eos: bool = False
-    priority: int = 0  # waiting requests are admitted lower priority first (runtime/slo.py)
-    # the output must match a JSON schema / regex / choice / grammar (runtime.structured);
+    priority: int = 0  # waiting requests are admitted lower priority first (runtime/host/slo.py)
+    # the output must match a JSON schema / regex / choice / grammar (runtime.host.structured);
     # a dict {"json": schema, ...} is taken as StructuredOutputs(**dict)
     structured_outputs: StructuredOutputs | None = None
 
@@ -190,7 +190,7 @@ class Limits:
     max_model_len: int
     page_size: int
     num_pages: int  # usable KV pages of the pool
-    grammars: object = None  # runtime.structured.Grammars: checks structured_outputs
+    grammars: object = None  # runtime.host.structured.Grammars: checks structured_outputs
 
     @classmethod
     def of(cls, engine) -> Limits:

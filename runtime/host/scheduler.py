@@ -28,7 +28,7 @@ Policy (tests pin every point):
     caching the head (most shareable) pages are the most recently used and stay cached longest.
   * Slots: lowest free slot first.
 
-Prefix caching (`enable_prefix_caching=True`; see runtime/page_allocator.py for page states):
+Prefix caching (`enable_prefix_caching=True`; see runtime/host/page_allocator.py for page states):
   * At admission (first or after preemption) a sequence looks up the longest run of cached FULL
     pages matching its tokens (prompt, plus outputs when recomputing), limited to the pages that
     end before its last token: k = (num_tokens - 1) // page_size pages at most, so at least the
@@ -96,10 +96,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jaxinfer.runtime.lora_slots import LoraSlots
-from jaxinfer.runtime.page_allocator import PageAllocator, page_hashes
-from jaxinfer.runtime.requests import SamplingParams
-from jaxinfer.runtime.slo import SloConfig, StepTimes, wait_key
+from jaxinfer.runtime.host.lora_slots import LoraSlots
+from jaxinfer.runtime.host.page_allocator import PageAllocator, page_hashes
+from jaxinfer.runtime.host.requests import SamplingParams
+from jaxinfer.runtime.config import SloConfig
+from jaxinfer.runtime.host.slo import StepTimes, wait_key
 from jaxinfer.runtime.plan import GROUPS, StepPlan, bucket, padding_arrays, pow_buckets
 
 log = logging.getLogger(__name__)
@@ -522,7 +523,7 @@ class Scheduler:
 
     def decode_candidates(self) -> list:
         """Running sequences in pure decode that may take proposals this step, as
-        `runtime.speculative.DraftRequest`-shaped records (duck-typed; no import of that module).
+        `runtime.proposers.DraftRequest`-shaped records (duck-typed; no import of that module).
         Row order = plan order of decodes (admission order)."""
         from types import SimpleNamespace
 

@@ -17,12 +17,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.runtime.attention import AttentionMetadata
+from jaxinfer.runtime.device.attention import AttentionMetadata
 from jaxinfer.runtime.config import ModelConfig
-from jaxinfer.runtime.kv_cache import KVCache
-from jaxinfer.runtime.model import Params, compute_logits, forward, forward_hidden
+from jaxinfer.runtime.device.kv_cache import KVCache
+from jaxinfer.runtime.device.model import Params, compute_logits, forward, forward_hidden
 from jaxinfer.runtime.plan import SAMPLING_FIELDS
-from jaxinfer.runtime.sampling import accept, allow_tokens, mask_vocab, sample, top_logprobs
+from jaxinfer.runtime.device.sampling import accept, allow_tokens, mask_vocab, sample, top_logprobs
 
 
 def _metadata(a: dict, max_q_len: int) -> AttentionMetadata:
@@ -213,7 +213,7 @@ def make_step(cfg: ModelConfig, backend: str, shardings=None,
               vocab_limit: int | None = None) -> Launches:
     """The step for one model; static: q bucket, logprob count, filter flag, prompt logprobs.
     `shardings` (tensor parallel): (params, cache, replicated) NamedSharding trees from
-    runtime.sharding. Inputs arrive laid out (params and cache committed to their shardings;
+    runtime.device.sharding. Inputs arrive laid out (params and cache committed to their shardings;
     host plan arrays are replicated); the packed output is replicated and the new cache keeps
     the donated cache's layout, so steady-state steps never reshard or recompile. (jit takes
     no in_shardings together with keyword static args.)"""
@@ -231,7 +231,7 @@ def make_step(cfg: ModelConfig, backend: str, shardings=None,
 
 def _on_mesh(fn, mesh):
     """`fn` traced with `mesh` as the context mesh, where the model's expert-parallel layers
-    (runtime/moe.py) find the "model" axis."""
+    (runtime/device/moe.py) find the "model" axis."""
     @functools.wraps(fn)
     def traced(*args, **kwargs):
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):

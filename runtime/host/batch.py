@@ -8,7 +8,7 @@ Input: one request per line, `{"id": ..., "prompt": "..."}` or `{"id": ..., "pro
 `min_p`, `seed`, `stop`, `stop_token_ids`, `logprobs`, `prompt_logprobs`, `ignore_eos`, and
 `structured_outputs`
 {"json": schema} / {"regex": ...} / {"choice": [...]} / {"grammar": ...} / {"json_object": true})
-that override the command's defaults, and `lora` (a loaded LoRA adapter's name); lines are checked by the same request door (runtime/requests.py) as every other front
+that override the command's defaults, and `lora` (a loaded LoRA adapter's name); lines are checked by the same request door (runtime/host/requests.py) as every other front
 end. Output: one line per input line, either a result
 
     {"id", "text", "token_ids", "finish_reason",
@@ -68,7 +68,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from jaxinfer.runtime.requests import (SAMPLING_FIELDS, Limits, RequestError, RequestOutput,
+from jaxinfer.runtime.host.requests import (SAMPLING_FIELDS, Limits, RequestError, RequestOutput,
                               SamplingParams, check_request, parse_prompt, sampling_from_json)
 
 REQUEST_FIELDS = {"id", "prompt", "prompt_token_ids", "lora"}
@@ -106,7 +106,7 @@ def id_key(uid) -> str:
 # ------------------------------------------------------------------------------------- parsing
 
 class _Parser:
-    """One line -> a job, through the request door (runtime.requests): the same fields, ranges
+    """One line -> a job, through the request door (runtime.host.requests): the same fields, ranges
     and prompt checks as every other front end."""
 
     def __init__(self, tokenizer, defaults: dict, limits: Limits):

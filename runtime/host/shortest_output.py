@@ -4,7 +4,7 @@ at most the vocabulary's longest piece, so a match needs at least
 ceil(shortest_bytes / longest_piece) tokens. Bounds are sound (never above the true shortest
 match); what they cannot bound (a Lark grammar, `$ref`, a regex Python cannot parse) is 0.
 
-JSON lengths follow the compact form the engine generates (runtime.structured.JSON_OPTIONS):
+JSON lengths follow the compact form the engine generates (runtime.host.structured.JSON_OPTIONS):
 `", "` between items, `": "` after keys, no other whitespace.
 """
 

@@ -3,8 +3,8 @@
 XLA:CPU runs a small matmul (a decode or mixed step's [T<=256, D] x [D, N] at D ~ 512) on one
 core and does not thread it (flags tried: the XNN/YNN/oneDNN fusion types, the
 concurrency-optimised scheduler); independent dots of one program can run side by side, which
-runtime/weight_layout.py uses on one device. Two host devices run side by side too, so a model
-split over them (`tensor_parallel=2`, runtime/sharding.py) uses both cores: 1.24x output tokens/s steady state on the mixed workload of `jaxinfer bench
+runtime/device/weight_layout.py uses on one device. Two host devices run side by side too, so a model
+split over them (`tensor_parallel=2`, runtime/device/sharding.py) uses both cores: 1.24x output tokens/s steady state on the mixed workload of `jaxinfer bench
 throughput` (random Llama, d=512, 8 heads, 8 layers), first run 1.15x. Gemma 3 270M (one KV
 head) gains nothing, as its step is the vocabulary projection that XLA already threads, so it
 stays on one device.

@@ -1,6 +1,6 @@
 """Host-side KV page allocator with prefix caching. Numpy + hashlib only, no JAX.
 
-Pages are integers 0..num_pages-1 indexing the device page pools (runtime/kv_cache.py). Page 0 is
+Pages are integers 0..num_pages-1 indexing the device page pools (runtime/device/kv_cache.py). Page 0 is
 the null page: page-table padding points at it and padding tokens write into it, so it is never
 handed out.
 

@@ -9,7 +9,7 @@ One step of speculation for every decoding sequence at once:
      back the KV of rejected tokens by lengths (`Scheduler.update(..., num_accepted=...)`).
 
 A draft model draws its own proposal for the token at position t with fold_in(key(seed, t), 3)
-(the other fold-ins of that key: runtime/sampling.py).
+(the other fold-ins of that key: runtime/device/sampling.py).
 
 The n-gram proposer is host numpy. The draft model keeps its own paged KV cache, page allocator
 and a per-request *shadow* (the token ids whose K/V its cache holds). Before proposing it cuts the
@@ -26,13 +26,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.runtime.attention import AttentionMetadata
-from jaxinfer.runtime.kv_cache import init_cache
-from jaxinfer.runtime.model import forward
-from jaxinfer.runtime.page_allocator import PageAllocator
+from jaxinfer.runtime.device.kv_cache import init_cache
+from jaxinfer.runtime.host.page_allocator import PageAllocator
 from jaxinfer.runtime.plan import STEP_GROUPS, bucket, padding_arrays, pow_buckets
-from jaxinfer.runtime.sampling import gumbel_pick, probs_of, row_argmax, row_keys
-from jaxinfer.runtime.steps import Launches, shared_jit
+from jaxinfer.runtime.device.speculative import draft_step
+from jaxinfer.runtime.device.steps import Launches, shared_jit
 
 # ---------------------------------------------------------------------------------- proposals
 
@@ -104,28 +102,6 @@ class NgramProposer(Proposer):
 
 
 # ---------------------------------------------------------------------------------- draft model
-
-
-def draft_step(params, cache, arrays, *, cfg, backend, max_q_len, filtered, want_q):
-    """One draft forward over a ragged plan: -> (tokens [S], q [S, V] or None, cache). Greedy rows
-    take the argmax; sampled rows draw from q with key fold_in(key(seed, pos), 3)."""
-    md = AttentionMetadata(
-        positions=arrays["positions"], slot_mapping=arrays["slot_mapping"],
-        cu_q_lens=arrays["cu_q_lens"], kv_lens=arrays["kv_lens"],
-        page_indices=arrays["page_indices"], num_seqs=arrays["num_seqs"],
-        logits_indices=arrays["logits_indices"], max_q_len=max_q_len,
-    )
-    logits, cache = forward(params, arrays["token_ids"], cache, md, cfg, backend)  # [S, V]
-    greedy = row_argmax(logits)
-    if not want_q:
-        return greedy, None, cache
-    q = probs_of(logits, arrays["temperature"], arrays["top_k"], arrays["top_p"], arrays["min_p"],
-                 filtered=filtered)
-    keys = row_keys(arrays["seeds"], arrays["sample_positions"])
-    keys = jax.vmap(lambda k: jax.random.fold_in(k, 3))(keys)
-    drawn = gumbel_pick(keys, jnp.log(q))
-    return jnp.where(arrays["temperature"] > 0, drawn, greedy), q, cache
-
 
 @dataclass
 class _Shadow:

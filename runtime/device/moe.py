@@ -22,7 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.runtime.quantization import QuantizedArray, dequantize
+from jaxinfer.runtime.device.quantization import QuantizedArray, dequantize
 
 
 def route(h: jax.Array, router: jax.Array, k: int, norm_topk: bool):

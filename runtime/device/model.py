@@ -15,13 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxinfer.runtime.attention import AttentionMetadata, attend
+from jaxinfer.runtime.device.attention import AttentionMetadata, attend
 from jaxinfer.runtime.config import ModelConfig, RopeScaling
-from jaxinfer.runtime.fused_projections import split_qkv
-from jaxinfer.runtime import lora as lora_ops
-from jaxinfer.runtime.kv_cache import KVCache, write_pages
-from jaxinfer.runtime.moe import moe_mlp
-from jaxinfer.runtime.quantization import einsum, take_rows
+from jaxinfer.runtime.device.fused_projections import split_qkv
+from jaxinfer.runtime.device import lora as lora_ops
+from jaxinfer.runtime.device.kv_cache import KVCache, write_pages
+from jaxinfer.runtime.device.moe import moe_mlp
+from jaxinfer.runtime.device.quantization import einsum, take_rows
 
 
 @struct.dataclass
@@ -33,13 +33,13 @@ class LayerParams:
     wv: jax.Array | None
     wo: jax.Array  # [Hq, Dh, D]
     mlp_norm: jax.Array  # [D]
-    # the fused forms the engine builds (runtime/fused_projections.py)
+    # the fused forms the engine builds (runtime/device/fused_projections.py)
     wqkv: jax.Array | None = None  # [D, Hkv, G + 2, Dh]
     w_gate_up: jax.Array | None = None  # [D, F, 2]
     w_gate: jax.Array | None = None  # [D, F] (dense MLP; None in a mixture-of-experts layer)
     w_up: jax.Array | None = None  # [D, F]
     w_down: jax.Array | None = None  # [F, D]
-    router: jax.Array | None = None  # [D, E] (mixture of experts: runtime/moe.py)
+    router: jax.Array | None = None  # [D, E] (mixture of experts: runtime/device/moe.py)
     we_gate: jax.Array | None = None  # [E, D, Fe]
     we_up: jax.Array | None = None  # [E, D, Fe]
     we_down: jax.Array | None = None  # [E, Fe, D]
@@ -59,7 +59,7 @@ class Params:
     layers: tuple[LayerParams, ...]
     final_norm: jax.Array  # [D]
     lm_head: jax.Array | None = None  # [V, D]; None when tied to embed
-    # LoRA adapter slots (runtime/lora.py), per layer; None: the engine serves no adapters
+    # LoRA adapter slots (runtime/device/lora.py), per layer; None: the engine serves no adapters
     lora: tuple[lora_ops.LoraLayer, ...] | None = None
 
 
@@ -161,7 +161,7 @@ def _layer(
         if lp.shared_gate is not None:
             gate = jnp.einsum("td,d->t", h.astype(jnp.float32), lp.shared_gate.astype(jnp.float32))
             m = (m * jax.nn.sigmoid(gate)[:, None]).astype(h.dtype)
-    if lp.router is not None:  # routed experts (runtime/moe.py)
+    if lp.router is not None:  # routed experts (runtime/device/moe.py)
         e = moe_mlp(h, lp.router, lp.we_gate, lp.we_up, lp.we_down,
                     k=cfg.experts_per_token, norm_topk=cfg.norm_topk_prob, act=act)  # [T, D]
         m = e if m is None else m + e

@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxinfer.runtime.quantization import parse_einsum
+from jaxinfer.runtime.device.quantization import parse_einsum
 
-# The axes each layer weight's einsum in runtime/model.py contracts (the rest are its outputs).
+# The axes each layer weight's einsum in runtime/device/model.py contracts (the rest are its outputs).
 CONTRACTED_AXES: dict[str, tuple[int, ...]] = {
     "wq": (0,), "wk": (0,), "wv": (0,),  # [D, H, Dh]: "td,dhk->thk"
     "wqkv": (0,), "w_gate_up": (0,),  # "td,dhgk->thgk", "td,dfc->tfc" (fused_projections.py)

@@ -1,4 +1,4 @@
-"""The request door's one error type (runtime/requests.py; runtime/structured.py raises it too)."""
+"""The request door's one error type (runtime/host/requests.py; runtime/host/structured.py raises it too)."""
 
 
 class RequestError(ValueError):

@@ -89,7 +89,7 @@ def attend(
     backend: str,  # a resolve_backend() result
 ) -> jax.Array:  # [T, Hq, Dh]
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    if hasattr(k_pages, "scales"):  # int8 KV (runtime.kv_cache.QuantizedPages)
+    if hasattr(k_pages, "scales"):  # int8 KV (runtime.device.kv_cache.QuantizedPages)
         kw.update(k_scale=k_pages.scales, v_scale=v_pages.scales)
         k_pages, v_pages = k_pages.values, v_pages.values
     args = (q, k_pages, v_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxinfer.runtime.request_error import RequestError
+from jaxinfer.runtime.host.errors import RequestError
 
 MAX_GRAMMAR_CHARS = 1 << 16  # a schema / regex / grammar's text
 MAX_CHOICES = 256
@@ -202,7 +202,7 @@ def ll_tokenizer(tokenizer, vocab_size: int, eos_ids: Sequence[int]):
     """The llguidance tokenizer of the served vocabulary (about 2 s for Gemma's 262k ids)."""
     import llguidance as llg
 
-    from jaxinfer.runtime.tokenizer import HFTokenizer
+    from jaxinfer.runtime.host.tokenizer import HFTokenizer
 
     eos = list(eos_ids)
     if isinstance(tokenizer, HFTokenizer):
@@ -228,7 +228,7 @@ class Grammars:
     def of(cls, tokenizer, vocab_size: int, eos_ids: Sequence[int]) -> Grammars | None:
         """The engine's grammars, or None (structured output refused at the door) when the
         tokenizer is not one llguidance can read (sentencepiece or tokenizer.json) or has no EOS."""
-        from jaxinfer.runtime.tokenizer import HFTokenizer, SentencePieceTokenizer
+        from jaxinfer.runtime.host.tokenizer import HFTokenizer, SentencePieceTokenizer
 
         if not isinstance(tokenizer, (HFTokenizer, SentencePieceTokenizer)) or not eos_ids:
             return None
@@ -240,15 +240,15 @@ class Grammars:
 
     def min_tokens(self, so: StructuredOutputs) -> int:
         """Fewer tokens than this cannot spell any output `so` allows (a lower bound: the
-        shortest match's bytes over the longest piece's; runtime/shortest_output.py)."""
-        from jaxinfer.runtime.shortest_output import shortest_bytes
+        shortest match's bytes over the longest piece's; runtime/host/shortest_output.py)."""
+        from jaxinfer.runtime.host.shortest_output import shortest_bytes
 
         return -(-shortest_bytes(so) // self.longest_piece)
 
     @functools.cached_property
     def longest_piece(self) -> int:
         """The most bytes one token of the vocabulary spells (computed once, on first use)."""
-        from jaxinfer.runtime.tokenizer import HFTokenizer
+        from jaxinfer.runtime.host.tokenizer import HFTokenizer
 
         if isinstance(self.tokenizer, HFTokenizer):  # UTF-8 of byte-level pieces: an upper bound
             pieces = self.tokenizer.backend.get_vocab(with_added_tokens=False)

@@ -29,37 +29,10 @@ proportional beyond them). The scheduler uses it two ways:
 from __future__ import annotations
 
 from bisect import bisect_left
-from dataclasses import dataclass
 
-STARVE_FACTOR = 5.0  # max wait = this x the TTFT budget
+from jaxinfer.runtime.config import SloConfig
+
 DEVIATIONS = 2.0  # margin of the ITL cap, in mean deviations of the step time
-DEFAULT_MAX_WAIT_S = 30.0  # ... without one
-
-
-@dataclass(frozen=True)
-class SloConfig:
-    itl_s: float | None = None  # decode steps' time budget
-    ttft_s: float | None = None  # time-to-first-token budget
-    refuse_late: bool = False  # refuse requests predicted to miss ttft_s
-    max_wait_s: float | None = None  # starvation bound (None: STARVE_FACTOR x ttft_s or default)
-
-    def __post_init__(self):
-        for name in ("itl_s", "ttft_s", "max_wait_s"):
-            v = getattr(self, name)
-            if v is not None and not v > 0:
-                raise ValueError(f"{name} must be > 0, got {v}")
-        if self.refuse_late and self.ttft_s is None:
-            raise ValueError("refusing late requests needs a TTFT budget")
-
-    @property
-    def active(self) -> bool:
-        return self.itl_s is not None or self.ttft_s is not None
-
-    @property
-    def starve_s(self) -> float:
-        if self.max_wait_s is not None:
-            return self.max_wait_s
-        return STARVE_FACTOR * self.ttft_s if self.ttft_s is not None else DEFAULT_MAX_WAIT_S
 
 
 class StepTimes:
