@@ -5,12 +5,20 @@ ModelConfig describes an architecture and nothing else; it is frozen and hashabl
 static argument of jitted functions. EngineConfig holds what the runtime decides (slots, pages,
 dtypes, attention backend). The two never mix. Checkpoints translate their own configs into
 ModelConfig (an HF `config.json`: checkpoints/hf_config.py).
+
+`ENGINE_OPTIONS` is the one table of engine options (name, type, default, range or choices,
+nullable, help, flag): EngineConfig's fields and their checks derive from it (`config_class`),
+plus the few rules over several options (`ENGINE_RULES`); so do the command line's flags and
+help (serve/engine_args.py). A new option is one row.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import math
+import numbers
+from collections.abc import Callable
+from dataclasses import dataclass, make_dataclass
 from typing import Any
 
 # Allowed values of the quantization options (runtime/device/quantization.py implements them); kept
@@ -194,143 +202,222 @@ class SpecConfig:
     quantization: str | None = None  # draft weights: None | one of FORMATS
 
 
-def _parse_speculative(d: dict | SpecConfig | None) -> SpecConfig | None:
-    """The `speculative=` option as a SpecConfig; clear errors for anything wrong."""
-    if d is None or isinstance(d, SpecConfig):
+# ---- engine options: one table -----------------------------------------------------------------
+class OptionError(ValueError):
+    """An engine option's value (or combination of values) that cannot run. `option` names it,
+    `reason` says why; the message is built from the two."""
+
+    def __init__(self, option: str, reason: str):
+        super().__init__(f"{option} {reason}")
+        self.option, self.reason = option, reason
+
+    def __reduce__(self):  # crosses processes (Ray replicas) whole
+        return type(self), (self.option, self.reason)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One engine option: an EngineConfig field, its check, its command-line flag and help
+    (serve/engine_args.py derives the flag's style from the row)."""
+
+    name: str
+    type: type  # bool | int | float | str (with choices) | a type `parse` returns
+    default: object
+    lo: float | None = None  # smallest value of an int / float
+    lo_open: bool = False  # > lo instead of >= lo
+    choices: tuple = ()  # the values of a str option (and None when nullable)
+    nullable: bool = False  # None is a value of its own (help says what it means)
+    parse: Callable[[Any], Any] | None = None  # checks and converts instead of type / range
+    flag: str | None = ""  # "": --name-with-dashes (--no-name: default-True switch); None: none
+    cli: str = ""  # "": by type | "pair": --x / --no-x, either or neither | "json": a JSON value
+    help: str = ""
+
+    @property
+    def annotation(self):
+        return self.type | None if self.nullable else self.type
+
+    def check(self, v):
+        """The value, checked and normalized; OptionError naming the option otherwise."""
+        if v is None:
+            if self.nullable:
+                return None
+            raise OptionError(self.name, "must not be None")
+        if self.parse is not None:
+            return self.parse(v)
+        if self.choices:
+            if isinstance(v, str) and v in self.choices:
+                return v
+            shown = (None, *self.choices) if self.nullable else self.choices
+            raise OptionError(self.name, f"must be one of {shown}, got {v!r}")
+        if self.type is bool:
+            if not isinstance(v, bool):
+                allowed = "True, False or None" if self.nullable else "True or False"
+                raise OptionError(self.name, f"must be {allowed}, got {v!r}")
+            return v
+        if self.type is str:
+            if not isinstance(v, str):
+                raise OptionError(self.name, f"must be a string, got {v!r}")
+            return v
+        if self.type is int:
+            if not isinstance(v, numbers.Integral) or isinstance(v, bool):
+                raise OptionError(self.name, f"must be an integer, got {v!r}")
+            v = int(v)
+        else:  # float
+            if not isinstance(v, numbers.Real) or isinstance(v, bool) or not math.isfinite(v):
+                raise OptionError(self.name, f"must be a finite number, got {v!r}")
+            v = float(v)
+        if self.lo is not None and (v < self.lo or self.lo_open and v == self.lo):
+            raise OptionError(self.name, f"must be {'>' if self.lo_open else '>='} {self.lo}, "
+                                         f"got {v}")
+        return v
+
+
+def _parse_speculative(d: dict | SpecConfig) -> SpecConfig:
+    """The `speculative=` option as a SpecConfig; OptionError naming what is wrong."""
+    if isinstance(d, SpecConfig):
         return d
     if not isinstance(d, dict):
-        raise ValueError(f"speculative must be a dict like {{'method': 'ngram', 'k': 4}}, got {d!r}")
+        raise OptionError("speculative",
+                          f"must be a dict like {{'method': 'ngram', 'k': 4}}, got {d!r}")
     allowed = {"method", "k", "n", "model", "quantization"}
     unknown = sorted(set(d) - allowed)
     if unknown:
-        raise ValueError(f"unknown speculative option(s) {unknown}; valid: {sorted(allowed)}")
+        raise OptionError("speculative",
+                          f"has unknown option(s) {unknown}; valid: {sorted(allowed)}")
     method = d.get("method")
     if method not in SPEC_METHODS:
-        raise ValueError(f"speculative method must be one of {SPEC_METHODS}, got {method!r}")
+        raise OptionError("speculative", f"method must be one of {SPEC_METHODS}, got {method!r}")
     k = d.get("k", 4)
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ValueError(f"speculative k must be an integer >= 1, got {k!r}")
+        raise OptionError("speculative", f"k must be an integer >= 1, got {k!r}")
     n = d.get("n", 3)
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"speculative n must be an integer >= 1, got {n!r}")
+        raise OptionError("speculative", f"n must be an integer >= 1, got {n!r}")
     model = d.get("model")
     if method == "draft" and not model:
-        raise ValueError("speculative method 'draft' needs 'model': a path or model name")
+        raise OptionError("speculative", "method 'draft' needs 'model': a path or model name")
     if method == "ngram" and model is not None:
-        raise ValueError("speculative method 'ngram' takes no 'model'")
+        raise OptionError("speculative", "method 'ngram' takes no 'model'")
     q = d.get("quantization")
     if q is not None and q not in FORMATS:
-        raise ValueError(f"speculative quantization must be None or one of {FORMATS}, got {q!r}")
+        raise OptionError("speculative",
+                          f"quantization must be None or one of {FORMATS}, got {q!r}")
     return SpecConfig(method=method, k=k, n=n, model=None if model is None else str(model),
                       quantization=q)
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    """Runtime switches. `LLM(...)` keyword arguments mirror these field names."""
+ENGINE_OPTIONS = (
+    Option("dtype", str, "float32", choices=COMPUTE_DTYPES,
+           help="activation / weight compute dtype"),
+    Option("quantization", str, None, choices=QUANTIZATIONS[1:], nullable=True,
+           help="int8 / fp8 / int4: quantize weights as they load (per-channel scales); gguf: "
+                "keep a GGUF file's quantized blocks; dequantize: every weight in the compute "
+                "dtype (default: the weights as the checkpoint stores them; on TPU/GPU a GGUF's "
+                "blocks and a 4-bit checkpoint's int4 stay quantized)"),
+    Option("quant_mode", str, None, choices=MODES, nullable=True,
+           help="how quantized weights run: w8a8 (int8 weights and activations) or weight_only "
+                "(default: by platform and format)"),
+    Option("quantize_embeddings", bool, True,
+           help="quantize embed / lm_head with the layer weights (else they stay in the "
+                "compute dtype)"),
+    Option("kv_cache_dtype", str, "auto", choices=KV_CACHE_DTYPES,
+           help="KV pages: auto = the compute dtype; int8 = per-token-per-head scales "
+                "(XLA attention path)"),
+    Option("max_slots", int, 8, lo=1, help="sequences the engine runs at once"),
+    Option("page_size", int, 16, lo=1, help="tokens per KV page"),
+    Option("num_pages", int, None, lo=2, nullable=True,
+           help="KV pages in the pool, the null page 0 included (default: enough for every "
+                "slot at max_model_len)"),
+    Option("max_model_len", int, 2048, lo=1,
+           help="longest prompt + output a sequence may reach (default: the model's context, "
+                "at most 2048)"),
+    Option("attention_backend", str, None, choices=ATTENTION_BACKENDS[1:], nullable=True,
+           help="attention implementation (default: pallas on TPU/GPU, xla on CPU; "
+                "pallas_interpret: the kernels in interpret mode, for tests)"),
+    Option("prefill_chunk", int, 256, lo=1,
+           help="prompt tokens a step takes at most (longer prompts prefill in chunks)"),
+    Option("min_token_bucket", int, None, lo=1, nullable=True,
+           help="smallest token-row bucket a step pads to (default: env "
+                "JAXINFER_MIN_TOKEN_BUCKET, else 16 on TPU/GPU, 1 on CPU)"),
+    Option("min_page_bucket", int, None, lo=1, nullable=True,
+           help="narrowest page table a step pads to, in pages; wider ones x4 up to every page "
+                "(default: env JAXINFER_MIN_PAGE_BUCKET, else every page with the XLA attention "
+                "path, which reads only the pages sequences fill; 1 with the Pallas kernels, "
+                "which walk the table)"),
+    Option("enable_prefix_caching", bool, True, flag="--no-prefix-caching",
+           help="share KV pages of common full-page prompt prefixes"),
+    Option("speculative", SpecConfig, None, nullable=True, parse=_parse_speculative, cli="json",
+           help='speculative decoding, e.g. {"method": "ngram", "k": 4, "n": 3} or '
+                '{"method": "draft", "model": "PATH", "k": 4}'),
+    Option("tensor_parallel", int, 1, lo=1,
+           help="devices params and KV cache split over (several hosts: all devices; 1: one "
+                "device); default: on CPU, the host's cores where the model's heads split evenly "
+                "and it is wide enough to gain (runtime/device/host_devices.py)"),
+    Option("weight_layout", str, "auto", choices=WEIGHT_LAYOUTS,
+           help="how dense layer weights are stored: auto = output axes first on CPU (faster "
+                "small matmuls there), as loaded elsewhere"),
+    Option("fuse_projections", bool, None, nullable=True,
+           help="Q/K/V and gate/up as one weight each, split after the product (default: yes, "
+                "except with CPU's output-major layer weights, where batch-1 decode measured "
+                "slower fused)"),
+    Option("async_scheduling", bool, True,
+           help="plan and launch step n+1 while step n runs (off, with speculative decoding or "
+                "on several hosts: each step waits for the previous step's tokens)"),
+    Option("warmup", bool, False, cli="pair",
+           help="compile every step shape before the first request (the command line's default: "
+                "on for `serve`, off for one-off commands; the compilation cache makes later "
+                "starts load them)"),
+    Option("enable_lora", bool, False, help="serve LoRA adapters (implied by --lora-modules)"),
+    Option("max_loras", int, 4, lo=1, help="LoRA adapters on the device at once"),
+    Option("max_lora_rank", int, 16, lo=1, help="largest LoRA adapter rank served"),
+    Option("max_cpu_loras", int, None, lo=1, nullable=True,
+           help="LoRA adapters kept in host memory, least recently used out (default: all)"),
+    Option("itl_slo_ms", float, None, lo=0, lo_open=True, nullable=True,
+           help="inter-token latency budget: steps with decodes carry only as many tokens as the "
+                "measured step times fit (admissions and prefill chunks shrink)"),
+    Option("ttft_slo_ms", float, None, lo=0, lo_open=True, nullable=True,
+           help="time-to-first-token budget: waiting requests go by priority, on-time ones before "
+                f"late ones (none waits past {STARVE_FACTOR:g}x the budget)"),
+    Option("refuse_late", bool, False,
+           help="with ttft_slo_ms: refuse requests predicted to miss it (HTTP 429 / gRPC "
+                "RESOURCE_EXHAUSTED with a retry hint) instead of queueing them"),
+    Option("distributed", bool, False,
+           help="join a multi-host job before loading (jax.distributed.initialize; env "
+                "JAXINFER_COORDINATOR_ADDRESS / _NUM_PROCESSES / _PROCESS_ID or auto-detected on "
+                "TPU pods); process 0 serves, the others follow its steps"),
+)
 
-    dtype: str = "float32"  # activation/weight compute dtype: float32 | bfloat16
-    quantization: str | None = None  # one of QUANTIZATIONS
-    quant_mode: str | None = None  # None = by platform | "w8a8" (int8 only) | "weight_only"
-    quantize_embeddings: bool = True  # False keeps embed / lm_head in the compute dtype
-    kv_cache_dtype: str = "auto"  # "auto" = the compute dtype | "int8" (per-token-head scales)
-    max_slots: int = 8
-    page_size: int = 16
-    num_pages: int | None = None  # None: enough for every slot at max_model_len
-    max_model_len: int = 2048  # longest prompt + output a sequence may reach
-    attention_backend: str | None = None  # None = by platform
-    prefill_chunk: int = 256  # per-step prompt token budget
-    # a step's token rows are padded to a power-of-two bucket from this one up. None: the
-    # platform's (MIN_TOKEN_BUCKET; env JAXINFER_MIN_TOKEN_BUCKET overrides it)
-    min_token_bucket: int | None = None
-    # a step's page-table width (pages per sequence) is padded to a power-of-4 bucket from this
-    # one up (capped at pages_per_seq). None: env JAXINFER_MIN_PAGE_BUCKET, else one width
-    # (pages_per_seq) with the XLA attention path, 1 with the Pallas kernels
-    min_page_bucket: int | None = None
-    enable_prefix_caching: bool = True  # share KV pages of common full-page prompt prefixes
-    # a dict like {"method": "ngram", "k": 4} is parsed into a SpecConfig on construction
-    speculative: SpecConfig | None = None
-    # devices the model splits over; LLM on CPU picks one per host core where that gains, unless
-    # given (runtime/device/host_devices.py)
-    tensor_parallel: int = 1
-    # how dense layer weights are stored: "auto" (output axes first on CPU, where it makes the
-    # matmuls of a few rows up to 1.5x faster; as loaded elsewhere) | "as_loaded" |
-    # "output_major" (runtime/device/weight_layout.py)
-    weight_layout: str = "auto"
-    # Q/K/V and gate/up as one weight each, split after the product (runtime/device/fused_projections.py);
-    # None: fused unless the layer weights are stored output-major (CPU), where Gemma 3 270M
-    # batch-1 decode measured 4 % slower fused and batch 16 the same
-    fuse_projections: bool | None = None
-    # plan and launch step n+1 while step n runs (decode inputs fed on the device); off, or
-    # with speculative decoding or several hosts, every step waits for the previous one's tokens
-    async_scheduling: bool = True
-    # compile every step shape at construction (Engine.warmup; the persistent compilation cache
-    # makes later starts load them), so no request waits on a compile
-    warmup: bool = False
-    # LoRA adapters (runtime/device/lora.py): max_loras device slots of rank <= max_lora_rank; up to
-    # max_cpu_loras adapters (None: unbounded) stay read on the host, least recently used out
-    enable_lora: bool = False
-    max_loras: int = 4
-    max_lora_rank: int = 16
-    max_cpu_loras: int | None = None
-    # latency targets (runtime/host/slo.py): steps with decodes fit itl_slo_ms by the measured step
-    # times; waiting requests go by priority, on-time before late for ttft_slo_ms; refuse_late
-    # refuses requests predicted to miss ttft_slo_ms instead of queueing them
-    itl_slo_ms: float | None = None
-    ttft_slo_ms: float | None = None
-    refuse_late: bool = False
-    # join a multi-host job before loading (runtime/device/distributed.py): process 0 serves,
-    # the others follow its steps
-    distributed: bool = False
+# Rules over several options: (the option at fault, holds(config), reason formatted with c=config)
+ENGINE_RULES = (
+    ("refuse_late", lambda c: not c.refuse_late or c.ttft_slo_ms is not None,
+     "needs ttft_slo_ms (the budget requests are refused against)"),
+    ("max_cpu_loras", lambda c: c.max_cpu_loras is None or c.max_cpu_loras >= c.max_loras,
+     "must be >= max_loras ({c.max_loras}), got {c.max_cpu_loras}"),
+)
+
+
+def config_class(name: str, options=ENGINE_OPTIONS, rules=ENGINE_RULES, bases=()) -> type:
+    """A frozen dataclass with one field per option (table order, the option's default) whose
+    construction checks every field (Option.check), then every rule."""
 
     def __post_init__(self):
-        if self.dtype not in COMPUTE_DTYPES:
-            raise ValueError(f"dtype must be one of {COMPUTE_DTYPES}, got {self.dtype!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
-            )
-        for name in ("max_slots", "page_size", "max_model_len", "prefill_chunk", "tensor_parallel"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.fuse_projections not in (None, True, False):
-            raise ValueError("fuse_projections must be True, False or None (auto), "
-                             f"got {self.fuse_projections!r}")
-        if self.weight_layout not in WEIGHT_LAYOUTS:
-            raise ValueError(
-                f"weight_layout must be one of {WEIGHT_LAYOUTS}, got {self.weight_layout!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(
-                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(
-                f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
-        if self.quant_mode is not None and self.quant_mode not in MODES:
-            raise ValueError(f"quant_mode must be None or one of {MODES}, got {self.quant_mode!r}")
-        object.__setattr__(self, "speculative", _parse_speculative(self.speculative))
-        if self.min_token_bucket is not None and self.min_token_bucket < 1:
-            raise ValueError(f"min_token_bucket must be >= 1, got {self.min_token_bucket}")
-        self.slo  # noqa: B018 - checks the latency targets
-        for name in ("max_loras", "max_lora_rank"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
-            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
-                             f"({self.max_loras})")
-        if self.min_page_bucket is not None and self.min_page_bucket < 1:
-            raise ValueError(f"min_page_bucket must be >= 1, got {self.min_page_bucket}")
-        if self.num_pages is not None and self.num_pages < 2:
-            raise ValueError(f"num_pages must be >= 2 (page 0 is the null page), got {self.num_pages}")
+        for o in options:
+            object.__setattr__(self, o.name, o.check(getattr(self, o.name)))
+        for opt, holds, reason in rules:
+            if not holds(self):
+                raise OptionError(opt, reason.format(c=self))
 
+    fields = [(o.name, o.annotation, dataclasses.field(default=o.default)) for o in options]
+    return make_dataclass(name, fields, bases=bases, frozen=True,
+                          namespace={"__post_init__": __post_init__})
+
+
+class _EngineConfigViews:
     @property
-    def slo(self):
+    def slo(self) -> SloConfig:
         ms = lambda v: None if v is None else v / 1e3  # noqa: E731
-        try:
-            return SloConfig(itl_s=ms(self.itl_slo_ms), ttft_s=ms(self.ttft_slo_ms),
-                             refuse_late=self.refuse_late)
-        except ValueError as e:
-            raise ValueError(str(e).replace("_s ", "_slo_ms ").replace("a TTFT budget",
-                                                                        "ttft_slo_ms")) from None
+        return SloConfig(itl_s=ms(self.itl_slo_ms), ttft_s=ms(self.ttft_slo_ms),
+                         refuse_late=self.refuse_late)
 
     @property
     def pages_per_seq(self) -> int:
@@ -342,3 +429,11 @@ class EngineConfig:
         if self.num_pages is not None:
             return self.num_pages
         return 1 + self.max_slots * self.pages_per_seq
+
+
+EngineConfig = config_class("EngineConfig", bases=(_EngineConfigViews,))
+EngineConfig.__module__ = __name__
+EngineConfig.__doc__ = (
+    "Runtime switches: one field per ENGINE_OPTIONS row, checked on construction "
+    "(OptionError names the option). `LLM(...)` keyword arguments mirror these field names.\n\n"
+    + "\n".join(f"    {o.name} = {o.default!r}: {o.help}" for o in ENGINE_OPTIONS))

@@ -2,118 +2,26 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
-from jaxinfer.runtime.config import FORMATS, QUANTIZATIONS, EngineConfig
+from jaxinfer.runtime.build import load
 from jaxinfer.runtime.engine import Engine
-from jaxinfer.runtime.device.host_devices import auto_tensor_parallel, request_host_devices
-from jaxinfer.runtime.device.quantization import default_mode, keeps_gguf_blocks
-from jaxinfer.runtime.host.requests import (Limits, LoRARequest, RequestError, RequestOutput,
-                                       SamplingParams, check_request, parse_prompt)
-
-
-@dataclass
-class StreamDelta:
-    text: str
-    token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
+from jaxinfer.runtime.host.errors import RequestError
+from jaxinfer.runtime.host.outputs import RequestDelta, RequestOutput
+from jaxinfer.runtime.host.requests import LoRARequest, SamplingParams, check_request, parse_prompt
 
 
 class LLM:
     """`LLM(model, **engine_options)`: `model` is an HF checkpoint dir, a .gguf file, a dir
     written by `jaxinfer convert`, or the name "gemma3-270m". Keyword arguments mirror
-    EngineConfig fields."""
+    EngineConfig fields. `llm.model`: the model as the engine runs it (cfg, params, tokenizer,
+    source; runtime/build.py), `llm.config`: every option resolved, `llm.engine`: the engine."""
 
     def __init__(self, model: str = "gemma3-270m", **options):
-        from jaxinfer.checkpoints.loader import load_model
-
         enable_compilation_cache()
-        if options.get("distributed"):  # join the multi-host job: one mesh over every process
-            from jaxinfer.runtime.device.distributed import init_distributed
-
-            init_distributed()
-        request_host_devices()  # before anything starts JAX's backends
-        known = {f.name for f in dataclasses.fields(EngineConfig)}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise TypeError(f"unknown LLM option(s) {unknown}; valid: {sorted(known)}")
-        q = options.get("quantization")
-        if q not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {q!r}")
-        place = None
-        if q in FORMATS:  # quantize each weight as it streams in (peak ~ the int8 model)
-            from jaxinfer.checkpoints.quantize import placer
-
-            # LoRA adapters read the norms' outputs as trained: no smoothing / AWQ scales there
-            smooth = {"activation_aware": False} if options.get("enable_lora") else {}
-            place = placer(q, options.get("dtype", "float32"), mode=options.get("quant_mode"),
-                           quantize_embeddings=options.get("quantize_embeddings", True), **smooth)
-        config = EngineConfig(**options)  # every option checked (and parsed) before any loading
-        if q == "gguf":
-            from jaxinfer.checkpoints.loader import is_gguf_file, resolve
-
-            if not is_gguf_file(resolve(model)):
-                raise ValueError(f"{model}: quantization='gguf' keeps a GGUF file's quantized "
-                                 "blocks; this model is not a GGUF file (use quantization=None)")
-        mesh = None
-        if options.get("tensor_parallel", 1) != 1 or _multi_process():
-            # tensor parallel: every tensor streams straight into its shards on the mesh
-            import jax.numpy as jnp
-
-            from jaxinfer.runtime.device.sharding import make_mesh, shard_placer
-
-            mesh = make_mesh(options.get("tensor_parallel", 1))
-            place = shard_placer(mesh, jnp.dtype(options.get("dtype", "float32")), inner=place)
-        self.model = load_model(model, dtype=options.get("dtype", "float32"), place=place,
-                                mesh=mesh,
-                                keep_quantized=q == "gguf" or (q is None and keeps_gguf_blocks()),
-                                keep_int4=q == "int4" or (q is None and keeps_gguf_blocks()))
-        from jaxinfer.checkpoints.quantize import quantization_spec, with_mode
-
-        from_model = {}
-        spec = quantization_spec(self.model.params)  # a converted dir may be quantized already
-        if q == "gguf" and spec is None:
-            raise ValueError(f"{model}: quantization='gguf': the file holds no block-quantized "
-                             "matmul weights (use quantization=None)")
-        if spec is not None:
-            if q is not None and q != spec["fmt"]:
-                raise ValueError(f"{model}: holds {spec['fmt']} weights; cannot serve them as {q!r}")
-            from_model["quantization"] = spec["fmt"]
-            mode = config.quant_mode or default_mode(spec["fmt"])
-            from jaxinfer.checkpoints.orbax_io import is_converted
-
-            if (config.enable_lora and spec["fmt"] == "int8" and spec["mode"] == "w8a8"
-                    and is_converted(self.model.source)):
-                raise ValueError(
-                    f"{model}: LoRA adapters over an int8 W8A8 checkpoint converted ahead of time "
-                    "are not supported (its norms may hold SmoothQuant scales the adapters were "
-                    "not trained with); load the float checkpoint with quantization='int8'")
-            if mode != spec["mode"]:
-                self.model.params = with_mode(self.model.params, mode)
-        if "max_model_len" not in options:
-            from_model["max_model_len"] = min(self.model.cfg.max_position_embeddings, 2048)
-        if mesh is None and "tensor_parallel" not in options:  # the host's cores, on CPU
-            import jax
-
-            tp = auto_tensor_parallel(self.model.cfg, dataclasses.replace(config, **from_model),
-                                      platform=jax.default_backend(), devices=jax.device_count())
-            if tp > 1:
-                from jaxinfer.runtime.device.sharding import make_mesh
-
-                mesh, from_model["tensor_parallel"] = make_mesh(tp), tp
-        self.config = dataclasses.replace(config, **from_model)
-        self.tokenizer = self.model.tokenizer
-        draft = None
-        speculative = self.config.speculative
-        if speculative is not None and speculative.method == "draft":
-            draft = self._load_draft(model, speculative, self.config.dtype)
-        self.engine = Engine(self.model.cfg, self.model.params, self.tokenizer, self.config,
-                             mesh=mesh, draft_model=draft)
-        # the engine's layer weights (sharded, or stored output-major) replace the loaded ones
-        self.model.params = self.model.params.replace(layers=self.engine.params.layers)
+        self.model = load(model, options)
+        self.config, self.tokenizer = self.model.config, self.model.tokenizer
+        self.engine = Engine(self.model)
         self.warmup_stats: dict | None = None  # {"programs", "seconds"} of warmup()
         if self.config.warmup:
             self.warmup()
@@ -133,30 +41,6 @@ class LLM:
         logging.getLogger(__name__).info("warm-up: %d step programs ready in %.1f s", n,
                                          self.warmup_stats["seconds"])
         return self.warmup_stats
-
-    def _load_draft(self, target: str, spec, dtype: str):
-        """(cfg, params) of the draft model; the target's own weights when it names the target
-        (and asks for no other quantization)."""
-        import os
-
-        from jaxinfer.checkpoints.loader import load_model
-        from jaxinfer.runtime.proposers import check_vocab
-
-        same = spec.model == target or (os.path.exists(spec.model) and os.path.exists(target)
-                                        and os.path.samefile(spec.model, target))
-        kept = spec.quantization is None and self.config.quantization == "gguf"
-        if same and (spec.quantization == self.config.quantization or kept):
-            return self.model.cfg, self.model.params
-        place = None
-        if spec.quantization is not None:
-            from jaxinfer.checkpoints.quantize import placer
-
-            place = placer(spec.quantization, dtype)
-        keep = spec.quantization is None and keeps_gguf_blocks()
-        draft = load_model(spec.model, dtype=dtype, place=place, keep_quantized=keep,
-                           keep_int4=keep or spec.quantization == "int4")
-        check_vocab(self.model.cfg, draft.cfg, repr(spec.model))
-        return draft.cfg, draft.params
 
     # ---- inputs ---------------------------------------------------------------------------
     def _params_list(self, n: int, sampling_params) -> list[SamplingParams]:
@@ -198,36 +82,38 @@ class LLM:
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
-        limits = Limits.of(self.engine)
+        limits = self.engine.limits
         inputs = [parse_prompt(p, self.tokenizer, limits) for p in prompts]
         params = self._params_list(len(inputs), sampling_params)
         for (_, pids), sp in zip(inputs, params):  # validate all before admitting any
             check_request(pids, sp, limits)
         loras = self._lora_names(len(inputs), lora_request)
-        ids = []
+        ids, done = [], {}
         try:
-            for (_, pids), sp, lora in zip(inputs, params, loras):
-                ids.append(self.engine.add_request(pids, sp, lora=lora))
-        except Exception:
+            for (text, pids), sp, lora in zip(inputs, params, loras):
+                ids.append(self.engine.add_request(pids, sp, lora=lora, prompt=text))
+            bar, mine = _progress(len(ids), use_tqdm), set(ids)
+            while len(done) < len(ids):
+                for d in self.engine.step():
+                    if d.finished and d.request_id in mine:
+                        done[d.request_id] = d.output
+                        bar.update(1)
+            bar.close()
+        finally:  # interrupted (or refused midway): nothing of this call stays in the engine
             for rid in ids:
-                self.engine.abort(rid)
-                self.engine.pop(rid)
-            raise
-        bar = _progress(len(ids), use_tqdm)
-        pending = set(ids)
-        while pending:
-            for d in self.engine.step():
-                if d.finished and d.request_id in pending:
-                    pending.discard(d.request_id)
-                    bar.update(1)
-        bar.close()
-        return [RequestOutput.from_state(self.engine.pop(rid), text) for rid, (text, _) in zip(ids, inputs)]
+                if rid not in done:
+                    self.engine.abort(rid)
+        return [done[rid] for rid in ids]
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None, *,
-               lora_request: LoRARequest | None = None) -> Iterator[StreamDelta]:
-        _, pids = parse_prompt(prompt, self.tokenizer, Limits.of(self.engine))
+               lora_request: LoRARequest | None = None) -> Iterator[RequestDelta]:
+        """The request's deltas as its steps come back: text (stop strings held back), token
+        ids, their logprob entries when `logprobs` is set, the prompt's logprobs on the first
+        one; the last is `finished` and carries the whole `output`."""
+        text, pids = parse_prompt(prompt, self.tokenizer, self.engine.limits)
         lora = self._lora_names(1, lora_request)[0]
-        rid = self.engine.add_request(pids, sampling_params or SamplingParams(), lora=lora)
+        rid = self.engine.add_request(pids, sampling_params or SamplingParams(), lora=lora,
+                                      prompt=text)
         try:
             done = False
             while not done:
@@ -235,14 +121,13 @@ class LLM:
                     if d.request_id == rid:
                         done = d.finished
                         if d.text or d.token_ids or d.finished:
-                            yield StreamDelta(d.text, d.token_ids, d.finished, d.finish_reason)
+                            yield d
         finally:
-            self.engine.abort(rid)
-            self.engine.pop(rid)
+            self.engine.abort(rid)  # a consumer that stopped early frees its slot and pages
 
     def generate_jsonl(self, in_path, out_path, **kw) -> dict:
-        """Run a JSONL file through the engine (see `runtime.host.batch.run_batch` for the format and
-        options: sampling=dict(...), resume, ordered, ...); returns the summary dict."""
+        """Run a JSONL file through the engine (see `runtime.host.batch.run_batch` for the
+        format and options: sampling=dict(...), resume, ordered, ...); returns the summary."""
         from jaxinfer.runtime.host.batch import run_batch
 
         return run_batch(self.engine, self.tokenizer, str(in_path), str(out_path), **kw)
@@ -264,12 +149,6 @@ def enable_compilation_cache() -> None:
     jax.config.update("jax_compilation_cache_dir", where)
     if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-
-
-def _multi_process() -> bool:
-    import jax
-
-    return jax.process_count() > 1
 
 
 class _NoBar:

@@ -27,7 +27,8 @@ def register(subparsers, engine_args) -> None:
                    help="continue a killed job: skip ids already in the output, repair a torn tail")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output")
     p.add_argument("--ordered", action="store_true",
-                   help="write results in input order (bounded reorder buffer)")
+                   help="write results in input order (bounded reorder buffer; with --ray: "
+                        "OUTPUT is written once at the end, then renamed into place)")
     p.add_argument("--max-inflight", type=int, default=None,
                    help="admitted-but-unfinished requests (default 2 x max-slots + 4)")
     p.add_argument("--reorder-window", type=int, default=None,
@@ -39,7 +40,9 @@ def register(subparsers, engine_args) -> None:
     r = p.add_argument_group("Ray Data (pip install 'jaxinfer[ray]'; see serve/ray_batch.py)")
     r.add_argument("--ray", action="store_true",
                    help="run on Ray Data: --replicas engines, one part file per input block in "
-                        "OUTPUT.shards/, OUTPUT itself (input order) with --ordered")
+                        "OUTPUT.shards/; each finished block is appended to OUTPUT and fsynced "
+                        "(a ledger makes --resume add every block once), or with --ordered "
+                        "OUTPUT is written whole in input order at the end")
     r.add_argument("--replicas", type=int, default=1, help="engine replicas (Ray actors)")
     r.add_argument("--ray-address", default=None,
                    help="a running cluster (e.g. ray://head:10001 or auto); default: a local one")

@@ -1,5 +1,18 @@
-"""The engine options every `jaxinfer` command takes, and the LLM they build. Allowed values
-come from the typed configs (runtime/config.py, runtime/device/quantization.py), never listed here."""
+"""The engine options every `jaxinfer` command takes, and the LLM they build. Every flag but
+--model and --lora-modules is a row of ENGINE_OPTIONS (runtime/config.py): its spelling, values
+and help come from there; this module only picks the argparse style of each row:
+
+    row                                      flag                                 given as
+    bool, default False                      --enable-lora                        True
+    bool, default True                       --no-async-scheduling                False
+    bool, default None (or cli="pair")       --fuse-projections / --no-fuse-...   True / False
+    str with choices, int, float             --dtype bfloat16, --max-slots 16     the value
+    cli="json"                               --speculative '{"method": "ngram"}'  the JSON value
+
+A flag not given leaves its attribute None and its option out of `engine_kwargs(args)`, so
+LLM's own defaults hold (it derives max_model_len and tensor_parallel from the model);
+`llm_from_args` turns warmup on for `serve` unless a flag says otherwise.
+"""
 
 from __future__ import annotations
 
@@ -8,119 +21,91 @@ import json
 import sys
 
 from jaxinfer.checkpoints.named import DEFAULT_MODEL
-from jaxinfer.runtime.config import (ATTENTION_BACKENDS, COMPUTE_DTYPES, KV_CACHE_DTYPES,
-                                     QUANTIZATIONS, WEIGHT_LAYOUTS)
+from jaxinfer.runtime.config import ENGINE_OPTIONS, Option
 
 
-def engine_args(p: argparse.ArgumentParser) -> None:
+def engine_args(p: argparse.ArgumentParser, options: tuple[Option, ...] = ENGINE_OPTIONS) -> None:
+    """--model, a flag per option of `options` that has one, --lora-modules."""
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="HF checkpoint dir, .gguf file, `jaxinfer convert` dir, or a model name "
                         f"(default: {DEFAULT_MODEL})")
-    p.add_argument("--dtype", default="float32", choices=COMPUTE_DTYPES)
-    p.add_argument("--max-slots", type=int, default=8)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--num-pages", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--attention-backend", default=None,
-                   choices=[b for b in ATTENTION_BACKENDS if b])
-    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS[1:],
-                   help="int8 / fp8: quantize weights at load (per-channel scales); gguf: keep a "
-                        "GGUF file's quantized blocks (the default for GGUF files); dequantize: "
-                        "every weight in --dtype")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="int8 KV pages with per-token-per-head scales (XLA attention path)")
-    p.add_argument("--prefill-chunk", type=int, default=256,
-                   help="per-step prompt token budget (chunked prefill)")
-    p.add_argument("--min-token-bucket", type=int, default=None,
-                   help="smallest token-row bucket a step pads to (default: 16 on TPU/GPU, 1 "
-                        "on CPU; env JAXINFER_MIN_TOKEN_BUCKET)")
-    p.add_argument("--min-page-bucket", type=int, default=None,
-                   help="narrowest page table a step pads to, in pages (env JAXINFER_MIN_PAGE_BUCKET; "
-                        "default: every page with the XLA attention path, which reads only the "
-                        "pages sequences fill; 1 with the Pallas kernels, which walk the table)")
-    p.add_argument("--no-prefix-caching", action="store_true",
-                   help="do not share KV pages of common prompt prefixes")
-    p.add_argument("--no-async-scheduling", action="store_true",
-                   help="each step waits for the previous step's tokens (default: step n+1 is "
-                        "planned and launched while step n runs)")
-    p.add_argument("--speculative", default=None, type=json.loads,
-                   help='speculative decoding, e.g. \'{"method": "ngram", "k": 4, "n": 3}\' or '
-                        '\'{"method": "draft", "model": "PATH", "k": 4}\'')
-    p.add_argument("--enable-lora", action="store_true",
-                   help="serve LoRA adapters (implied by --lora-modules)")
-    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+    g = p.add_argument_group("engine options (LLM keyword arguments of the same names)")
+    option_flags(g, *(o.name for o in options if o.flag is not None), options=options)
+    g.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                    help="PEFT adapters to load at start; requests name them (HTTP `model`, "
                         "gRPC `lora`, JSONL `lora`)")
-    p.add_argument("--max-loras", type=int, default=4, help="adapters on the device at once")
-    p.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank served")
-    p.add_argument("--max-cpu-loras", type=int, default=None,
-                   help="adapters kept in host memory (default: all loaded)")
-    p.add_argument("--itl-slo-ms", type=float, default=None,
-                   help="inter-token latency budget: steps with decodes carry only as many tokens "
-                        "as the measured step times fit (admissions and prefill chunks shrink)")
-    p.add_argument("--ttft-slo-ms", type=float, default=None,
-                   help="time-to-first-token budget: waiting requests go by priority, on-time "
-                        "ones before late ones (no request waits past 5x the budget)")
-    p.add_argument("--refuse-late", action="store_true",
-                   help="with --ttft-slo-ms: refuse requests predicted to miss it (429 / "
-                        "RESOURCE_EXHAUSTED with a retry hint) instead of queueing them")
-    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
-                   help="compile every step shape before the first request (default: on for "
-                        "`serve`, off for one-off commands; the compilation cache makes later "
-                        "starts load them)")
-    p.add_argument("--tensor-parallel", type=int, default=None,
-                   help="shard params and KV cache over N devices (multi-host: all devices); "
-                        "default: on CPU, over the host's cores where the model's heads split "
-                        "evenly and it is wide enough to gain (1: one device)")
-    p.add_argument("--weight-layout", choices=WEIGHT_LAYOUTS, default="auto",
-                   help="how dense layer weights are stored: auto = output axes first on CPU "
-                        "(faster small matmuls there), as loaded elsewhere")
-    p.add_argument("--fuse-projections", action=argparse.BooleanOptionalAction, default=None,
-                   help="Q/K/V and gate/up as one weight each, split after the product "
-                        "(default: yes, except with CPU's output-major layer weights)")
-    p.add_argument("--distributed", action="store_true",
-                   help="join a multi-host job (jax.distributed.initialize; env "
-                        "JAXINFER_COORDINATOR_ADDRESS / _NUM_PROCESSES / _PROCESS_ID or "
-                        "auto-detected on TPU pods); process 0 serves, the others follow")
+
+
+def option_flags(p, *names: str, options: tuple[Option, ...] = ENGINE_OPTIONS, **defaults) -> None:
+    """The flags of the options `names` (a tool picks the few it varies); `defaults`: a tool's
+    own value of an option when its flag is not given (else None: not given)."""
+    rows = {o.name: o for o in options}
+    for name in names:
+        flags, kw = _flag(rows[name])
+        v = defaults.get(name)
+        if v is not None and v != rows[name].default:
+            kw["help"] += f"; this command's default: {v}"
+        p.add_argument(*flags, **kw, default=v)
+
+
+def _flag(o: Option) -> tuple[list[str], dict]:
+    """The argparse flags and keywords of one row (dest: the option's name)."""
+    dashed = o.name.replace("_", "-")
+    kw = dict(dest=o.name, help=_help(o).replace("%", "%%"))
+    if o.type is bool and (o.nullable or o.cli == "pair"):
+        kw |= dict(action=argparse.BooleanOptionalAction)
+    elif o.type is bool:  # given: the switch turns the default over
+        kw |= dict(action="store_const", const=not o.default)
+        dashed = f"no-{dashed}" if o.default else dashed
+    elif o.cli == "json":
+        kw |= dict(type=_json, metavar="JSON")
+    elif o.choices:
+        kw |= dict(choices=o.choices)
+    else:
+        kw |= dict(type=o.type, metavar=o.type.__name__.upper())
+    return [o.flag or f"--{dashed}"], kw
+
+
+def _help(o: Option) -> str:
+    if o.type is bool and not (o.nullable or o.cli == "pair"):
+        return f"turn off (on by default): {o.help}" if o.default else o.help
+    if o.default is None or "default" in o.help:
+        return o.help
+    return f"{o.help} (default: {o.default})"
+
+
+def _json(text: str):
+    return json.loads(text)
+
+
+_json.__name__ = "JSON"  # argparse: "invalid JSON value: ..."
+
+
+def engine_kwargs(args: argparse.Namespace, options: tuple[Option, ...] = ENGINE_OPTIONS) -> dict:
+    """The options whose flags were given (or a tool defaulted), by name: LLM keyword arguments."""
+    return {o.name: v for o in options if (v := getattr(args, o.name, None)) is not None}
 
 
 def llm_from_args(args):
+    """The LLM of the engine flags (`args` may be any Namespace holding them: Ray replicas
+    rebuild one from `vars(args)`). On a follower of a --distributed job it follows the leader's
+    steps and exits."""
     from jaxinfer.runtime.llm import LLM
 
-    opts = dict(dtype=args.dtype, max_slots=args.max_slots, page_size=args.page_size,
-                num_pages=args.num_pages, attention_backend=args.attention_backend,
-                quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-                prefill_chunk=args.prefill_chunk, min_token_bucket=args.min_token_bucket,
-                min_page_bucket=args.min_page_bucket,
-                enable_prefix_caching=not args.no_prefix_caching,
-                async_scheduling=not getattr(args, "no_async_scheduling", False),
-                speculative=args.speculative,
-                itl_slo_ms=getattr(args, "itl_slo_ms", None),
-                ttft_slo_ms=getattr(args, "ttft_slo_ms", None),
-                refuse_late=getattr(args, "refuse_late", False),
-                weight_layout=getattr(args, "weight_layout", "auto"),
-                fuse_projections=getattr(args, "fuse_projections", None))
-    modules = lora_modules(getattr(args, "lora_modules", []))
-    if modules or getattr(args, "enable_lora", False):
-        opts.update(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-                    max_cpu_loras=args.max_cpu_loras)
-    if args.max_model_len:
-        opts["max_model_len"] = args.max_model_len
-    warm = getattr(args, "warmup", None)
-    opts["warmup"] = getattr(args, "cmd", None) == "serve" if warm is None else warm
-    tp = getattr(args, "tensor_parallel", None)
-    if tp is not None:
-        opts["tensor_parallel"] = tp
-    if getattr(args, "distributed", False):
-        llm = LLM(args.model, distributed=True, **opts)
-        if not llm.engine.leader:  # a follower runs the leader's steps on its devices until released
+    options = engine_kwargs(args)
+    modules = lora_modules(getattr(args, "lora_modules", None) or [])
+    if modules:
+        options["enable_lora"] = True
+    options.setdefault("warmup", getattr(args, "cmd", None) == "serve")
+    llm = LLM(getattr(args, "model", DEFAULT_MODEL), **options)
+    if options.get("distributed"):
+        if not llm.engine.leader:  # a follower runs the leader's steps until released
             llm.engine.follow()
             sys.exit(0)
         import atexit
 
         atexit.register(llm.engine.release_followers)
         return llm
-    llm = LLM(args.model, **opts)
     for name, path in modules.items():
         try:
             llm.engine.add_lora(name, path)

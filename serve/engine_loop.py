@@ -2,16 +2,17 @@
 
     loop = EngineLoop(llm.engine, max_queue=64)
     h = loop.submit(prompt_ids, SamplingParams(...), n=1)
-    async for updates in h:          # or `for updates in h:` from a plain thread
-        for u in updates: ...        # SampleUpdate: index, text, token_ids, logprobs, finished, ...
+    async for deltas in h:           # or `for deltas in h:` from a plain thread
+        for d in deltas: ...         # RequestDelta: index, text, token_ids, logprobs, finished, output
     h.cancel()                       # abort at the next step: slot and pages freed
 
 Every engine call happens on the loop thread. Callers only touch thread-safe queues: `submit`
 checks the request at the request door (runtime.host.requests) on the caller's thread, so bad input
 and a full queue fail at once without waiting for a device step, then hands the request to the
 loop thread, which adds it to the engine before the next step. After each step the deltas of one
-handle are delivered as ONE batch (a list with one SampleUpdate per sample that advanced), so a
-handle with n samples sees them in lock-step.
+handle are delivered as ONE batch (a list with one RequestDelta per sample that advanced, its
+`index` set to the sample's), so a handle with n samples sees them in lock-step. The loop uses
+the engine only through runtime/host/interface.py.
 
 Queue accounting is per sequence: a handle of n samples counts n, `submit_many` (several prompts
 of one request) is admitted or refused as a whole, and the depth (not yet admitted + waiting in
@@ -41,12 +42,14 @@ from concurrent.futures import Future
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from jaxinfer.runtime.host.requests import RequestError, RequestOutput, SamplingParams, check_request
-from jaxinfer.runtime.host.scheduler import QueueFull
+from jaxinfer.runtime.host.errors import QueueFull, RequestError
+from jaxinfer.runtime.host.interface import EngineInterface
+from jaxinfer.runtime.host.outputs import RequestDelta, RequestOutput
+from jaxinfer.runtime.host.requests import SamplingParams, check_request
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EngineLoop", "Handle", "SampleUpdate", "EngineFault", "ShuttingDown", "QueueFull"]
+__all__ = ["EngineLoop", "Handle", "EngineFault", "ShuttingDown", "QueueFull"]
 
 # Outcome names used in stats()["requests"] (and the Prometheus requests counter).
 OUTCOMES = ("stop", "length", "cancelled", "error", "rejected", "invalid")
@@ -61,27 +64,12 @@ class ShuttingDown(RuntimeError):
     """The loop is draining or stopped and admits no new requests."""
 
 
-@dataclass
-class SampleUpdate:
-    """What one step added to sample `index` of a handle."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[dict]  # new entries of RequestState.logprobs (empty unless requested)
-    finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    result: RequestOutput | None = None  # when finished: full text, usage, metrics
-    # with the sample's first tokens when it asked for them: RequestState.prompt_logprobs
-    prompt_logprobs: list[dict | None] | None = None
-
-
 _END = object()
 
 
 class Handle:
     """One submission (n samples). Iterate it (async or sync) for per-step lists of
-    SampleUpdate; iteration ends after every sample finished, or raises EngineFault /
+    RequestDelta; iteration ends after every sample finished, or raises EngineFault /
     ShuttingDown / ValueError."""
 
     def __init__(self, owner: EngineLoop, hid: str, n: int, aloop: asyncio.AbstractEventLoop | None,
@@ -122,7 +110,7 @@ class Handle:
             raise TypeError("this handle was submitted outside an event loop: iterate it with `for`")
         return self
 
-    async def __anext__(self) -> list[SampleUpdate]:
+    async def __anext__(self) -> list[RequestDelta]:
         if self._done:
             raise StopAsyncIteration
         item = await self._aq.get()
@@ -136,7 +124,7 @@ class Handle:
             raise TypeError("this handle belongs to an event loop: iterate it with `async for`")
         return self
 
-    def __next__(self) -> list[SampleUpdate]:
+    def __next__(self) -> list[RequestDelta]:
         if self._done:
             raise StopIteration
         return self._unwrap(self._sq.get())
@@ -148,13 +136,12 @@ class _Pending:
     prompt_ids: list[int]
     params: list[SamplingParams]
     live: dict[str, int] = field(default_factory=dict)  # engine rid -> sample index
-    lp_sent: dict[str, int] = field(default_factory=dict)  # engine rid -> logprobs delivered
-    prompt_sent: set[str] = field(default_factory=set)  # engine rids whose prompt logprobs went
     lora: str | None = None  # the LoRA adapter's name (None: the base model)
 
 
 class EngineLoop:
-    def __init__(self, engine, *, max_queue: int | None = None, idle_wait_s: float = 0.05,
+    def __init__(self, engine: EngineInterface, *, max_queue: int | None = None,
+                 idle_wait_s: float = 0.05,
                  model_name: str = ""):
         self.engine = engine
         self.max_queue = max_queue
@@ -176,7 +163,7 @@ class EngineLoop:
         self._outcomes: Counter[str] = Counter({k: 0 for k in OUTCOMES})  # guarded by _cv
         self._tokens = 0
         self._steps = 0
-        self.on_finish: list[Callable[[object, str], None]] = []  # (RequestState, outcome)
+        self.on_finish: list[Callable[[RequestOutput, str], None]] = []  # (output, outcome)
         self.on_fault: list[Callable[[BaseException], None]] = []
         self.limits = engine.limits  # runtime.host.requests.Limits of the served model
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -209,7 +196,7 @@ class EngineLoop:
         QueueFull)."""
         pending = []
         try:
-            self.engine.lora_key(lora)
+            self.engine.check_lora(lora)
             for prompt_ids, params, n in items:
                 plist = list(params) if isinstance(params, (list, tuple)) else [params] * n
                 if len(plist) != n or n < 1:
@@ -235,7 +222,7 @@ class EngineLoop:
             depth = self._inbox_seqs + self._waiting
             try:  # latency targets: a request predicted to miss its TTFT budget is refused now
                 for prompt_ids, plist in pending:
-                    self.engine.scheduler.check_overload("", len(prompt_ids), plist[0].priority)
+                    self.engine.check_admission(len(prompt_ids), plist[0].priority)
             except QueueFull:
                 self._outcomes["rejected"] += 1
                 raise
@@ -261,9 +248,14 @@ class EngineLoop:
         serves on): -> runtime.adapters.Adapter. ValueError names the problem."""
         return self.engine.add_lora(name, path)
 
-    def unload_lora(self, name: str, timeout: float | None = None) -> None:
-        """Unload an adapter between two steps; ValueError while a request still uses it."""
-        self.call(lambda: self.engine.remove_lora(name)).result(timeout)
+    def unload_lora(self, name: str) -> Future:
+        """Unload an adapter between two steps: the Future holds None, or UnknownAdapter /
+        AdapterInUse (ValueErrors) while a request still uses it."""
+        return self.call(lambda: self.engine.remove_lora(name))
+
+    def lora_adapters(self) -> dict[str, str] | None:
+        """{name: path} of the loaded adapters (None: the engine serves none); any thread."""
+        return self.engine.lora_adapters()
 
     def call(self, fn: Callable[[], object]) -> Future:
         """Run `fn` on the loop thread between two steps; its result or exception in the
@@ -282,30 +274,22 @@ class EngineLoop:
             self._cv.notify()
 
     def stats(self) -> dict:
-        sch = self.engine.scheduler
+        e = self.engine.stats()
         with self._cv:
             outcomes = dict(self._outcomes)
             depth = self._inbox_seqs + self._waiting
             in_flight = self._in_flight
-        total = sch.allocator.num_total
-        free = sch.free_pages
+        total, free = e["pages_total"], e["pages_free"]
         return {
-            "queue_depth": depth, "running": sch.num_running,
-            "max_slots": sch.max_slots, "pages_total": total, "pages_free": free,
+            "queue_depth": depth, "running": e["running"],
+            "max_slots": e["max_slots"], "pages_total": total, "pages_free": free,
             "pages_used": total - free, "tokens_generated": self._tokens, "requests": outcomes,
             "healthy": self.healthy, "in_flight": in_flight, "steps": self._steps,
-            "compile_count": self._compile_count(), "vocab_size": self.limits.vocab_size,
+            "compile_count": e["compile_count"], "vocab_size": self.limits.vocab_size,
             "max_model_len": self.limits.max_model_len, "model": self.model_name,
-            "engine_faults": getattr(self.engine, "faults", 0),
-            "spec_proposed": getattr(self.engine, "spec_proposed", 0),
-            "spec_accepted": getattr(self.engine, "spec_accepted", 0),
+            "engine_faults": e["faults"], "spec_proposed": e["spec_proposed"],
+            "spec_accepted": e["spec_accepted"],
         }
-
-    def _compile_count(self) -> int:
-        try:
-            return int(self.engine.compile_count)
-        except (AttributeError, TypeError):
-            return -1
 
     def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
         """Stop admitting. drain=True: let in-flight requests finish (up to `timeout` s, then
@@ -335,9 +319,9 @@ class EngineLoop:
                 if self.engine.has_work:
                     self._step()
                     self._refresh_depth()
-                    if getattr(self.engine, "consecutive_faults", 0) >= MAX_CONSECUTIVE_FAULTS:
-                        raise EngineFault(f"{self.engine.consecutive_faults} engine steps failed "
-                                          "in a row")
+                    faults = self.engine.stats()["consecutive_faults"]
+                    if faults >= MAX_CONSECUTIVE_FAULTS:
+                        raise EngineFault(f"{faults} engine steps failed in a row")
         except BaseException as e:  # noqa: BLE001 - any engine failure fails all clients
             log.exception("engine loop fault")
             self._fail_all(e)
@@ -383,11 +367,9 @@ class EngineLoop:
                 rid = self.engine.add_request(p.prompt_ids, sp, f"{p.handle.id}/{i}", lora=p.lora,
                                               refuse_late=False)
                 p.live[rid] = i
-                p.lp_sent[rid] = 0
         except Exception as e:  # checked at submit already; a last guard fails this handle only
             for rid in list(p.live):
                 self.engine.abort(rid)
-                self.engine.pop(rid)
             p.live.clear()
             self._end(p, e if isinstance(e, ValueError) else EngineFault(repr(e)),
                       outcome="invalid" if isinstance(e, ValueError) else "error", locked=True)
@@ -398,11 +380,12 @@ class EngineLoop:
             return
         updates = []
         for rid, i in list(p.live.items()):
-            self.engine.abort(rid)
-            st = self.engine.pop(rid)
+            out = self.engine.abort(rid)
             p.handle.finish_reasons[i] = "abort"
-            updates.append(SampleUpdate(i, "", [], [], True, "abort", RequestOutput.from_state(st)))
-            self._notify_finish(st, "cancelled")
+            updates.append(RequestDelta(rid, finished=True, finish_reason="abort", output=out,
+                                        index=i))
+            if out is not None:
+                self._notify_finish(out, "cancelled")
         p.live.clear()
         if updates:
             p.handle._put(updates)
@@ -411,7 +394,7 @@ class EngineLoop:
     def _step(self) -> None:
         deltas = self.engine.step()
         self._steps += 1
-        by_handle: dict[str, list[SampleUpdate]] = {}
+        by_handle: dict[str, list[RequestDelta]] = {}
         failed: dict[str, str] = {}  # handle id -> why
         for d in deltas:
             hid = d.request_id.rsplit("/", 1)[0]
@@ -419,24 +402,16 @@ class EngineLoop:
             if p is None or d.request_id not in p.live:
                 continue
             self._tokens += len(d.token_ids)
+            d.index = p.live[d.request_id]
             if d.finish_reason == "error":  # the engine failed this sample: the handle fails
-                failed[hid] = self.engine.requests[d.request_id].error or "engine step failed"
-                continue
-            st = self.engine.requests[d.request_id]
-            lp = st.logprobs[p.lp_sent[d.request_id]:]
-            p.lp_sent[d.request_id] = len(st.logprobs)
-            u = SampleUpdate(p.live[d.request_id], d.text, list(d.token_ids), list(lp))
-            if st.params.prompt_logprobs is not None and d.request_id not in p.prompt_sent:
-                p.prompt_sent.add(d.request_id)
-                u.prompt_logprobs = list(st.prompt_logprobs)
-            if d.finished:
-                u.finished, u.finish_reason = True, d.finish_reason
-                st = self.engine.pop(d.request_id)
-                u.result = RequestOutput.from_state(st)
-                p.handle.finish_reasons[u.index] = d.finish_reason
                 del p.live[d.request_id]
-                self._notify_finish(st, d.finish_reason or "stop")
-            by_handle.setdefault(hid, []).append(u)
+                failed[hid] = d.error or "engine step failed"
+                continue
+            if d.finished:
+                p.handle.finish_reasons[d.index] = d.finish_reason
+                del p.live[d.request_id]
+                self._notify_finish(d.output, d.finish_reason or "stop")
+            by_handle.setdefault(hid, []).append(d)
         for hid, ups in by_handle.items():
             p = self._handles[hid]
             p.handle._put(sorted(ups, key=lambda u: u.index))
@@ -450,7 +425,6 @@ class EngineLoop:
         free what its other samples hold."""
         for rid in list(p.live):
             self.engine.abort(rid)
-            self.engine.pop(rid)
         p.live.clear()
         self._end(p, EngineFault(why), outcome="error")
 
@@ -469,14 +443,14 @@ class EngineLoop:
         if outcome is not None:
             self._outcomes[outcome] += 1
 
-    def _notify_finish(self, st, outcome: str) -> None:
+    def _notify_finish(self, out: RequestOutput, outcome: str) -> None:
         if outcome == "abort":
             outcome = "cancelled"
         with self._cv:
             self._outcomes[outcome] += 1
         for fn in self.on_finish:
             try:
-                fn(st, outcome)
+                fn(out, outcome)
             except Exception:  # a listener bug must not take the engine down
                 log.exception("on_finish listener failed")
 

@@ -41,8 +41,8 @@ from grpc_reflection.v1alpha import reflection
 
 from jaxinfer.runtime.host.requests import (Limits, RequestError, SamplingParams, check_samples, parse_prompt,
                               sampling_from_json)
-from jaxinfer.runtime.host.scheduler import Overloaded
-from jaxinfer.serve.engine_loop import EngineFault, EngineLoop, QueueFull, ShuttingDown
+from jaxinfer.runtime.host.errors import Overloaded, QueueFull
+from jaxinfer.serve.engine_loop import EngineFault, EngineLoop, ShuttingDown
 from jaxinfer.serve.metrics import ServingMetrics
 from jaxinfer.serve.offload import Offload
 from jaxinfer.serve.proto import jaxinfer_pb2, jaxinfer_pb2_grpc, jetstream_pb2, jetstream_pb2_grpc
@@ -181,7 +181,7 @@ class GenerationServicer(_Base, jaxinfer_pb2_grpc.GenerationServicer):
                             top=[jaxinfer_pb2.TopLogprob(token_id=i, logprob=v)
                                  for i, v in lp["top"]])
                 if u.finished:
-                    out = u.result
+                    out = u.output
                     m = out.metrics
                     msg.final.finish_reason = u.finish_reason or ""
                     msg.final.request_id = handle.request_id

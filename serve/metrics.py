@@ -76,7 +76,8 @@ class ServingMetrics:
         self.e2e = Histogram("jaxinfer_e2e_seconds", "Arrival to finish", registry=r,
                              buckets=_LATENCY_BUCKETS)
         # latency targets (EngineConfig.itl_slo_ms / ttft_slo_ms): per completed request
-        self.slo = loop.engine.scheduler.slo if hasattr(loop, "engine") else None
+        s = loop.stats()
+        self.ttft_target_s, self.itl_target_s = s.get("ttft_target_s"), s.get("itl_target_s")
         self.slo_met = Counter("jaxinfer_slo_met", "Completed requests within a latency target",
                                ["target"], registry=r)
         self.slo_missed = Counter("jaxinfer_slo_missed", "Completed requests past a latency "
@@ -87,16 +88,17 @@ class ServingMetrics:
         loop.on_finish.append(self.observe)
         self._http = None
 
-    def observe(self, state, outcome: str) -> None:
-        """EngineLoop on_finish listener (loop thread): per-request latency histograms."""
-        m = state.metrics.summary()
+    def observe(self, out, outcome: str) -> None:
+        """EngineLoop on_finish listener (loop thread): per-request latency histograms of a
+        finished request's RequestOutput."""
+        m = out.metrics
         if m["ttft_s"] is not None:
             self.ttft.observe(m["ttft_s"])
         if m["queue_s"] is not None:
             self.queue.observe(m["queue_s"])
         if outcome in ("stop", "length") and m["e2e_s"] is not None:
             self.e2e.observe(m["e2e_s"])
-            n = len(state.token_ids)
+            n = len(out.token_ids)
             if n > 1 and m["ttft_s"] is not None:
                 self.tpot.observe((m["e2e_s"] - m["ttft_s"]) / (n - 1))
         for x in m["itl_s"]:
@@ -108,10 +110,10 @@ class ServingMetrics:
         """A request meets the TTFT target when its first token came within it, the ITL target
         when its slowest gap did (every token on time, as a client sees it)."""
         checks = {}
-        if self.slo is not None and self.slo.ttft_s is not None and m["ttft_s"] is not None:
-            checks["ttft"] = m["ttft_s"] <= self.slo.ttft_s
-        if self.slo is not None and self.slo.itl_s is not None:
-            checks["itl"] = max(m["itl_s"], default=0.0) <= self.slo.itl_s
+        if self.ttft_target_s is not None and m["ttft_s"] is not None:
+            checks["ttft"] = m["ttft_s"] <= self.ttft_target_s
+        if self.itl_target_s is not None:
+            checks["itl"] = max(m["itl_s"], default=0.0) <= self.itl_target_s
         for target, ok in checks.items():
             (self.slo_met if ok else self.slo_missed).labels(target).inc()
         if all(checks.values()):

@@ -45,7 +45,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import uvicorn
 from starlette.applications import Starlette
@@ -61,8 +61,9 @@ from jaxinfer.runtime.host.structured import StructuredOutputs
 from jaxinfer.serve.tool_calls import (ToolPlan, check_tool_calls, parse_tools, plain_turns,
                                        tool_result, with_tools)
 from jaxinfer.serve.chat_template import ChatTemplate, ChatTemplateError
-from jaxinfer.runtime.host.scheduler import Overloaded
-from jaxinfer.serve.engine_loop import EngineFault, EngineLoop, QueueFull, ShuttingDown
+from jaxinfer.runtime.host.errors import AdapterInUse, Overloaded, QueueFull, UnknownAdapter
+from jaxinfer.runtime.host.outputs import RequestOutput
+from jaxinfer.serve.engine_loop import EngineFault, EngineLoop, ShuttingDown
 from jaxinfer.serve.offload import Offload
 
 log = logging.getLogger(__name__)
@@ -342,16 +343,6 @@ class _TokenText:
 
 
 # ---- the app -----------------------------------------------------------------------------------
-@dataclass
-class _Choice:
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict] = field(default_factory=list)
-    finish_reason: str | None = None
-    completion_tokens: int = 0
-    prompt_logprobs: list[dict | None] | None = None
-
-
 class OpenAIApp:
     """The ASGI app (`.app`) over one EngineLoop."""
 
@@ -430,8 +421,7 @@ class OpenAIApp:
         return body
 
     def _adapter_names(self) -> list[str]:
-        adapters = getattr(self.loop.engine, "adapters", None)
-        return adapters.names() if adapters is not None else []
+        return list(self.loop.lora_adapters() or ())
 
     def _lora_of(self, job: _Job) -> str | None:
         """The LoRA adapter a request's `model` names (None: the base model)."""
@@ -457,7 +447,7 @@ class OpenAIApp:
         card = {"id": name or self.model_name, "object": "model", "created": self.created,
                 "owned_by": "jaxinfer", "max_model_len": self.loop.limits.max_model_len}
         if name is not None:
-            card |= {"parent": self.model_name, "root": self.loop.engine.adapters.get(name).path}
+            card |= {"parent": self.model_name, "root": self.loop.lora_adapters()[name]}
         return card
 
     async def models(self, request: Request) -> Response:
@@ -482,7 +472,7 @@ class OpenAIApp:
     async def _lora_body(self, request: Request, fields: tuple[str, ...]) -> dict:
         """vLLM's adapter endpoints: {"lora_name": ..., "lora_path": ...} (no `model`)."""
         self._auth(request)
-        if getattr(self.loop.engine, "adapters", None) is None:
+        if self.loop.lora_adapters() is None:
             raise bad("this server serves no LoRA adapters (start it with --enable-lora)",
                       "lora_name")
         raw = await request.body()
@@ -518,12 +508,13 @@ class OpenAIApp:
         async def run(request):
             body = await self._lora_body(request, ("lora_name",))
             try:
-                await asyncio.wrap_future(self.loop.call(
-                    lambda: self.loop.engine.remove_lora(body["lora_name"])))
-            except ValueError as e:
-                status = 404 if "unknown" in str(e) else 409
-                raise ApiError(status, str(e), "lora_name", "invalid_request_error",
-                               "model_not_found" if status == 404 else "adapter_in_use") from None
+                await asyncio.wrap_future(self.loop.unload_lora(body["lora_name"]))
+            except UnknownAdapter as e:
+                raise ApiError(404, str(e), "lora_name", "invalid_request_error",
+                               "model_not_found") from None
+            except AdapterInUse as e:
+                raise ApiError(409, str(e), "lora_name", "invalid_request_error",
+                               "adapter_in_use") from None
             except ShuttingDown as e:
                 raise ApiError(503, str(e), None, "service_unavailable", "unavailable") from None
             return JSONResponse({"lora_name": body["lora_name"], "unloaded": True})
@@ -688,26 +679,19 @@ class OpenAIApp:
             return error_response(500, str(e), None, "server_error", "engine_fault")
         except ShuttingDown as e:
             return error_response(503, str(e), None, "service_unavailable", "unavailable")
-        if any(c.finish_reason == "abort" for c in choices):
+        if any(c is None or c.finish_reason == "abort" for c in choices):
             return error_response(503, "request cancelled by the server (shutting down)", None,
                                   "service_unavailable", "unavailable")
         return JSONResponse(self._final(job, choices, chat, rid))
 
-    async def _collect(self, handles, job: _Job) -> list[_Choice]:
-        choices = [_Choice() for _ in range(len(handles) * job.n)]
+    async def _collect(self, handles, job: _Job) -> list[RequestOutput | None]:
+        """Each choice's RequestOutput (its last delta carries it; None: cancelled unseen)."""
+        choices: list[RequestOutput | None] = [None] * (len(handles) * job.n)
         try:
-            async for hi, ups in _merge(handles):
-                for u in ups:
-                    c = choices[hi * job.n + u.index]
-                    c.text += u.text
-                    c.token_ids += u.token_ids
-                    c.logprobs += u.logprobs
-                    if u.prompt_logprobs is not None:
-                        c.prompt_logprobs = u.prompt_logprobs
-                    if u.finished:
-                        c.finish_reason = u.finish_reason
-                        if u.result is not None:
-                            c.completion_tokens = len(u.result.token_ids)
+            async for hi, deltas in _merge(handles):
+                for d in deltas:
+                    if d.finished:
+                        choices[hi * job.n + d.index] = d.output
         except BaseException:
             for h in handles:
                 h.cancel()
@@ -719,7 +703,7 @@ class OpenAIApp:
         return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
                 "total_tokens": prompt + completion_tokens}
 
-    def _final(self, job: _Job, choices: list[_Choice], chat: bool, rid: str) -> dict:
+    def _final(self, job: _Job, choices: list[RequestOutput], chat: bool, rid: str) -> dict:
         out = []
         for i, c in enumerate(choices):
             if chat:
@@ -739,7 +723,7 @@ class OpenAIApp:
                     out[-1]["prompt_logprobs"] = self._vllm_prompt_logprobs(c.prompt_logprobs)
         resp = {"id": rid, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": job.model, "system_fingerprint": FINGERPRINT,
-                "choices": out, "usage": self._usage(job, sum(c.completion_tokens for c in choices))}
+                "choices": out, "usage": self._usage(job, sum(len(c.token_ids) for c in choices))}
         if chat and job.prompt_logprobs:
             resp["prompt_logprobs"] = self._vllm_prompt_logprobs(choices[0].prompt_logprobs)
         return resp
@@ -833,8 +817,8 @@ class OpenAIApp:
                     i = hi * job.n + u.index
                     if u.finish_reason == "abort":
                         raise ShuttingDown("request cancelled by the server (shutting down)")
-                    if u.finished and u.result is not None:
-                        completion_tokens += len(u.result.token_ids)
+                    if u.finished and u.output is not None:
+                        completion_tokens += len(u.output.token_ids)
                     if not (u.text or u.token_ids or u.finished):
                         continue
                     if job.tools is not None:

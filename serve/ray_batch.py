@@ -31,13 +31,26 @@ temporary name, fsyncs it and renames it into place, so a part exists whole or n
   the same name, never adds a copy;
 * a killed driver: `--resume` checks the manifest against the input, skips blocks whose part
   exists, and runs the rest.
+
+OUTPUT itself, always written:
+* without `--ordered`, appended as blocks finish: when a block's row comes back the driver
+  appends its part whole to OUTPUT (blocks in finishing order, a block's records in input
+  order), fsyncs OUTPUT, then appends `<block> <OUTPUT's size>` to `OUTPUT.shards/appended`
+  and fsyncs that. A block is in OUTPUT once its ledger line is on disk. `--resume` truncates
+  OUTPUT to the last ledger line's size (dropping an append the driver died in, or one it
+  finished but did not log), re-counts what is kept, appends the parts finished before but not
+  logged, then the rest as they finish: every line's record in OUTPUT exactly once.
+* with `--ordered`, written once at the end in input order: to a temporary file, fsynced, then
+  renamed over OUTPUT, so OUTPUT is absent or whole.
+
 Limits: the output directory must be one filesystem every replica sees (a local disk on one
 node; NFS or similar across nodes), with atomic rename; a killed block is computed again whole
 (at most `--block-lines` lines); duplicate ids in different blocks are both served (each block
-reports duplicates within itself) and the summary counts the repeats; `--ordered` then writes
-the later ones as error records in OUTPUT, as `jaxinfer batch` does. The input may be any path
-pyarrow's filesystems open (local, gs://, s3://, hdfs://); every replica reads its blocks'
-bytes itself.
+reports duplicates within itself), the later ones in OUTPUT (input order with `--ordered`,
+finishing order without) are written as error records, as `jaxinfer batch` does, and the
+summary counts the repeats. `--resume` continues only an OUTPUT that a `--ray` job wrote (its
+`OUTPUT.shards/manifest.json` exists). The input may be any path pyarrow's filesystems open
+(local, gs://, s3://, hdfs://); every replica reads its blocks' bytes itself.
 """
 
 from __future__ import annotations
@@ -53,12 +66,14 @@ import tempfile
 import time
 import uuid
 
-from jaxinfer.runtime.host.batch import BatchError, encode_record, fsync_dir_of, id_key, run_batch
+from jaxinfer.runtime.host.batch import (BatchError, encode_record, fsync_dir_of, id_key,
+                                         prepare_output, run_batch)
 
 RECORD_COLUMNS = ("id", "text", "token_ids", "finish_reason", "usage", "metrics", "error")
 JSON_COLUMNS = ("logprobs", "prompt_logprobs")
 PART = "part-{:06d}.jsonl"
 MANIFEST = "manifest.json"
+LEDGER = "appended"  # unordered OUTPUT: "<block> <OUTPUT size after it>" per appended block
 _TMP = ".tmp-"
 
 
@@ -257,69 +272,170 @@ def _manifest(path: str, size: int, blocks: list[dict], block_lines: int) -> dic
             "index_sha256": h.hexdigest()}
 
 
-def _prepare(shards: str, merged: str | None, resume: bool, overwrite: bool) -> None:
-    if resume and overwrite:
-        raise BatchError("--resume and --overwrite exclude each other")
-    d = os.path.dirname(os.path.abspath(shards))
-    if not os.path.isdir(d):
-        raise BatchError(f"output directory {d} does not exist")
+_PARTS = ("part-", MANIFEST, LEDGER)
+
+
+def _prepare(shards: str, output: str, resume: bool, overwrite: bool) -> None:
+    prepare_output(output, resume, overwrite)
     if os.path.exists(shards) and not os.path.isdir(shards):
         raise BatchError(f"{shards} exists and is not a directory")
-    used = os.path.isdir(shards) and any(n.startswith(("part-", MANIFEST))
-                                         for n in os.listdir(shards))
+    used = os.path.isdir(shards) and any(n.startswith(_PARTS) for n in os.listdir(shards))
     if used and not (resume or overwrite):
         raise BatchError(f"{shards} holds an earlier job's parts; pass --resume to continue it "
                          "or --overwrite to replace it")
-    if merged and os.path.isdir(merged):
-        raise BatchError(f"output {merged} is a directory")
+    if resume and os.path.exists(output) and os.path.getsize(output) > 0 and \
+            not os.path.exists(os.path.join(shards, MANIFEST)):
+        raise BatchError(f"{output} was not written by a --ray job ({shards}/{MANIFEST} is "
+                         "missing); --resume continues only those")
     if overwrite and os.path.isdir(shards):
         for n in os.listdir(shards):
-            if n.startswith(("part-", MANIFEST)):
+            if n.startswith(_PARTS):
                 os.remove(os.path.join(shards, n))
     os.makedirs(shards, exist_ok=True)
 
 
-def _merge(shards: str, n_blocks: int, merged: str | None) -> dict:
-    """Read every part in block order: counts, repeated ids, and (`merged`) OUTPUT in input
-    order with a repeated id's later records turned into error records."""
-    counts = dict(requests=0, errors=0, prompt_tokens=0, generated_tokens=0, duplicate_ids=0)
-    seen: set[str] = set()
-    tmp = f"{merged}{_TMP}{uuid.uuid4().hex}" if merged else None
-    out = open(tmp, "wb") if tmp else None
+class _Tally:
+    """Records in OUTPUT's order -> the summary's counts; a repeated id's later result becomes an
+    error record (as `jaxinfer batch` writes it)."""
+
+    def __init__(self):
+        self.counts = dict(requests=0, errors=0, prompt_tokens=0, generated_tokens=0,
+                           duplicate_ids=0)
+        self.seen: set[str] = set()
+
+    def feed(self, raw: bytes) -> bytes:
+        rec = json.loads(raw)
+        if rec["id"] is not None:
+            key = id_key(rec["id"])
+            if key in self.seen:
+                self.counts["duplicate_ids"] += 1
+                if "error" not in rec:
+                    rec = {"id": rec["id"], "line": None,
+                           "error": f"duplicate id {rec['id']!r} (an earlier line has it)"}
+                    raw = encode_record(rec)
+            self.seen.add(key)
+        if "error" in rec:
+            self.counts["errors"] += 1
+        else:
+            self.counts["requests"] += 1
+            self.counts["prompt_tokens"] += rec["usage"]["prompt_tokens"]
+            self.counts["generated_tokens"] += len(rec["token_ids"])
+        return raw
+
+
+def _merge(shards: str, n_blocks: int, output: str) -> dict:
+    """--ordered: every part in block order into OUTPUT, written whole then renamed into place."""
+    tally = _Tally()
+    tmp = f"{output}{_TMP}{uuid.uuid4().hex}"
     try:
-        for k in range(n_blocks):
-            with open(os.path.join(shards, PART.format(k)), "rb") as f:
-                for raw in f:
-                    rec = json.loads(raw)
-                    if rec["id"] is not None:
-                        key = id_key(rec["id"])
-                        if key in seen:
-                            counts["duplicate_ids"] += 1
-                            if "error" not in rec:
-                                rec = {"id": rec["id"], "line": None, "error":
-                                       f"duplicate id {rec['id']!r} (an earlier line has it)"}
-                                raw = encode_record(rec)
-                        seen.add(key)
-                    if "error" in rec:
-                        counts["errors"] += 1
-                    else:
-                        counts["requests"] += 1
-                        counts["prompt_tokens"] += rec["usage"]["prompt_tokens"]
-                        counts["generated_tokens"] += len(rec["token_ids"])
-                    if out:
-                        out.write(raw)
-        if out:
+        with open(tmp, "wb") as out:
+            for k in range(n_blocks):
+                with open(os.path.join(shards, PART.format(k)), "rb") as f:
+                    for raw in f:
+                        out.write(tally.feed(raw))
             out.flush()
             os.fsync(out.fileno())
-            out.close()
-            os.replace(tmp, merged)
-            fsync_dir_of(merged)
+        ledger = os.path.join(shards, LEDGER)
+        if os.path.exists(ledger):  # an unordered run's ledger no longer describes OUTPUT
+            os.remove(ledger)
+            fsync_dir_of(ledger)
+        os.replace(tmp, output)
+        fsync_dir_of(output)
     finally:
-        if out and not out.closed:
-            out.close()
-        if tmp and os.path.exists(tmp):
+        if os.path.exists(tmp):
             os.remove(tmp)
-    return counts
+    return tally.counts
+
+
+def _read_ledger(path: str, n_blocks: int) -> list[tuple[int, int]]:
+    """The ledger's good prefix: [(block, OUTPUT size after it)], stopping at a torn line."""
+    entries, seen = [], set()
+    if not os.path.exists(path):
+        return entries
+    with open(path, "rb") as f:
+        for raw in f:
+            fields = raw.split()
+            if not raw.endswith(b"\n") or len(fields) != 2 or not all(x.isdigit() for x in fields):
+                break
+            k, end = int(fields[0]), int(fields[1])
+            if k >= n_blocks or k in seen or end < (entries[-1][1] if entries else 0):
+                break
+            seen.add(k)
+            entries.append((k, end))
+    return entries
+
+
+class _Appender:
+    """Unordered OUTPUT: a finished block's part appended whole, OUTPUT fsynced, then its ledger
+    line appended and fsynced (see the module docstring)."""
+
+    def __init__(self, output: str, shards: str, n_blocks: int, resume: bool):
+        self.output, self.shards = output, shards
+        self.ledger = os.path.join(shards, LEDGER)
+        self.tally = _Tally()
+        entries = _read_ledger(self.ledger, n_blocks) if resume else []
+        size = os.path.getsize(output) if os.path.exists(output) else 0
+        if entries and entries[-1][1] > size:  # OUTPUT is shorter than its ledger: rebuild
+            entries = []
+        self.end = entries[-1][1] if entries else 0
+        self.done = {k for k, _ in entries}
+        if resume and size > self.end:
+            print(f"jaxinfer batch --ray: {output}: kept {len(entries)} block(s) appended before, "
+                  f"dropped {size - self.end} bytes past them (appended again)", file=sys.stderr)
+        with open(output, "ab") as f:
+            f.truncate(self.end)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir_of(output)
+        with open(output, "rb") as f:  # the kept blocks: their ids and counts
+            try:
+                for raw in f:
+                    self.tally.feed(raw)
+            except (ValueError, KeyError, TypeError) as e:
+                raise BatchError(f"{output} is damaged (not the records its ledger "
+                                 f"{self.ledger} lists: {e}); use a new --output") from None
+        tmp = self.ledger + _TMP
+        with open(tmp, "w") as f:  # the good prefix only: a torn line must not lead new ones
+            f.writelines(f"{k} {end}\n" for k, end in entries)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.ledger)
+        fsync_dir_of(self.ledger)
+        self.out = open(output, "ab", buffering=0)
+        self.log = open(self.ledger, "ab", buffering=0)
+
+    def add(self, k: int) -> None:
+        if k in self.done:
+            return
+        with open(os.path.join(self.shards, PART.format(k)), "rb") as f:
+            data = b"".join(self.tally.feed(raw) for raw in f)
+        _write_all(self.out, data)
+        self.end += len(data)
+        _write_all(self.log, f"{k} {self.end}\n".encode())
+        self.done.add(k)
+
+    def close(self) -> None:
+        self.out.close()
+        self.log.close()
+
+
+def _write_all(f, data: bytes) -> None:
+    """Every byte to an unbuffered file (a raw write may take fewer), then fsync."""
+    view = memoryview(data)
+    while view:
+        view = view[f.write(view):]
+    os.fsync(f.fileno())
+
+
+def _clean_tmp(shards: str, output: str) -> None:
+    """Temporary files of a killed replica (parts) or driver (OUTPUT, ledger)."""
+    for n in os.listdir(shards):
+        if _TMP in n and n.startswith(("part-", LEDGER)):
+            os.remove(os.path.join(shards, n))
+    d, base = os.path.split(os.path.abspath(output))
+    for n in os.listdir(d):
+        if n.startswith(base + _TMP):
+            os.remove(os.path.join(d, n))
 
 
 def _init_ray(address: str | None) -> None:
@@ -345,8 +461,7 @@ def run(args, engine_args: dict, sampling: dict) -> dict:
         except CheckpointError as e:
             raise BatchError(str(e)) from None
     shards = args.output + ".shards"
-    merged = args.output if args.ordered else None
-    _prepare(shards, merged, args.resume, args.overwrite)
+    _prepare(shards, args.output, args.resume, args.overwrite)
     t0 = time.perf_counter()
     try:
         blocks, size, lines = index_blocks(args.input, args.block_lines)
@@ -367,54 +482,81 @@ def run(args, engine_args: dict, sampling: dict) -> dict:
             f.flush()
             os.fsync(f.fileno())
         os.replace(mpath + _TMP, mpath)
-    for n in os.listdir(shards):  # replicas killed mid-block leave these
-        if _TMP in n and n.startswith("part-"):
-            os.remove(os.path.join(shards, n))
+    _clean_tmp(shards, args.output)
     todo = [b for b in blocks if not os.path.exists(os.path.join(shards, PART.format(b["block"])))]
-    print(f"jaxinfer batch --ray: {len(blocks)} blocks of {args.block_lines} lines, "
-          f"{len(blocks) - len(todo)} done before, {len(todo)} to run on {args.replicas} "
-          f"replica(s)", file=sys.stderr)
-    wall_run = 0.0
-    if todo:
-        import ray.data
-
-        _init_ray(args.ray_address)
-        t1 = time.perf_counter()
-        remote = {"num_cpus": args.replica_cpus}
-        if args.replica_gpus:
-            remote["num_gpus"] = args.replica_gpus
-        res = dict(args.replica_resources or {})
-        if args.replica_tpus:
-            res["TPU"] = args.replica_tpus
-        if res:
-            remote["resources"] = res
-        ds = ray.data.from_items(todo, override_num_blocks=len(todo)).map_batches(
-            BlockWorker, batch_size=1, compute=ray.data.ActorPoolStrategy(size=args.replicas),
-            fn_constructor_kwargs=dict(engine_args=engine_args, sampling=sampling,
-                                       input_path=args.input, shards=os.path.abspath(shards)),
-            **remote)
-        try:
-            for _ in ds.iter_rows():
-                pass
-        except Exception as e:  # a replica could not start or a block failed past its retries
-            last = [ln for ln in str(e).splitlines() if ln.strip()][-1:] or [type(e).__name__]
-            raise BatchError(f"the Ray job failed: {last[0].strip()}; parts written so far are "
-                             "kept - rerun with --resume") from e
-        wall_run = time.perf_counter() - t1
-    counts = _merge(shards, len(blocks), merged)
+    app = None if args.ordered else _Appender(args.output, shards, len(blocks), args.resume)
+    try:
+        wall_run = _run_blocks(args, engine_args, sampling, shards, blocks, todo, app)
+        if app:
+            for k in range(len(blocks)):  # a part a row never announced (none expected)
+                if os.path.exists(os.path.join(shards, PART.format(k))):
+                    app.add(k)
+            if len(app.done) < len(blocks):
+                raise BatchError(f"{len(blocks) - len(app.done)} blocks have no part after the "
+                                 "Ray job; rerun with --resume")
+            counts = app.tally.counts
+        else:
+            counts = _merge(shards, len(blocks), args.output)
+    finally:
+        if app:
+            app.close()
     wall = time.perf_counter() - t0
     return {**counts, "lines": lines, "blocks": len(blocks),
             "blocks_resumed": len(blocks) - len(todo),
             "replicas": args.replicas, "wall_s": wall, "run_s": wall_run,
             "generated_tokens_per_s": counts["generated_tokens"] / wall if wall > 0 else None,
-            "shards": shards, "output": merged}
+            "shards": shards, "output": args.output, "ordered": bool(args.ordered)}
+
+
+def _run_blocks(args, engine_args: dict, sampling: dict, shards: str, blocks: list[dict],
+                todo: list[dict], app: _Appender | None) -> float:
+    """Run `todo` on the replicas; with `app`, append each block to OUTPUT as it comes back
+    (the ones finished before, first). Returns the Ray job's wall time."""
+    print(f"jaxinfer batch --ray: {len(blocks)} blocks of {args.block_lines} lines, "
+          f"{len(blocks) - len(todo)} done before, {len(todo)} to run on {args.replicas} "
+          f"replica(s)", file=sys.stderr)
+    if app:
+        running = {b["block"] for b in todo}
+        for b in blocks:
+            if b["block"] not in running:
+                app.add(b["block"])
+    if not todo:
+        return 0.0
+    import ray.data
+
+    _init_ray(args.ray_address)
+    t1 = time.perf_counter()
+    remote = {"num_cpus": args.replica_cpus}
+    if args.replica_gpus:
+        remote["num_gpus"] = args.replica_gpus
+    res = dict(args.replica_resources or {})
+    if args.replica_tpus:
+        res["TPU"] = args.replica_tpus
+    if res:
+        remote["resources"] = res
+    ds = ray.data.from_items(todo, override_num_blocks=len(todo)).map_batches(
+        BlockWorker, batch_size=1, compute=ray.data.ActorPoolStrategy(size=args.replicas),
+        fn_constructor_kwargs=dict(engine_args=engine_args, sampling=sampling,
+                                   input_path=args.input, shards=os.path.abspath(shards)),
+        **remote)
+    rows = iter(ds.iter_rows())
+    while True:
+        try:
+            row = next(rows)
+        except StopIteration:
+            return time.perf_counter() - t1
+        except Exception as e:  # a replica could not start or a block failed past its retries
+            last = [ln for ln in str(e).splitlines() if ln.strip()][-1:] or [type(e).__name__]
+            raise BatchError(f"the Ray job failed: {last[0].strip()}; parts written so far are "
+                             "kept - rerun with --resume") from e
+        if app:  # outside the try: OUTPUT's own errors are not the Ray job's
+            app.add(int(row["block"]))
 
 
 def format_summary(s: dict) -> str:
     dup = f"; {s['duplicate_ids']} repeated ids" if s["duplicate_ids"] else ""
-    where = s["output"] or f"{s['shards']}/part-*.jsonl"
     return (f"batch --ray: {s['requests']} requests, {s['errors']} errors{dup} over "
             f"{s['blocks']} blocks ({s['blocks_resumed']} from an earlier run) on "
             f"{s['replicas']} replica(s) in {s['wall_s']:.1f}s\n"
             f"  tokens: {s['prompt_tokens']} prompt, {s['generated_tokens']} generated; "
-            f"{s['generated_tokens_per_s'] or 0:.1f} gen tok/s; records in {where}")
+            f"{s['generated_tokens_per_s'] or 0:.1f} gen tok/s; records in {s['output']}")

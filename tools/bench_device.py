@@ -430,15 +430,17 @@ def _decode_rate(eng, batch: int, prompt_len: int, new_tokens: int, seed: int) -
     sp = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     rids = [eng.add_request(rng.integers(3, eng.cfg.vocab_size, prompt_len).tolist(), sp)
             for _ in range(batch)]
-    t0 = time.perf_counter()
-    while any(not eng.requests[r].token_ids for r in rids):
-        eng.step()
-    t1, tok1, steps = time.perf_counter(), sum(len(eng.requests[r].token_ids) for r in rids), 0
-    while eng.has_unfinished():
-        eng.step()
+    t0, got = time.perf_counter(), {r: 0 for r in rids}  # tokens so far, by request
+    while not all(got.values()):
+        for d in eng.step():
+            got[d.request_id] += len(d.token_ids)
+    t1, tok1, steps = time.perf_counter(), sum(got.values()), 0
+    while eng.num_unfinished:
+        for d in eng.step():
+            got[d.request_id] += len(d.token_ids)
         steps += 1
     t2 = time.perf_counter()
-    toks = sum(len(eng.pop(r).token_ids) for r in rids) - tok1
+    toks = sum(got.values()) - tok1
     return dict(prefill_s=t1 - t0, decode_tok_s=toks / (t2 - t1),
                 ms_per_step=(t2 - t1) / max(steps, 1) * 1e3)
 
@@ -476,6 +478,7 @@ def _engine_rows(rep: Report, section: str, shapes: Shapes, full: dict, tiny: di
     each of `formats` at batch 1."""
     from jaxinfer.checkpoints.quantize import quantize_params
     from jaxinfer.runtime.config import EngineConfig, ModelConfig
+    from jaxinfer.runtime.build import prepare
     from jaxinfer.runtime.engine import Engine
     from jaxinfer.runtime.device.model import init_params
     from jaxinfer.runtime.device.quantization import param_bytes
@@ -501,7 +504,7 @@ def _engine_rows(rep: Report, section: str, shapes: Shapes, full: dict, tiny: di
     def engine(p, max_slots, max_len=prompt + new + 16):
         ecfg = EngineConfig(max_slots=max_slots, max_model_len=max_len, dtype=dname,
                             prefill_chunk=256)
-        return Engine(cfg, p, _IdTokenizer(cfg.vocab_size), ecfg)
+        return Engine(prepare(cfg, p, _IdTokenizer(cfg.vocab_size), ecfg))
 
     eng = engine(params, max(shapes.batches(section)) if not shapes.smoke else 8)
     for batch in shapes.batches(section):

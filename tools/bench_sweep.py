@@ -74,8 +74,8 @@ def sweep(args) -> dict:
     points = []
     for m in slots:
         ecfg = dataclasses.replace(llm.config, max_slots=m, **slo)
-        served = SimpleNamespace(engine=Engine(llm.model.cfg, llm.model.params, llm.tokenizer, ecfg),
-                                 tokenizer=llm.tokenizer, model=llm.model)
+        model = dataclasses.replace(llm.model, config=ecfg)  # the same prepared weights
+        served = SimpleNamespace(engine=Engine(model), tokenizer=llm.tokenizer, model=model)
         server = ServerThread(served, ServerConfig(port=0, max_queue=None, model_name="sweep"))
         try:
             served.engine.warmup()  # every step shape compiled: the points are steady state

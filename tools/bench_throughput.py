@@ -91,17 +91,10 @@ def run(args) -> dict:
 
     from jaxinfer.runtime.llm import LLM
     from jaxinfer.runtime.device.quantization import param_bytes
+    from jaxinfer.serve.engine_args import engine_kwargs
     from jaxinfer.tools.bench_attention import copy_bandwidth
 
-    opts = dict(dtype=args.dtype, max_slots=args.max_slots, page_size=args.page_size,
-                max_model_len=args.max_model_len, prefill_chunk=args.prefill_chunk,
-                fuse_projections=getattr(args, "fuse_projections", None))
-    if args.num_pages:
-        opts["num_pages"] = args.num_pages
-    if args.quantization:
-        opts["quantization"] = args.quantization
-    if getattr(args, "speculative", None):
-        opts["speculative"] = json.loads(args.speculative)
+    opts = engine_kwargs(args)  # the engine flags of add_args
     t0 = time.perf_counter()
     llm = LLM(args.model, **opts)
     load_s = time.perf_counter() - t0
@@ -215,16 +208,12 @@ def format_table(r: dict) -> str:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from jaxinfer.runtime.config import COMPUTE_DTYPES, QUANTIZATIONS
+    from jaxinfer.serve.engine_args import option_flags
 
     p.add_argument("--model", default="gemma3-270m")
-    p.add_argument("--dtype", default="float32", choices=COMPUTE_DTYPES)
-    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS[1:])
-    p.add_argument("--max-slots", type=int, default=8)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--num-pages", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--prefill-chunk", type=int, default=256)
+    option_flags(p, "dtype", "quantization", "max_slots", "page_size", "num_pages",
+                 "max_model_len", "prefill_chunk", "fuse_projections", "speculative",
+                 dtype="float32", max_slots=8, max_model_len=1024)
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--input-len", default="16:128", help="MIN:MAX prompt tokens")
     p.add_argument("--output-len", default="16:64", help="MIN:MAX generated tokens")
@@ -239,10 +228,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="also run a second engine with asynchronous scheduling off")
     p.add_argument("--decode-contexts", default="", help="e.g. 512,2048,8192 (needs max-model-len)")
     p.add_argument("--out", default=None, help="write the JSON report here")
-    p.add_argument("--fuse-projections", action=argparse.BooleanOptionalAction, default=None,
-                   help="Q/K/V and gate/up as one weight each (default: as the engine picks)")
-    p.add_argument("--speculative", default=None,
-                   help='speculative decoding as JSON, e.g. \'{"method": "ngram", "k": 4}\'')
 
 
 def cmd(args) -> int:

@@ -68,8 +68,10 @@ import sys
 import time
 from dataclasses import dataclass
 
-from jaxinfer.runtime.host.requests import (SAMPLING_FIELDS, Limits, RequestError, RequestOutput,
-                              SamplingParams, check_request, parse_prompt, sampling_from_json)
+from jaxinfer.runtime.host.errors import QueueFull, RequestError
+from jaxinfer.runtime.host.interface import EngineInterface
+from jaxinfer.runtime.host.requests import (SAMPLING_FIELDS, Limits, SamplingParams, check_request,
+                                            parse_prompt, sampling_from_json)
 
 REQUEST_FIELDS = {"id", "prompt", "prompt_token_ids", "lora"}
 LINE_SAMPLING = {*SAMPLING_FIELDS, "structured_outputs"}  # per-line fields of SamplingParams
@@ -168,7 +170,7 @@ class _Parser:
             if lora is not None and (not isinstance(lora, str) or not lora):
                 raise RequestError("lora", "must be a LoRA adapter's name (a non-empty string)")
         except RequestError as e:
-            raise LineError(f"field {e.field!r}: {e.reason}" if e.field else e.reason) from None
+            raise LineError(_line_message(e)) from None
         return _Job(line=line, uid=uid, key=key, prompt_ids=prompt_ids, params=params, lora=lora)
 
 
@@ -354,19 +356,20 @@ def _progress(enabled: bool, total: int | None):
 
 # ------------------------------------------------------------------------------------ the job
 
-def run_batch(engine, tokenizer, input_path, output_path, *, sampling: dict | None = None,
+def run_batch(engine: EngineInterface, tokenizer, input_path, output_path, *,
+              sampling: dict | None = None,
               resume: bool = False, overwrite: bool = False, ordered: bool = False,
               max_inflight: int | None = None, reorder_window: int | None = None,
               fsync: str = "step", progress: bool | None = None,
               summary_json: str | None = None, on_step=None, line_offset: int = 0) -> dict:
-    """Run one JSONL job through `engine` (anything with add_request/step/pop); return the
-    summary dict. `sampling` holds SamplingParams defaults that lines may override. `progress`
+    """Run one JSONL job through `engine` (runtime/host/interface.py); return the summary
+    dict. `sampling` holds SamplingParams defaults that lines may override. `progress`
     None shows a tqdm bar only when stderr is a terminal. `on_step(engine, inflight)` is a
     test hook called before each engine step. `line_offset`: the input is a slice of a larger
     file starting after that many lines (error records and resume use the file's numbers)."""
     prepare_output(output_path, resume, overwrite)
     parser = _Parser(tokenizer, {"temperature": 0.0, **(sampling or {})}, engine.limits)
-    max_slots = getattr(getattr(engine, "ecfg", None), "max_slots", 8)
+    max_slots = engine.stats()["max_slots"]
     max_inflight = max_inflight or 2 * max_slots + 4
     reorder_window = reorder_window or max(4 * max_slots + 8, max_inflight)
     if max_inflight < 1 or reorder_window < 1:
@@ -400,7 +403,10 @@ def run_batch(engine, tokenizer, input_path, output_path, *, sampling: dict | No
     reorder: dict[int, bytes] = {}
     next_seq = head_seq = 0
     acked_lines = 0  # progress-bar lines resolved since the last commit
-    held: _Job | None = None  # a job the engine refused with QueueFull, retried after a step
+    # a job the engine refused (QueueFull, or Overloaded with latency targets and refuse_late),
+    # retried after a step; once nothing of this job is in flight it is taken whatever the
+    # prediction (offline work has no client to refuse: a line is held back, never dropped)
+    held: _Job | None = None
     eof = False
     lineno = line_offset
     t0 = time.perf_counter()
@@ -442,16 +448,17 @@ def run_batch(engine, tokenizer, input_path, output_path, *, sampling: dict | No
         nonlocal next_seq, held
         rid = prefix + str(job.line)
         try:
-            engine.add_request(job.prompt_ids, job.params, rid,
-                               **({"lora": job.lora} if job.lora else {}))
-        except ValueError as e:  # prompt too long for the model, an unknown adapter, ...
-            error(job.line, job.uid, str(e).replace(f"request {rid!r}: ", ""))
-            return True
-        except Exception as e:
-            if type(e).__name__ != "QueueFull":
-                raise
+            engine.add_request(job.prompt_ids, job.params, rid, lora=job.lora,
+                               refuse_late=bool(inflight))
+        except QueueFull:  # Overloaded too: hold the line until a step has made room
             held = job
             return False
+        except RequestError as e:  # prompt too long for the model, an unknown adapter, ...
+            error(job.line, job.uid, _line_message(e))
+            return True
+        except ValueError as e:  # anything else the engine refuses a request for: this line's
+            error(job.line, job.uid, str(e))
+            return True
         if job.seq < 0:
             job.seq = next_seq
             next_seq += 1
@@ -520,7 +527,7 @@ def run_batch(engine, tokenizer, input_path, output_path, *, sampling: dict | No
                 if not d.finished or d.request_id not in inflight:
                     continue
                 job = inflight.pop(d.request_id)
-                out = RequestOutput.from_state(engine.pop(d.request_id))
+                out = d.output
                 if out.finish_reason == "error":  # the engine failed it: --resume retries it
                     stats["errors"] += 1
                     acked_lines += 1
@@ -547,17 +554,11 @@ def run_batch(engine, tokenizer, input_path, output_path, *, sampling: dict | No
                     itl.add(x)
                 acked_lines += 1
                 emit(job.seq, encode_record(rec))
-            if not deltas and inflight and hasattr(engine, "has_unfinished") \
-                    and not engine.has_unfinished():
+            if not deltas and inflight and not engine.num_unfinished:
                 raise BatchError(f"engine has no work but {len(inflight)} requests are in flight")
     finally:
         for rid in list(inflight):  # leave a shared engine clean (notebooks)
-            if hasattr(engine, "abort"):
-                engine.abort(rid)
-                try:
-                    engine.pop(rid)
-                except KeyError:
-                    pass
+            engine.abort(rid)
         writer.close()
         if bar is not None:
             bar.close()
@@ -582,6 +583,10 @@ def run_batch(engine, tokenizer, input_path, output_path, *, sampling: dict | No
             json.dump(summary, f, indent=2)
             f.write("\n")
     return summary
+
+
+def _line_message(e: RequestError) -> str:
+    return f"field {e.field!r}: {e.reason}" if e.field else e.reason
 
 
 def format_summary(s: dict) -> str:

@@ -6,6 +6,9 @@ is not copied to the device again. Admission asks for a slot: the adapter's own 
 a never-used slot, else the least recently released one; none when every slot is referenced
 (the request waits). Each newly given slot is recorded as a load (slot, adapter key) that the
 engine performs before the step that first uses it.
+
+LoraGate is the scheduler's admission gate over that table (runtime/host/admission.py): the
+queue's head takes its adapter's slot when admitted, and gives it back with its pages.
 """
 
 from __future__ import annotations
@@ -71,3 +74,43 @@ class LoraSlots:
 
     def refs(self) -> dict[str, int]:
         return dict(self._refs)
+
+
+class LoraGate:
+    """Admission gate: a request with an adapter runs only while it holds its adapter's slot
+    (`seq.lora_slot`, 0: the base model); `slots`: the table. Loads recorded since the last
+    plan: `take_loads()` (the plan's lora_loads)."""
+
+    def __init__(self, num_slots: int):
+        self.slots = LoraSlots(num_slots)
+
+    def acquire(self, seq) -> bool:
+        if seq.req.lora is None:
+            return True
+        got = self.slots.acquire(seq.req.lora)
+        if got is None:
+            return False
+        seq.lora_slot = got
+        return True
+
+    def release(self, seq) -> None:
+        if seq.lora_slot:
+            self.slots.release(seq.req.lora)
+            seq.lora_slot = 0
+
+    def take_loads(self) -> list[tuple[int, str]]:
+        return self.slots.take_loads()
+
+    def evict(self, key: str) -> None:
+        self.slots.evict(key)
+
+    def check(self, running) -> None:
+        """Every running sequence with an adapter holds its loaded slot, one reference each."""
+        held: dict[str, int] = {}
+        loaded = self.slots.loaded()
+        for s in running:
+            assert bool(s.lora_slot) == (s.req.lora is not None)
+            if s.lora_slot:
+                assert loaded[s.req.lora] == s.lora_slot
+                held[s.req.lora] = held.get(s.req.lora, 0) + 1
+        assert held == self.slots.refs()

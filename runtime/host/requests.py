@@ -3,10 +3,10 @@
 One table of sampling fields with their types and ranges (`SAMPLING_FIELDS`, applied by
 `SamplingParams` itself), one prompt parser (`parse_prompt`), one length / page budget and vocab
 check against the served model (`check_request`), one typed error naming the field
-(`RequestError`) and one result builder (`RequestOutput.from_state`). `LLM`, gRPC (jaxinfer.v1
-Generate and JetStream Decode), the OpenAI HTTP API and JSONL batch all call these and
-re-implement none of them; `Engine.add_request` runs `check_request` again, so nothing reaches a
-step that did not pass the door.
+(`RequestError`, runtime/host/errors.py); results come out of the output processor
+(runtime/host/outputs.py). `LLM`, gRPC (jaxinfer.v1 Generate and JetStream Decode), the OpenAI
+HTTP API and JSONL batch all call these and re-implement none of them; `Engine.add_request` runs
+`check_request` again, so nothing reaches a step that did not pass the door.
 
     limits = Limits.of(engine)
     params = sampling_from_json(obj, defaults)       # JSON values -> SamplingParams
@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from jaxinfer.runtime.host.errors import RequestError
 from jaxinfer.runtime.host.structured import StructuredOutputs
@@ -272,7 +272,7 @@ def check_structured(so: StructuredOutputs, limits: Limits) -> None:
     limits.grammars.check(so)
 
 
-# ---- results -----------------------------------------------------------------------------------
+# ---- adapters ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class LoRARequest:
     """A LoRA adapter for a request, as vLLM names it: `lora_name` is how requests and the API
@@ -282,37 +282,3 @@ class LoRARequest:
     lora_name: str
     lora_int_id: int
     lora_path: str
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
-    metrics: dict = field(default_factory=dict)  # queue_s, ttft_s, itl_s (list), itl_s_mean, e2e_s, cached_tokens
-    logprobs: list[dict] | None = None
-    error: str | None = None  # why the engine failed this request (finish_reason "error")
-    # one per prompt token: None for the first, then {"token_id", "logprob", "top"} as logprobs
-    prompt_logprobs: list[dict | None] | None = None
-    lora_name: str | None = None  # the LoRA adapter that served it (None: the base model)
-
-    @classmethod
-    def from_state(cls, st, prompt: str | None = None) -> RequestOutput:
-        """From the engine's finished RequestState."""
-        return cls(request_id=st.request_id, prompt=prompt, prompt_token_ids=list(st.prompt_ids),
-                   text=st.text, token_ids=list(st.token_ids), finish_reason=st.finish_reason,
-                   metrics=st.metrics.summary(),
-                   logprobs=st.logprobs if st.params.logprobs is not None else None,
-                   error=st.error,
-                   prompt_logprobs=(st.prompt_logprobs if st.params.prompt_logprobs is not None
-                                    else None),
-                   lora_name=st.lora)
-
-    @property
-    def usage(self) -> dict:
-        return {"prompt_tokens": len(self.prompt_token_ids),
-                "completion_tokens": len(self.token_ids),
-                "cached_tokens": int(self.metrics.get("cached_tokens", 0))}

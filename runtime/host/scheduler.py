@@ -10,11 +10,14 @@ Policy (tests pin every point):
   * Row order of a plan: running sequences whose prompt is computed (decodes) in admission order,
     then running sequences still prefilling (chunk continuation) in admission order, then
     sequences admitted this step, in queue order.
-  * Budget: `token_budget` tokens per step, decodes included. A chunk is
-    min(uncomputed tokens, budget left). Decodes go first, so a long prompt never stalls them.
-  * Admission: FCFS from the head of the waiting queue while a slot is free, budget is left and the
-    pages for the head's first chunk can be allocated. If the head does not fit, nobody behind it
-    is admitted this step (no overtaking). Nothing is admitted in a step that preempted.
+  * Budget: `token_budget` tokens per step, decodes included (the admission policy may cut it:
+    runtime/host/admission.py). A chunk is min(uncomputed tokens, budget left). Decodes go
+    first, so a long prompt never stalls them.
+  * Admission: from the head of the waiting queue (in the policy's order: first come first
+    served by default) while a slot is free, budget is left, the policy admits the head, its
+    gates give it what it needs (an adapter's slot: runtime/host/lora_slots.py) and the pages
+    for its first chunk can be allocated. If the head does not fit, nobody behind it is admitted
+    this step (no overtaking). Nothing is admitted in a step that preempted.
   * Pages are allocated only for the tokens computed this step (a sequence grows page by page).
   * Preemption: when a running sequence cannot get the pages it needs, the youngest running
     sequence (latest arrival_time, ties: later add_request) is preempted, possibly the asker
@@ -88,7 +91,6 @@ from __future__ import annotations
 
 import hashlib
 import heapq
-import logging
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -96,29 +98,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jaxinfer.runtime.host.lora_slots import LoraSlots
-from jaxinfer.runtime.host.page_allocator import PageAllocator, page_hashes
-from jaxinfer.runtime.host.requests import SamplingParams
 from jaxinfer.runtime.config import SloConfig
-from jaxinfer.runtime.host.slo import StepTimes, wait_key
+from jaxinfer.runtime.host.admission import FirstComeFirstServed
+from jaxinfer.runtime.host.errors import QueueFull
+from jaxinfer.runtime.host.lora_slots import LoraGate, LoraSlots
+from jaxinfer.runtime.host.page_allocator import PageAllocator, page_hashes
+from jaxinfer.runtime.host.plan_rows import PlanRows
+from jaxinfer.runtime.host.requests import SamplingParams
+from jaxinfer.runtime.host.slo import StepTimes
 from jaxinfer.runtime.plan import GROUPS, StepPlan, bucket, padding_arrays, pow_buckets
-
-log = logging.getLogger(__name__)
-
-LOGPROBS_BUCKET = 20  # static top-n logprobs width when any row asks for logprobs
-
-
-class QueueFull(Exception):
-    """The waiting queue holds max_queue requests; the caller should retry later (back-pressure)."""
-
-
-class Overloaded(QueueFull):
-    """The queue ahead would make this request miss its TTFT budget (SloConfig.refuse_late);
-    `retry_after_s`: when the queue is predicted to have room."""
-
-    def __init__(self, message: str, retry_after_s: float):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
 
 
 @dataclass
@@ -196,7 +184,10 @@ class Scheduler:
     `enable_prefix_caching` is off by default here (host tests pin exact free-list orders);
     EngineConfig turns it on. `cache_salt` namespaces the prefix hashes (LoRA, KV dtype...).
     `mask_words` (W): int32 words of a plan's token bitmask rows; the scheduler flags the rows
-    that sample under a structured-output constraint, the engine fills their masks."""
+    that sample under a structured-output constraint, the engine fills their masks.
+    `max_loras` adapter slots (0: base model only) gate admission. `admission`: the policy
+    (runtime/host/admission.py; default first come first served), which reads the measured
+    `step_times` / `decode_times` (`record_step_time`) and `clock`."""
 
     def __init__(
         self,
@@ -215,7 +206,7 @@ class Scheduler:
         num_spec_tokens: int = 0,
         mask_words: int = 1,
         max_loras: int = 0,
-        slo: SloConfig | None = None,
+        admission: FirstComeFirstServed | None = None,
         step_times: StepTimes | None = None,
         decode_times: StepTimes | None = None,
         clock=time.monotonic,
@@ -237,13 +228,15 @@ class Scheduler:
             raise ValueError(f"num_spec_tokens must be >= 0, got {num_spec_tokens}")
         self.num_spec_tokens = num_spec_tokens
         self.mask_words = mask_words
-        self.lora_slots = LoraSlots(max_loras)
-        self.slo = slo or SloConfig()
-        self.step_times = step_times or StepTimes()  # the engine records every step's time
+        self.admission = admission or FirstComeFirstServed()
+        self._lora = LoraGate(max_loras) if max_loras else None
+        self._gates = (self._lora,) if self._lora else ()  # acquired in order, released all
+        self._rows = PlanRows(page_size=page_size, num_spec_tokens=num_spec_tokens,
+                              lora_gate=self._lora)
+        self.step_times = step_times or StepTimes()  # every step's time by its token rows
         # ... and decode-only steps' by live sequence count (the ITL budget's admission cap)
         self.decode_times = decode_times or StepTimes(beyond="linear")
         self.clock = clock
-        self._floor_warned = False
 
         self.token_buckets = tuple(sorted(token_buckets or pow_buckets(8, token_budget)))
         if self.token_buckets[-1] < token_budget:
@@ -292,7 +285,7 @@ class Scheduler:
             )
         if req.request_id in self._live:
             raise ValueError(f"request id {req.request_id!r} is already in flight")
-        if req.lora is not None and not self.lora_slots.num_slots:
+        if req.lora is not None and self._lora is None:
             raise ValueError(f"request {req.request_id!r}: LoRA adapter given, no adapter slots")
         if self.max_queue is not None and len(self._waiting) >= self.max_queue:
             raise QueueFull(f"waiting queue is full ({self.max_queue} requests)")
@@ -404,6 +397,47 @@ class Scheduler:
         """Drop every cached page nobody holds (e.g. after swapping weights). Returns the count."""
         return self.allocator.reset_prefix_cache()
 
+    def queues(self) -> tuple[list[_Seq], list[_Seq]]:
+        """Snapshots of the waiting (in queue order) and running sequences (admission order),
+        for the admission policy; safe from another thread."""
+        return list(self._waiting), list(self._running)
+
+    @property
+    def latency_targets(self) -> SloConfig:
+        """The admission policy's latency targets (frozen; read by stats and metrics)."""
+        return self.admission.targets
+
+    @property
+    def lora_slots(self) -> LoraSlots | None:
+        """Which adapter is in which device slot (None: no adapter slots); read-only use."""
+        return self._lora.slots if self._lora else None
+
+    def evict_lora(self, key: str) -> None:
+        """Forget the unreferenced adapter `key` (unloaded): its slot is free again; ValueError
+        while a running sequence uses it."""
+        if self._lora is not None:
+            self._lora.evict(key)
+
+    # ------------------------------------------------------------------ admission policy
+
+    def record_step_time(self, plan: StepPlan, seconds: float) -> None:
+        """The measured seconds of the step that ran `plan` (what the policies predict from):
+        by its token rows, and by its live sequences when every row decodes."""
+        self.step_times.record(len(plan.token_ids), seconds)
+        n = int(plan.num_seqs[0])
+        if plan.num_tokens == n:
+            self.decode_times.record(n, seconds)
+
+    def predicted_wait(self, prompt_len: int, priority: int = 0) -> float:
+        """Seconds until a request arriving now would get its first token (0 while nothing is
+        measured); safe from another thread."""
+        return self.admission.predicted_wait(self, prompt_len, priority)
+
+    def check_overload(self, request_id: str, prompt_len: int, priority: int = 0) -> None:
+        """Raise Overloaded when the policy refuses a request arriving now (with refuse_late:
+        predicted to miss its TTFT budget)."""
+        self.admission.check_overload(self, request_id, prompt_len, priority)
+
     def check_invariants(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent (cheap; for tests and soaks)."""
         a = self.allocator
@@ -434,13 +468,10 @@ class Scheduler:
         for s in self._waiting:
             assert s.status == WAITING and not s.pages and s.slot is None and s.num_computed == 0
         assert set(self._live) == {s.req.request_id for s in [*self._waiting, *self._running]}
-        held: dict[str, int] = {}
-        for s in self._running:
-            assert bool(s.lora_slot) == (s.req.lora is not None)
-            if s.lora_slot:
-                assert self.lora_slots.loaded()[s.req.lora] == s.lora_slot
-                held[s.req.lora] = held.get(s.req.lora, 0) + 1
-        assert held == self.lora_slots.refs()
+        for s in self._waiting:
+            assert not s.lora_slot, "a waiting sequence holds an adapter slot"
+        for gate in self._gates:
+            gate.check(self._running)
 
     # ------------------------------------------------------------------ the step
 
@@ -451,75 +482,6 @@ class Scheduler:
         if len(seq.output_ids) + seq.pending >= seq.req.params.max_tokens:
             return 0
         return seq.num_tokens - seq.num_computed + len(seq.draft)
-
-    def _wait_key(self, seq: _Seq, now: float) -> tuple:
-        if seq.cached_tokens is not None:  # preempted: readmitted before anyone new
-            return (-1, seq.order)
-        r = seq.req
-        lead = self._prefill_s(seq.num_tokens) if self.slo.ttft_s is not None else 0.0
-        return wait_key(r.params.priority, r.arrival_time, seq.order, now, self.slo, lead)
-
-    def _prefill_s(self, tokens: int) -> float:
-        """Predicted seconds to prefill `tokens` prompt tokens once admitted: steps of the
-        token budget at their measured times (0 while unmeasured)."""
-        full, rest = divmod(tokens, self.token_budget)
-        t = full * (self.step_times.predict(bucket(self.token_buckets, self.token_budget)) or 0)
-        if rest:
-            t += self.step_times.predict(bucket(self.token_buckets, rest)) or 0
-        return t
-
-    def _order_waiting(self) -> None:
-        """Sort the waiting queue by slo.wait_key when latency targets or priorities are in
-        use (else it stays first come, first served, preempted sequences at its front)."""
-        if len(self._waiting) > 1 and (self.slo.active
-                                       or any(s.req.params.priority for s in self._waiting)):
-            now = self.clock()
-            self._waiting = deque(sorted(self._waiting, key=lambda s: self._wait_key(s, now)))
-
-    def predicted_wait(self, prompt_len: int, priority: int = 0) -> float:
-        """Seconds until a request arriving now would get its first token: the prompt tokens
-        of the requests queued ahead of it, of the running ones still prefilling, and its own,
-        at the prefill rate measured at the full token budget (0 while unmeasured). Reads
-        snapshots of the queues: another thread may call it while the scheduler works."""
-        rate = self.step_times.prefill_rate(bucket(self.token_buckets, self.token_budget))
-        if not rate:
-            return 0.0
-        now = self.clock()
-        mine = wait_key(priority, now, self._counter, now, self.slo, self._prefill_s(prompt_len))
-        waiting, running = list(self._waiting), list(self._running)
-        ahead = sum(s.num_tokens for s in waiting if self._wait_key(s, now) < mine)
-        ahead += sum(max(s.num_tokens - s.num_computed, 0) for s in running if not s.prefilled)
-        return (ahead + prompt_len) / rate
-
-    def check_overload(self, request_id: str, prompt_len: int, priority: int = 0) -> None:
-        """With slo.refuse_late: raise Overloaded when a request arriving now is predicted to
-        miss its TTFT budget."""
-        if not self.slo.refuse_late:
-            return
-        wait = self.predicted_wait(prompt_len, priority)
-        if wait > self.slo.ttft_s:
-            raise Overloaded(
-                f"request {request_id!r}: predicted time to first token {wait:.2f} s exceeds "
-                f"the {self.slo.ttft_s:.2f} s budget (server overloaded)",
-                retry_after_s=wait - self.slo.ttft_s)
-
-    def _itl_budget(self, decode_tokens: int) -> int:
-        """Tokens this step may carry under the ITL budget when it has decodes: the largest
-        count whose predicted step time fits (never below the decodes themselves)."""
-        fits = [b for b in self.token_buckets if self.step_times.fits(b, self.slo.itl_s)]
-        # nothing fits: the decodes go alone (a prompt chunk in their padding rows still costs
-        # its attention and cache writes: +11 % on Gemma 3 270M at 16 rows here)
-        return max(min(self.token_budget, fits[-1] if fits else 0), decode_tokens)
-
-    def _warn_floor(self) -> None:
-        """Say once when the ITL budget is below a one-sequence decode step: it cannot be met,
-        and requests then run about one at a time."""
-        one = self.decode_times.predict(1)
-        if one is not None and one > self.slo.itl_s and not self._floor_warned:
-            self._floor_warned = True
-            log.warning("the ITL budget (%.0f ms) is below the measured step of one decoding "
-                        "sequence (%.0f ms): it cannot be met; sequences decode one at a time",
-                        self.slo.itl_s * 1e3, one * 1e3)
 
     def decode_candidates(self) -> list:
         """Running sequences in pure decode that may take proposals this step, as
@@ -572,12 +534,10 @@ class Scheduler:
         return the padded plan, or None when nothing can run. Call update() with it next."""
         if len(self._inflight) >= 2:
             raise ValueError("two plans are outstanding: update() the oldest before scheduling")
-        budget = self.token_budget
-        if self.slo.itl_s is not None:
-            decode_tokens = sum(self._num_new_tokens(s) for s in self._running if s.prefilled)
-            if decode_tokens:
-                budget = self._itl_budget(decode_tokens)
-        self._order_waiting()
+        policy = self.admission
+        running_tokens = sum(self._num_new_tokens(s) for s in self._running if s.prefilled)
+        budget = policy.token_budget(self, running_tokens)
+        self._waiting = policy.order(self, self._waiting)
         rows: list[tuple[_Seq, int]] = []  # (sequence, tokens this step), in plan row order
         preempted = False
 
@@ -585,57 +545,49 @@ class Scheduler:
         for seq in sorted(self._running, key=lambda s: not s.prefilled):
             if seq.status != RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(self._num_new_tokens(seq), budget)
-            if n <= 0:
-                seq.draft = []
+            n = self._take(seq, budget)
+            if not n:
                 continue
-            del seq.draft[max(0, n - (seq.num_tokens - seq.num_computed)):]  # fit the budget
             while not self._grow(seq, n):
-                if seq.draft:  # proposals are optional: drop them before preempting anyone
-                    seq.draft = []
-                    n = min(self._num_new_tokens(seq), budget)
+                if self._shed(seq):  # optional tokens go before anyone is preempted
+                    n = self._take(seq, budget)
                     continue
                 victim = max(self._running, key=lambda s: s.age_key)
-                self._preempt(victim)
+                budget += self._preempt(victim, rows)
                 preempted = True
-                for i, (s, k) in enumerate(rows):
-                    if s is victim:
-                        del rows[i]
-                        budget += k
-                        break
                 if victim is seq:
                     break
             if seq.status == RUNNING:
                 rows.append((seq, n))
                 budget -= n
 
-        # Admission, FCFS with no overtaking (the head also waits for its adapter's slot).
+        # Admission, in the policy's order with no overtaking (the head also waits for its gates).
         while self._waiting and self._free_slots and budget > 0 and not preempted:
-            if (self.slo.itl_s is not None and self._running  # the decode batch's cap
-                    and not self.decode_times.fits(len(self._running) + 1, self.slo.itl_s)):
-                self._warn_floor()
-                break
             seq = self._waiting[0]
-            lora = seq.req.lora
-            if lora is not None:
-                got = self.lora_slots.acquire(lora)
-                if got is None:
-                    break
-                seq.lora_slot = got
+            if not policy.admits(self, seq) or not self._acquire(seq):
+                break
             n = self._admit_pages(seq, budget)
             if n is None:
-                self._drop_lora(seq)
+                self._give_back(seq)
                 break
-            self._waiting.popleft()
-            seq.slot = heapq.heappop(self._free_slots)
-            seq.status = RUNNING
-            self._running.append(seq)
+            self._start(self._waiting.popleft())
             rows.append((seq, n))
             budget -= n
 
         if not rows:
             return None
         plan = self._build_plan(rows)
+        self._inflight.append((plan, self._advance(plan, rows)))
+        return plan
+
+    def _start(self, seq: _Seq) -> None:
+        seq.slot = heapq.heappop(self._free_slots)
+        seq.status = RUNNING
+        self._running.append(seq)
+
+    def _advance(self, plan: StepPlan, rows: list[tuple[_Seq, int]]) -> list[tuple[_Seq, int, int]]:
+        """Count the planned tokens as computed (a sampling row leaves a pending token); the
+        in-flight rows (sequence, tokens, first position)."""
         planned = []
         for s, (seq, n) in enumerate(rows):
             planned.append((seq, n, seq.num_computed))
@@ -644,8 +596,36 @@ class Scheduler:
                 seq.pending += 1
                 seq.sample_row = s
                 seq.prefilled = True
-        self._inflight.append((plan, planned))
-        return plan
+        return planned
+
+    def _take(self, seq: _Seq, budget: int) -> int:
+        """Tokens a running `seq` computes this step within `budget` (0: none); its speculative
+        proposals are trimmed to fit (dropped with none)."""
+        n = min(self._num_new_tokens(seq), budget)
+        if n <= 0:
+            seq.draft = []
+            return 0
+        del seq.draft[max(0, n - (seq.num_tokens - seq.num_computed)):]
+        return n
+
+    def _shed(self, seq: _Seq) -> bool:
+        """Drop `seq`'s proposals when the pages for them are short; False if it had none."""
+        had = bool(seq.draft)
+        seq.draft = []
+        return had
+
+    def _acquire(self, seq: _Seq) -> bool:
+        """Take what every gate gives the queue's head; nothing held (False) if one refuses."""
+        for i, gate in enumerate(self._gates):
+            if not gate.acquire(seq):
+                for held in self._gates[:i]:
+                    held.release(seq)
+                return False
+        return True
+
+    def _give_back(self, seq: _Seq) -> None:
+        for gate in self._gates:
+            gate.release(seq)
 
     def _grow(self, seq: _Seq, n: int) -> bool:
         """Give `seq` the pages for its next `n` tokens; False if the pool is short."""
@@ -714,21 +694,24 @@ class Scheduler:
             self.allocator.register(seq.pages[j], hashes[j])
         seq.num_registered = full
 
-    def _drop_lora(self, seq: _Seq) -> None:
-        if seq.lora_slot:
-            self.lora_slots.release(seq.req.lora)
-            seq.lora_slot = 0
-
     def _release(self, seq: _Seq) -> None:
         self.allocator.free(reversed(seq.pages))
-        self._drop_lora(seq)
+        self._give_back(seq)
         seq.pages = []
         seq.num_registered = 0
         if seq.slot is not None:
             heapq.heappush(self._free_slots, seq.slot)
             seq.slot = None
 
-    def _preempt(self, seq: _Seq) -> None:
+    def _preempt(self, seq: _Seq, rows: list[tuple[_Seq, int]]) -> int:
+        """Send running `seq` back to the queue's front; drop its row from this step's `rows`
+        if it has one: return that row's tokens (0 without)."""
+        freed = 0
+        for i, (s, k) in enumerate(rows):
+            if s is seq:
+                del rows[i]
+                freed = k
+                break
         self._release(seq)
         seq.draft = []
         self._running.remove(seq)
@@ -738,6 +721,7 @@ class Scheduler:
         seq.status = WAITING
         self._waiting.appendleft(seq)
         self.num_preemptions += 1
+        return freed
 
     def _retire(self, seq: _Seq, reason: str) -> None:
         self._release(seq)
@@ -750,67 +734,17 @@ class Scheduler:
         del self._live[seq.req.request_id]
 
     def _build_plan(self, rows: list[tuple[_Seq, int]]) -> StepPlan:
-        ps = self.page_size
-        num_seqs = len(rows)
+        """The padded plan of `rows`: its buckets, the core's arrays and each feature's
+        (runtime/host/plan_rows.py)."""
         num_tokens = sum(n for _, n in rows)
         T = bucket(self.token_buckets, num_tokens)
-        S = self.max_slots
-        K = self.num_spec_tokens
         P = bucket(self.page_buckets, max(len(s.pages) for s, _ in rows))
         max_q_len = min(bucket(self.q_buckets, max(n for _, n in rows)), T)
-
-        a = padding_arrays(GROUPS, T=T, S=S, P=P, K=K, W=self.mask_words, num_seqs=num_seqs)
-        token_ids, positions, slot_mapping = a["token_ids"], a["positions"], a["slot_mapping"]
-        cu_q_lens, kv_lens, page_indices = a["cu_q_lens"], a["kv_lens"], a["page_indices"]
-        logits_indices, temperature, top_k = a["logits_indices"], a["temperature"], a["top_k"]
-        top_p, min_p, seeds = a["top_p"], a["min_p"], a["seeds"]
-        sample_positions, samples, feed_rows = a["sample_positions"], a["samples"], a["feed_rows"]
-        constrained, prompt_targets, lora_ids = a["constrained"], a["prompt_targets"], a["lora_ids"]
-        num_draft, draft_ids, verify_indices = a["num_draft"], a["draft_ids"], a["verify_indices"]
-
-        t = 0
-        for s, (seq, n) in enumerate(rows):
-            start = seq.num_computed
-            d, known, total = len(seq.draft), seq.num_known, seq.num_tokens
-            for i in range(n):
-                pos = start + i
-                if pos < known:
-                    token_ids[t + i] = seq.token(pos)
-                elif pos < total:  # pending: sampled by the previous plan, read on the device
-                    feed_rows[t + i] = seq.sample_row
-                else:
-                    token_ids[t + i] = seq.draft[pos - total]
-                positions[t + i] = pos
-                slot_mapping[t + i] = seq.pages[pos // ps] * ps + pos % ps
-            if seq.req.params.prompt_logprobs is not None:  # rows scoring a next prompt token
-                end = min(start + n, len(seq.req.prompt_ids) - 1)
-                if end > start:
-                    prompt_targets[t:t + end - start] = seq.req.prompt_ids[start + 1:end + 1]
-            lora_ids[t:t + n] = seq.lora_slot
-            t += n
-            cu_q_lens[s + 1] = t
-            kv_lens[s] = start + n
-            page_indices[s, : len(seq.pages)] = seq.pages
-            logits_indices[s] = t - 1
-            p = seq.req.params
-            temperature[s], top_k[s], top_p[s], min_p[s] = p.temperature, p.top_k, p.top_p, p.min_p
-            seeds[s] = seq.seed
-            sample_positions[s] = start + n - d
-            samples[s] = start + n >= seq.num_tokens
-            constrained[s] = samples[s] and p.structured_outputs is not None
-            if K:
-                num_draft[s] = d
-                draft_ids[s, :d] = seq.draft
-                verify_indices[s] = t - 1 - d + np.minimum(np.arange(K + 1), d)
-        cu_q_lens[num_seqs + 1 :] = t
-
-        prompt = bool((prompt_targets >= 0).any())
-        want_lp = prompt or any(s.req.params.logprobs is not None for s, _ in rows)
-        return StepPlan(
-            **a, max_q_len=max_q_len, request_ids=[seq.req.request_id for seq, _ in rows],
-            num_logprobs=LOGPROBS_BUCKET if want_lp else 0, prompt_logprobs=prompt, spec_k=K,
-            lora_loads=self.lora_slots.take_loads(),
-        )
+        a = padding_arrays(GROUPS, T=T, S=self.max_slots, P=P, K=self.num_spec_tokens,
+                           W=self.mask_words, num_seqs=len(rows))
+        statics = self._rows.write(a, rows)
+        return StepPlan(**a, max_q_len=max_q_len,
+                        request_ids=[seq.req.request_id for seq, _ in rows], **statics)
 
     def update(self, plan: StepPlan, sampled: np.ndarray,
                num_accepted: np.ndarray | None = None) -> list[StepOutput]:

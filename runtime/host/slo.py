@@ -1,36 +1,21 @@
-"""Latency targets for the scheduler: step-time predictions and the waiting queue's order. No JAX.
+"""Step times for the latency targets: measured seconds per step and predictions. No JAX.
 
-StepTimes keeps an exponential moving average of the measured seconds of a step per token bucket
-and of their mean deviation from it (the engine records every step; as TCP estimates round
-trips), and predicts unmeasured buckets from the measured ones (linear between neighbours,
-proportional beyond them). The scheduler uses it two ways:
-
-* ITL budget (`itl_s`): a step that carries decodes takes at most the largest token count whose
-  predicted step time plus DEVIATIONS x its deviation fits the budget (a budget is a tail
-  target: steps that merely average within it would miss it every other time), so the prefill
-  chunk riding along and the sequences admitted shrink when steps get slow, and grow back when there is room. The running decodes
-  themselves always go (they are what the budget protects), so the decode batch is capped at
-  admission: a request is admitted only while a decode-only step of one more sequence is
-  predicted to fit (a second StepTimes, by live sequence count; the first sequence is always
-  admitted). With nothing measured yet every count is allowed: the first steps measure.
-* TTFT budget (`ttft_s`) and priorities: `wait_key` orders the waiting queue. A request's class
-  is (1) starving: it has waited longer than `max_wait_s` (default 5 x ttft_s, or 30 s): these go
-  first, oldest first, so no request waits forever; (2) everyone else by priority (lower first,
-  as vLLM), then on-time before late, then arrival. A request is late once its wait plus the
-  predicted time of its own prefill (`lead_s`) passes the TTFT budget: admitted now, it would
-  miss anyway; serving the ones that can still meet it first raises attainment, and keeps the
-  earliest-deadline order among those from collapsing under overload (the request served next
-  is one that makes it, not one about to miss).
-* Overload: `predicted_wait(tokens_ahead)` is the time to prefill the prompt tokens queued
-  ahead at the measured prefill rate; with refusal on, a request that would wait past its TTFT
-  budget is refused at once with a retry hint instead of queueing.
+StepTimes keeps an exponential moving average of the measured seconds of a step per size and of
+their mean deviation from it (the engine records every step through
+`Scheduler.record_step_time`; as TCP estimates round trips), and predicts unmeasured sizes from
+the measured ones (linear between neighbours; beyond them proportional for token rows, the slope
+of the two largest for live sequence counts). The scheduler keeps two: `step_times` by token
+rows, `decode_times` by live sequences of decode-only steps. The admission policies
+(runtime/host/admission.py) read them: the ITL budget's token cap and decode batch cap, the
+prefill time a TTFT budget counts (`prefill_seconds`), the wait of a new arrival.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections.abc import Sequence
 
-from jaxinfer.runtime.config import SloConfig
+from jaxinfer.runtime.plan import bucket
 
 DEVIATIONS = 2.0  # margin of the ITL cap, in mean deviations of the step time
 
@@ -101,12 +86,12 @@ class StepTimes:
         return dict(self._ema)
 
 
-def wait_key(priority: int, arrival: float, order: int, now: float, slo: SloConfig,
-             lead_s: float = 0.0) -> tuple:
-    """Sort key of a waiting request (smallest first; `lead_s`: predicted seconds of its own
-    prefill); see the module docstring."""
-    waited = now - arrival
-    if waited > slo.starve_s:
-        return (0, 0, 0, arrival, order)
-    late = slo.ttft_s is not None and waited + lead_s > slo.ttft_s
-    return (1, priority, int(late), arrival, order)
+def prefill_seconds(times: StepTimes, tokens: int, token_budget: int,
+                    token_buckets: Sequence[int]) -> float:
+    """Predicted seconds to prefill `tokens` prompt tokens once admitted: steps of the token
+    budget at their measured times (0 while unmeasured)."""
+    full, rest = divmod(tokens, token_budget)
+    t = full * (times.predict(bucket(token_buckets, token_budget)) or 0)
+    if rest:
+        t += times.predict(bucket(token_buckets, rest)) or 0
+    return t

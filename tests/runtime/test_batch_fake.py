@@ -13,24 +13,22 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
+from jaxinfer.runtime.host.errors import Overloaded, QueueFull, RequestError, UnknownAdapter
+from jaxinfer.runtime.host.interface import missing_members
+from jaxinfer.runtime.host.outputs import RequestDelta, RequestOutput
 from jaxinfer.runtime.host.requests import Limits
 from jaxinfer.runtime.host.batch import run_batch
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-class FakeMetrics:
-    def __init__(self, n_tokens):
-        self.n = n_tokens
-
-    def summary(self):
-        itl = [0.001] * max(0, self.n - 1)
-        return {"queue_s": 0.0, "ttft_s": 0.01, "itl_s": itl,
-                "itl_s_mean": 0.001 if itl else None, "e2e_s": 0.01 + 0.001 * len(itl)}
+def fake_metrics(n_tokens: int) -> dict:
+    itl = [0.001] * max(0, n_tokens - 1)
+    return {"queue_s": 0.0, "ttft_s": 0.01, "itl_s": itl, "itl_s_mean": 0.001 if itl else None,
+            "e2e_s": 0.01 + 0.001 * len(itl), "cached_tokens": 0}
 
 
 class FakeTokenizer:
@@ -41,61 +39,99 @@ class FakeTokenizer:
 
 
 class FakeEngine:
-    """Runs the first `max_slots` unfinished requests (FIFO) one token per step. Token k of a
-    request is (sum(prompt) + k) % 1000; its text is `text_len` characters derived from the
-    prompt, so every record can be checked. Records every step's number of unfinished
-    requests."""
+    """Implements runtime.host.interface.EngineInterface. Runs the first `max_slots` unfinished
+    requests (FIFO) one token per step. Token k of a request is (sum(prompt) + k) % 1000; its
+    text is `text_len` characters derived from the prompt, so every record can be checked.
+    Records every step's number of unfinished requests."""
+
+    leader = True
 
     def __init__(self, max_slots=8, text_len=16, max_model_len=4096):
-        self.ecfg = SimpleNamespace(max_slots=max_slots)
         self.limits = Limits(vocab_size=1000, text_vocab=1000, max_model_len=max_model_len,
                              page_size=16, num_pages=10**6)
         self.max_slots, self.text_len, self.max_model_len = max_slots, text_len, max_model_len
-        self.requests = {}
+        self.requests = {}  # unfinished: id -> (prompt ids, params, token ids)
         self.queue = []  # unfinished, FIFO
         self.adds = 0
         self.live_per_step = []
 
-    def add_request(self, prompt_ids, params, request_id):
+    def add_request(self, prompt_ids, params, request_id=None, *, lora=None, refuse_late=True,
+                    prompt=None):
         if request_id in self.requests:
             raise ValueError(f"duplicate request_id {request_id!r}")
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"request {request_id!r}: prompt ({len(prompt_ids)} tokens) + "
-                             f"max_tokens exceeds max_model_len {self.max_model_len}")
-        self.requests[request_id] = SimpleNamespace(
-            request_id=request_id, prompt_ids=list(prompt_ids), params=params, token_ids=[],
-            text="", finish_reason=None, finished=False, logprobs=[], metrics=None, error=None,
-            lora=None)
+            raise RequestError("max_tokens", f"prompt ({len(prompt_ids)} tokens) + max_tokens "
+                                             f"exceeds max_model_len {self.max_model_len}")
+        self.check_lora(lora)
+        self.requests[request_id] = (list(prompt_ids), params, [])
         self.queue.append(request_id)
         self.adds += 1
         return request_id
+
+    def _output(self, rid, reason, text=""):
+        prompt_ids, _, toks = self.requests.pop(rid)
+        self.queue.remove(rid)
+        return RequestOutput(rid, None, prompt_ids, text, toks, reason,
+                             metrics=fake_metrics(len(toks)))
 
     def step(self):
         self.live_per_step.append(len(self.queue))
         deltas = []
         for rid in self.queue[:self.max_slots]:
-            st = self.requests[rid]
-            st.token_ids.append((sum(st.prompt_ids) + len(st.token_ids)) % 1000)
-            done = len(st.token_ids) >= st.params.max_tokens
-            if done:
-                st.finished, st.finish_reason = True, "length"
-                st.text = expected_text(st.prompt_ids, self.text_len)
-                st.metrics = FakeMetrics(len(st.token_ids))
-            deltas.append(SimpleNamespace(request_id=rid, text="", token_ids=st.token_ids[-1:],
-                                          finished=done, finish_reason=st.finish_reason))
-        self.queue = [r for r in self.queue if not self.requests[r].finished]
+            prompt_ids, params, toks = self.requests[rid]
+            toks.append((sum(prompt_ids) + len(toks)) % 1000)
+            d = RequestDelta(rid, token_ids=toks[-1:])
+            if len(toks) >= params.max_tokens:
+                d.finished, d.finish_reason = True, "length"
+                d.output = self._output(rid, "length", expected_text(prompt_ids, self.text_len))
+            deltas.append(d)
         return deltas
 
-    def has_unfinished(self):
+    @property
+    def has_work(self):
         return bool(self.queue)
 
-    def abort(self, rid):
-        if rid in self.queue:
-            self.queue.remove(rid)
-            self.requests[rid].finished = True
+    @property
+    def num_waiting(self):
+        return max(0, len(self.queue) - self.max_slots)
 
-    def pop(self, rid):
-        return self.requests.pop(rid)
+    @property
+    def num_unfinished(self):
+        return len(self.queue)
+
+    def abort(self, request_id):
+        return self._output(request_id, "abort") if request_id in self.requests else None
+
+    def check_admission(self, prompt_len, priority=0):
+        pass
+
+    def stats(self):
+        return {"running": min(len(self.queue), self.max_slots), "waiting": self.num_waiting,
+                "max_slots": self.max_slots, "pages_total": 0, "pages_free": 0,
+                "compile_count": 0, "faults": 0, "consecutive_faults": 0, "spec_proposed": 0,
+                "spec_accepted": 0, "ttft_target_s": None, "itl_target_s": None}
+
+    def add_lora(self, name, path):
+        raise ValueError("this engine serves no LoRA adapters (enable_lora=False)")
+
+    def remove_lora(self, name):
+        raise UnknownAdapter(f"unknown LoRA adapter {name!r}")
+
+    def check_lora(self, name):
+        if name is not None:
+            raise RequestError("lora", "this engine serves no LoRA adapters")
+
+    def lora_adapters(self):
+        return None
+
+    def warmup(self):
+        return 0
+
+    def follow(self):
+        raise RuntimeError("a lone engine has no leader to follow")
+
+    def release_followers(self):
+        pass
 
 
 def expected_text(prompt_ids, n):
@@ -161,14 +197,29 @@ def test_ordered_reorder_window_stops_admission_until_head_finishes(tmp_path):
     assert ids[-1] == 0 and sorted(ids) == list(range(60))
 
 
-def test_queue_full_is_retried_not_an_error(tmp_path):
-    from jaxinfer.runtime.host.scheduler import QueueFull
+def test_the_fake_engine_implements_the_interface():
+    assert missing_members(FakeEngine) == []
+    assert missing_members(FakeEngine()) == []
 
+    class Lacking(FakeEngine):  # the check can fail: a member gone, a signature changed
+        step = None
+
+        def abort(self, rid):
+            return None
+
+    got = missing_members(Lacking())
+    assert "step" in got and any(m.startswith("abort(self, rid)") for m in got), got
+    no_limits = FakeEngine()
+    del no_limits.limits
+    assert missing_members(no_limits) == ["limits"]
+
+
+def test_queue_full_is_retried_not_an_error(tmp_path):
     class Limited(FakeEngine):
-        def add_request(self, prompt_ids, params, request_id):
+        def add_request(self, prompt_ids, params, request_id=None, **kw):
             if len(self.queue) >= 3:
                 raise QueueFull("waiting queue is full")
-            return super().add_request(prompt_ids, params, request_id)
+            return super().add_request(prompt_ids, params, request_id, **kw)
 
     _write(tmp_path / "in.jsonl", [{"id": i, "prompt": f"q{i}", "max_tokens": 2} for i in range(25)])
     s = run_batch(Limited(max_slots=2), FakeTokenizer(), str(tmp_path / "in.jsonl"),
@@ -177,10 +228,33 @@ def test_queue_full_is_retried_not_an_error(tmp_path):
     assert [r["id"] for r in _read(tmp_path / "out.jsonl")] == list(range(25))
 
 
+def test_overloaded_lines_are_held_then_taken_never_lost(tmp_path):
+    """An engine that refuses every late request (Overloaded: latency targets with refuse_late)
+    whenever anything of the job is in flight: each line is held back until the engine is free,
+    then taken; the job ends with every id once and no error."""
+    refused = []
+
+    class Refusing(FakeEngine):
+        def add_request(self, prompt_ids, params, request_id=None, *, refuse_late=True, **kw):
+            if refuse_late and self.queue:
+                refused.append(request_id)
+                raise Overloaded("predicted time to first token 9.99 s exceeds the 0.00 s "
+                                 "budget", retry_after_s=1.0)
+            return super().add_request(prompt_ids, params, request_id, refuse_late=refuse_late,
+                                       **kw)
+
+    _write(tmp_path / "in.jsonl", [{"id": i, "prompt": f"o{i}", "max_tokens": 3}
+                                   for i in range(40)])
+    s = run_batch(Refusing(max_slots=4), FakeTokenizer(), str(tmp_path / "in.jsonl"),
+                  str(tmp_path / "out.jsonl"), progress=False)
+    assert s["requests"] == 40 and s["errors"] == 0
+    assert sorted(r["id"] for r in _read(tmp_path / "out.jsonl")) == list(range(40))
+    assert len(refused) >= 39  # every line after the first met a busy engine at least once
+
+
 _MEM_SCRIPT = r"""
 import json, resource, sys
 sys.path.insert(0, sys.argv[4])
-from jaxinfer.runtime.host.requests import Limits
 from jaxinfer.runtime.host.batch import run_batch
 from tests.runtime.test_batch_fake import FakeEngine, FakeTokenizer
 s = run_batch(FakeEngine(max_slots=32, text_len=1500), FakeTokenizer(), sys.argv[1], sys.argv[2],
@@ -241,7 +315,6 @@ def test_error_records_are_written_in_order_and_counted(tmp_path, ordered):
 _BAR_SCRIPT = r"""
 import sys
 sys.path.insert(0, sys.argv[3])
-from jaxinfer.runtime.host.requests import Limits
 from jaxinfer.runtime.host.batch import run_batch
 from tests.runtime.test_batch_fake import FakeEngine, FakeTokenizer
 run_batch(FakeEngine(max_slots=4), FakeTokenizer(), sys.argv[1], sys.argv[2],

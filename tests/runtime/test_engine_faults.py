@@ -33,7 +33,7 @@ def _run(engine, prompts, params):
     for _ in range(500):
         for d in engine.step():
             if d.finished:
-                done[d.request_id] = engine.pop(d.request_id)
+                done[d.request_id] = d.output
         if len(done) == len(ids):
             break
     return [done[r] for r in ids]

@@ -297,7 +297,7 @@ def test_bad_prompts(llm):
         llm.generate([[1, 5, 10 ** 6]], SamplingParams(max_tokens=4))
     # a failing batch admits nothing: the engine still serves the next good request
     out = llm.generate(["Hello"], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
-    assert len(out[0].token_ids) == 3 and not llm.engine.requests
+    assert len(out[0].token_ids) == 3 and not llm.engine.num_unfinished
 
 
 def test_unknown_options(tiny_dir):
@@ -379,13 +379,13 @@ def test_engine_times_each_step_from_call_to_call_by_rows_and_decode_batch(llm):
     def run(pause):
         ids = [eng.add_request([5, 6, 7, 8 + i], SamplingParams(max_tokens=6, ignore_eos=True))
                for i in range(3)]
-        steps = 0
-        while eng.has_unfinished():
-            eng.step()
+        steps, done = 0, {}
+        while eng.num_unfinished:
+            done |= {d.request_id: d.output for d in eng.step() if d.finished}
             steps += 1
             time.sleep(pause)
         for rid in ids:
-            assert len(eng.pop(rid).token_ids) == 6
+            assert len(done[rid].token_ids) == 6
         return steps
 
     run(0)  # compiles what this needs (steps that compile are not timed)

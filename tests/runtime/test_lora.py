@@ -248,7 +248,7 @@ def test_bad_adapters_and_requests_are_refused_naming_the_problem(family, tmp_pa
         llm.engine.remove_lora("a")
     while llm.engine.has_work:
         llm.engine.step()
-    llm.engine.pop(rid)
+    assert not llm.engine.num_unfinished
     llm.engine.remove_lora("a")
     assert llm.engine.adapters.names() == [] and llm.engine.scheduler.lora_slots.loaded() == {}
     base_only = LLM(str(base), max_slots=2, page_size=8, max_model_len=64)

@@ -7,12 +7,26 @@ equals `next_token(prompt + outputs)` only if slot mapping, page tables, kv_lens
 are right — any leak or overwrite by another sequence changes the tokens.
 """
 
+import ast
+import dataclasses
+import inspect
+import re
+import textwrap
+from collections import deque
 
 import numpy as np
 import pytest
 
+from jaxinfer.runtime.config import SloConfig
+from jaxinfer.runtime.host import plan_rows
+from jaxinfer.runtime.host.admission import FirstComeFirstServed, LatencyTargets, admission_policy
+from jaxinfer.runtime.host.lora_slots import LoraGate
+from jaxinfer.runtime.host.plan_rows import (CORE_FIELDS, FILLED_BY_ENGINE, OPTIONAL, WRITERS,
+                                             PlanRows)
 from jaxinfer.runtime.host.requests import SamplingParams
-from jaxinfer.runtime.host.scheduler import QueueFull, Request, Scheduler
+from jaxinfer.runtime.host.errors import QueueFull
+from jaxinfer.runtime.host.scheduler import Request, Scheduler
+from jaxinfer.runtime.plan import PLAN_FIELDS
 
 V = 101  # fake vocabulary
 
@@ -931,3 +945,220 @@ def test_speculative_proposals_trimmed_to_max_tokens_and_dropped_before_preempti
         sched3.add_request(Request("C", [1, 2, 3, 4, 5], greedy(4)))
         sched3.schedule()  # admitted, not yet computed
         sched3.set_drafts({"C": [1]})
+
+
+# --------------------------------------------------------------- admission policies, gates, rows
+
+
+FEATURE_WORDS = {"slo", "itl", "ttft", "lora", "loras", "adapter", "draft", "drafts", "proposals",
+                 "spec", "speculative", "logprob", "logprobs", "constrained", "structured", "mask",
+                 "priority"}
+
+
+def feature_words(source: str) -> set[str]:
+    """The feature words among the identifiers, attribute names and strings of `source`."""
+    words = set()
+    for node in ast.walk(ast.parse(textwrap.dedent(source))):
+        if isinstance(node, ast.Name):
+            name = node.id
+        elif isinstance(node, ast.Attribute):
+            name = node.attr
+        elif isinstance(node, (ast.arg, ast.keyword)):
+            name = node.arg or ""
+        elif isinstance(node, ast.FunctionDef):
+            name = node.name
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            name = node.value
+        else:
+            continue
+        words |= set(re.split(r"[^a-z0-9]+", name.lower()))
+    return words & FEATURE_WORDS
+
+
+def test_schedule_names_no_feature():
+    assert feature_words(inspect.getsource(Scheduler.schedule)) == set()
+    planted = '''
+    def schedule(self):
+        if self.slo.itl_s is not None and not self.lora_slots.acquire(seq.req.lora):
+            seq.draft = []
+    '''
+    assert feature_words(planted) == {"slo", "itl", "lora", "draft"}
+
+
+class Reverse(FirstComeFirstServed):
+    """Admits from the back of the queue, at most 5 tokens a step; notes the decodes' tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.decode_tokens = []
+
+    def token_budget(self, sched, decode_tokens):
+        self.decode_tokens.append(decode_tokens)
+        return 5
+
+    def order(self, sched, waiting):
+        return deque(reversed(waiting))
+
+
+class Nobody(FirstComeFirstServed):
+    def admits(self, sched, seq):
+        return False
+
+
+def test_a_plugged_in_policy_orders_budgets_and_admits():
+    sched = Scheduler(max_slots=2, num_pages=16, page_size=4, max_model_len=32, token_budget=16,
+                      admission=Reverse())
+    for rid, prompt in (("A", [1, 2, 3]), ("B", [4, 5]), ("C", [6, 7, 8, 9])):
+        sched.add_request(Request(rid, prompt, greedy(2)))
+    # queue reversed: C (4 tokens), then B's first token of 2: 5 tokens; A waits (no slot)
+    p = sched.schedule()
+    assert p.request_ids == ["C", "B"]
+    assert p.token_ids.tolist() == [6, 7, 8, 9, 4, 0, 0, 0]
+    assert p.positions.tolist() == [0, 1, 2, 3, 0, 0, 0, 0]
+    assert p.slot_mapping.tolist() == [4, 5, 6, 7, 8, 0, 0, 0]  # C: page 1, B: page 2
+    assert p.cu_q_lens.tolist() == [0, 4, 5] and p.kv_lens.tolist() == [4, 1]
+    assert p.page_indices.tolist() == [[1], [2]] and p.logits_indices.tolist() == [3, 4]
+    assert p.samples.tolist() == [True, False] and p.sample_positions.tolist() == [4, 1]
+    assert p.max_q_len == 4 and sched.waiting_ids == ["A"]
+    sched.update(p, np.array([50, 0], np.int32))
+    # C decodes into a new page (3), B finishes its prompt
+    p = sched.schedule()
+    assert p.request_ids == ["C", "B"] and p.token_ids[:2].tolist() == [50, 5]
+    assert p.positions[:2].tolist() == [4, 1] and p.slot_mapping[:2].tolist() == [12, 9]
+    assert p.page_indices.tolist() == [[1, 3], [2, 0]] and p.samples.tolist() == [True, True]
+    outs = sched.update(p, np.array([51, 60], np.int32))
+    assert [(o.request_id, o.finished) for o in outs] == [("C", True), ("B", False)]
+    p = sched.schedule()  # C's slot is A's
+    assert p.request_ids == ["B", "A"] and p.token_ids[:4].tolist() == [60, 1, 2, 3]
+    assert p.positions[:4].tolist() == [2, 0, 1, 2] and sched.slot_of("A") == 0
+    assert sched.admission.decode_tokens == [0, 1, 1]
+    closed = Scheduler(max_slots=2, num_pages=16, page_size=4, max_model_len=32, token_budget=16,
+                       admission=Nobody())
+    closed.add_request(Request("A", [1, 2, 3], greedy(2)))
+    assert closed.schedule() is None
+    assert closed.waiting_ids == ["A"] and closed.free_pages == 15
+
+
+def test_every_plan_field_has_exactly_one_writer_and_each_writes_only_its_own(monkeypatch):
+    full = PlanRows(page_size=4, num_spec_tokens=2, lora_gate=LoraGate(1))
+    assert {type(w) for w in full.writers} == set(WRITERS)
+    owners = [*CORE_FIELDS, *FILLED_BY_ENGINE, *(f for w in full.writers for f in w.fields)]
+    assert sorted(owners) == sorted(f.name for f in PLAN_FIELDS)  # each field exactly once
+    assert {type(w) for w in PlanRows(page_size=4).writers} == set(WRITERS) - set(OPTIONAL)
+
+    # a plan run through the writers one at a time: each changes exactly its own arrays
+    changed: dict[str, set] = {}
+
+    def diffing(name, write):
+        def run(a, *args):
+            before = {k: v.copy() for k, v in a.items()}
+            out = write(a, *args)
+            changed.setdefault(name, set()).update(
+                k for k in a if not np.array_equal(before[k], a[k]))
+            return out
+        return run
+
+    monkeypatch.setattr(plan_rows, "write_core", diffing("core", plan_rows.write_core))
+    sched = Scheduler(max_slots=4, num_pages=32, page_size=4, max_model_len=32, token_budget=16,
+                      num_spec_tokens=2, max_loras=1)
+    for w in sched._rows.writers:
+        w.write = diffing(type(w).__name__, w.write)
+    sampled = SamplingParams(max_tokens=6, temperature=0.5, top_k=3, top_p=0.9, min_p=0.1,
+                             seed=7, logprobs=1, structured_outputs={"regex": "[a-z]+"})
+    sched.add_request(Request("A", [1, 2, 3, 4, 5], sampled, lora="x"))
+    sched.add_request(Request("B", [6, 7, 8], greedy(6, prompt_logprobs=1)))
+    first = sched.schedule()
+    second = sched.schedule()  # one plan ahead: both decodes read their pending tokens
+    assert second.feed_rows[:2].tolist() == [0, 1]
+    for plan in (first, second):
+        sched.update(plan, np.array([9, 9, 0, 0], np.int32))
+    sched.set_drafts({c.request_id: [1, 2] for c in sched.decode_candidates()})
+    assert sched.schedule().has_drafts
+    assert changed["core"] == set(CORE_FIELDS) - {"num_seqs"}  # num_seqs: padding_arrays
+    writers = {type(w).__name__: set(w.fields) for w in sched._rows.writers}
+    assert {name: changed[name] for name in writers} == writers
+
+
+def test_lora_gate_holds_the_head_until_its_adapter_has_a_slot_and_plans_the_loads():
+    sched = Scheduler(max_slots=3, num_pages=6, page_size=4, max_model_len=32, token_budget=16,
+                      max_loras=1)
+    sched.add_request(Request("A", [1, 2, 3], greedy(2), lora="x"))
+    sched.add_request(Request("B", [4, 5], greedy(1), lora="y"))
+    sched.add_request(Request("C", [6, 7], greedy(1)))
+    p = sched.schedule()  # B waits for the one adapter slot, C behind it too (no overtaking)
+    assert p.request_ids == ["A"] and p.lora_loads == [(1, "x")]
+    assert p.lora_ids.tolist() == [1, 1, 1, 0, 0, 0, 0, 0]
+    assert sched.lora_slots.refs() == {"x": 1} and sched.waiting_ids == ["B", "C"]
+    sched.update(p, np.array([9, 0, 0], np.int32))
+    p = sched.schedule()
+    assert p.request_ids == ["A"] and p.lora_loads == []
+    sched.update(p, np.array([9, 0, 0], np.int32))  # A done: "x" idle, its slot reusable
+    p = sched.schedule()
+    assert p.request_ids == ["B", "C"] and p.lora_loads == [(1, "y")]
+    assert p.lora_ids.tolist() == [1, 1, 0, 0, 0, 0, 0, 0]
+    assert sched.lora_slots.loaded() == {"y": 1} and sched.lora_slots.refs() == {"y": 1}
+    sched.check_invariants()
+    # pages short at admission: the slot is given back (the load stays recorded: the adapter
+    # is resident when the request comes back)
+    short = Scheduler(max_slots=2, num_pages=3, page_size=4, max_model_len=16, token_budget=16,
+                      max_loras=1)
+    short.add_request(Request("D", list(range(1, 9)), greedy(1)))
+    short.add_request(Request("E", [1, 2], greedy(1), lora="x"))
+    p = short.schedule()
+    assert p.request_ids == ["D"] and p.lora_loads == [(1, "x")]
+    assert short.lora_slots.refs() == {} and short.waiting_ids == ["E"]
+    short.check_invariants()
+    short.update(p, np.array([9, 0], np.int32))
+    p = short.schedule()
+    assert p.request_ids == ["E"] and p.lora_loads == [] and p.lora_ids[:2].tolist() == [1, 1]
+    with pytest.raises(ValueError, match="in use"):
+        short.evict_lora("x")
+    short.update(p, np.array([9, 0], np.int32))
+    short.evict_lora("x")
+    assert short.lora_slots.loaded() == {}
+
+
+def test_lora_gate_gives_the_slot_back_on_preemption_abort_finish_and_failure():
+    sched = Scheduler(max_slots=2, num_pages=4, page_size=2, max_model_len=16, token_budget=16,
+                      max_loras=2)
+    sched.add_request(Request("F", [1, 2, 3], greedy(4), arrival_time=0.0, lora="x"))
+    sched.add_request(Request("G", [4, 5], greedy(4), arrival_time=1.0, lora="y"))
+    p = sched.schedule()  # F: pages 1, 2; G: page 3; none left
+    sched.update(p, np.array([9, 9], np.int32))
+    p = sched.schedule()  # G's next position needs a page: G, the youngest, preempts itself
+    assert p.request_ids == ["F"] and sched.num_preemptions == 1
+    assert sched.lora_slots.refs() == {"x": 1} and sched.waiting_ids == ["G"]
+    sched.check_invariants()
+    assert sched.abort("F") and sched.lora_slots.refs() == {}
+    sched.update(p, np.array([9, 0], np.int32))
+    p = sched.schedule()  # G back, recomputing
+    assert p.request_ids == ["G"] and sched.lora_slots.refs() == {"y": 1}
+    assert sched.finish("G", "stop") and sched.lora_slots.refs() == {}
+    sched.update(p, np.array([9, 0], np.int32))
+    sched.add_request(Request("H", [1, 2], greedy(2), lora="x"))
+    sched.schedule()
+    assert sched.lora_slots.refs() == {"x": 1}
+    assert sched.fail_running() == ["H"] and sched.lora_slots.refs() == {}
+    sched.check_invariants()
+
+
+def test_record_step_time_by_token_rows_and_decode_batch_and_the_targets_view():
+    sched = Scheduler(max_slots=2, num_pages=16, page_size=4, max_model_len=32, token_budget=16)
+    sched.add_request(Request("A", [1, 2, 3], greedy(3)))
+    sched.add_request(Request("B", [4, 5], greedy(3)))
+    p = sched.schedule()  # 5 prompt tokens in 8 rows
+    sched.record_step_time(p, 0.010)
+    assert sched.step_times.predict(8) == pytest.approx(0.010)
+    assert sched.decode_times.predict(2) is None  # not a decode-only step
+    sched.update(p, np.array([9, 9], np.int32))
+    p = sched.schedule()  # two decodes in 8 rows
+    sched.record_step_time(p, 0.006)
+    assert sched.step_times.predict(8) == pytest.approx(0.010 + 0.25 * (0.006 - 0.010))
+    assert sched.decode_times.predict(2) == pytest.approx(0.006)
+    assert sched.latency_targets == SloConfig() and sched.lora_slots is None
+    sched.evict_lora("x")  # no adapter slots: nothing to forget
+    timed = Scheduler(max_slots=2, num_pages=16, page_size=4, max_model_len=32, token_budget=16,
+                      admission=admission_policy(SloConfig(ttft_s=1.0)))
+    assert timed.latency_targets.ttft_s == 1.0 and isinstance(timed.admission, LatencyTargets)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        timed.latency_targets.ttft_s = 2.0

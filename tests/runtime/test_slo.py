@@ -6,9 +6,11 @@ import numpy as np
 import pytest
 
 from jaxinfer.runtime.host.requests import SamplingParams
-from jaxinfer.runtime.host.scheduler import Overloaded, Request, Scheduler
 from jaxinfer.runtime.config import SloConfig
-from jaxinfer.runtime.host.slo import StepTimes
+from jaxinfer.runtime.host.admission import admission_policy
+from jaxinfer.runtime.host.errors import Overloaded
+from jaxinfer.runtime.host.scheduler import Request, Scheduler
+from jaxinfer.runtime.host.slo import StepTimes, prefill_seconds
 
 
 class Clock:
@@ -21,7 +23,8 @@ class Clock:
 
 def sched(clock, slo=None, times=None, **kw):
     opts = dict(max_slots=8, num_pages=400, page_size=8, max_model_len=512, token_budget=64,
-                token_buckets=(8, 16, 32, 64), slo=slo, step_times=times, clock=clock)
+                token_buckets=(8, 16, 32, 64), admission=admission_policy(slo), step_times=times,
+                clock=clock)
     return Scheduler(**opts | kw)
 
 
@@ -178,7 +181,8 @@ def test_a_request_whose_own_prefill_would_end_past_the_ttft_budget_counts_as_la
     clock = Clock()
     for now, order in ((0.8, ["recent", "early"]), (0.5, ["early", "recent"])):
         s = sched(clock, SloConfig(ttft_s=1.0), linear(1.0), max_slots=1)
-        assert s._prefill_s(300) == pytest.approx(0.32)
+        assert prefill_seconds(s.step_times, 300, s.token_budget,
+                               s.token_buckets) == pytest.approx(0.32)
         add(s, "early", 300, 0.0, max_tokens=1)
         add(s, "recent", 4, 0.1, max_tokens=1)
         clock.t = now
@@ -229,8 +233,7 @@ def test_attainment_counters_per_target_and_goodput():
 
     from jaxinfer.serve.metrics import ServingMetrics
 
-    loop = SimpleNamespace(engine=SimpleNamespace(scheduler=SimpleNamespace(
-        slo=SloConfig(ttft_s=1.0, itl_s=0.1))), on_finish=[])
+    loop = SimpleNamespace(stats=lambda: {"ttft_target_s": 1.0, "itl_target_s": 0.1}, on_finish=[])
     m = ServingMetrics(loop)
     for ttft, itl in ((0.5, [0.05, 0.09]), (2.0, [0.05]), (0.5, [0.05, 0.3]), (0.2, [])):
         m._attainment({"ttft_s": ttft, "itl_s": itl})

@@ -22,6 +22,7 @@ import pytest
 
 from jaxinfer.runtime.config import EngineConfig, ModelConfig
 from jaxinfer.runtime.host.requests import SamplingParams
+from jaxinfer.runtime.build import prepare
 from jaxinfer.runtime.engine import Engine
 from jaxinfer.runtime.device.model import init_params
 from jaxinfer.runtime.device.sampling import accept, probs_of
@@ -176,14 +177,15 @@ def test_engine_speculative_sampling_matches_exact_target_marginals():
     ecfg = EngineConfig(max_slots=32, page_size=8, max_model_len=32, prefill_chunk=256,
                         enable_prefix_caching=True,
                         speculative={"method": "draft", "model": "bad-draft", "k": 3})
-    eng = Engine(TINY, target, _IdTokenizer(), ecfg, draft_model=(TINY, draft))
+    eng = Engine(prepare(TINY, target, _IdTokenizer(), ecfg, draft=(TINY, draft)))
     n = 4000
     for i in range(n):
         eng.add_request(prompt, SamplingParams(max_tokens=5, temperature=1.0, seed=i,
                                                ignore_eos=True), request_id=f"r{i}")
-    while eng.has_unfinished():
-        eng.step()
-    toks = np.array([eng.pop(f"r{i}").token_ids for i in range(n)])
+    done = {}
+    while eng.num_unfinished:
+        done |= {d.request_id: d.output for d in eng.step() if d.finished}
+    toks = np.array([done[f"r{i}"].token_ids for i in range(n)])
     assert toks.shape == (n, 5)
     bound = 0.5 * np.sqrt(16 / n) * 1.6  # 0.05 (mean TV is < 0.5 sqrt(V/N) = 0.032)
     for j, p in enumerate((p1, p2, p3)):

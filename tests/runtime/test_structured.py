@@ -96,7 +96,7 @@ def test_bad_constraints_are_refused_at_the_door_naming_the_field(llm, so, field
     with pytest.raises(RequestError) as e:
         llm.generate(["Hello"], SamplingParams(max_tokens=4, structured_outputs=so))
     assert e.value.field == field
-    assert not llm.engine.has_unfinished()
+    assert not llm.engine.num_unfinished
 
 
 def test_shortest_bytes_is_the_shortest_match_by_hand():
@@ -129,7 +129,7 @@ def test_a_constraint_that_cannot_fit_in_max_tokens_is_refused(llm):
     out = llm.generate(["Hello"], SamplingParams(max_tokens=n + 1, temperature=0,
                                                  structured_outputs=so))[0]
     assert re.fullmatch(f"[a-z]{{{n}}}", out.text) and out.finish_reason == "stop"
-    assert not llm.engine.has_unfinished()
+    assert not llm.engine.num_unfinished
 
 
 def test_ignore_eos_with_a_constraint_is_refused():
@@ -228,4 +228,4 @@ def test_a_grammar_failing_mid_generation_ends_that_request_only(llm, monkeypatc
     monkeypatch.setattr(eng.grammars, "_matcher", cannot_build)
     bad, ok = llm.generate(["Hello", "O Romeo"], [so, plain])
     assert bad.finish_reason == "error" and "out of memory" in bad.error and not bad.token_ids
-    assert ok.finish_reason == "length" and not eng.has_unfinished()
+    assert ok.finish_reason == "length" and not eng.num_unfinished

@@ -57,8 +57,9 @@ MOE = ModelConfig(  # Qwen-MoE style: 16 experts (top 4), a gated shared expert,
 
 def on_8_devices(fn):
     """Run the test body with 8 host devices: one child pytest, started when collection ends
-    (tests/background.py), runs every selected @on_8_devices test of this module (the child runs
-    the bodies themselves); each test then reports its own outcome from the child."""
+    (tests/background.py), runs every selected @on_8_devices test of this module and of the
+    modules that import it (the child runs the bodies themselves); each test then reports its
+    own outcome from the child (test names are unique across those modules)."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         if os.environ.get(CHILD_ENV):
@@ -74,10 +75,9 @@ def _start_child(items, workdir: Path) -> background.Job:
     env = dict(os.environ, JAX_PLATFORMS="cpu", **{CHILD_ENV: "1"})
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
                         " --xla_force_host_platform_device_count=8").strip()
-    here = Path(__file__).relative_to(ROOT)
-    names = sorted({i.originalname for i in items})
+    tests = sorted({f"{Path(i.path).relative_to(ROOT)}::{i.originalname}" for i in items})
     return background.Job([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           f"--junitxml={workdir / 'child.xml'}", *(f"{here}::{n}" for n in names)],
+                           f"--junitxml={workdir / 'child.xml'}", *tests],
                           env, workdir, timeout_s=1800)
 
 
@@ -298,7 +298,7 @@ def test_follower_replaying_broadcast_plans_matches_leader(tiny_dir):
     assert follower.engine.follow() == len(sent) - 1
     for a, b in zip(jax.tree.leaves(leader.engine.cache), jax.tree.leaves(follower.engine.cache)):
         assert np.array_equal(np.asarray(a), np.asarray(b))
-    assert not follower.engine.requests  # the follower never scheduled anything itself
+    assert not follower.engine.num_unfinished  # the follower never scheduled anything itself
 
 
 # ---------------------------------------------------------------------------- on 8 devices
@@ -348,6 +348,7 @@ def test_expert_parallel_moves_no_weights_and_the_engine_matches_one_device():
     import re
 
     from jaxinfer.runtime.config import EngineConfig
+    from jaxinfer.runtime.build import prepare
     from jaxinfer.runtime.engine import Engine
     from jaxinfer.runtime.device.moe import moe_mlp
     from jaxinfer.runtime.host.requests import SamplingParams
@@ -366,13 +367,14 @@ def test_expert_parallel_moves_no_weights_and_the_engine_matches_one_device():
         assert re.findall(r"= (\S+) all-reduce\(", hlo) == [f"f32[{t},64]{{1,0}}"], t
     tokens = []
     for tp in (1, 4):
-        eng = Engine(MOE, params, _IdTokenizer(MOE.vocab_size),
-                     EngineConfig(max_slots=2, max_model_len=64, tensor_parallel=tp))
+        eng = Engine(prepare(MOE, params, _IdTokenizer(MOE.vocab_size),
+                             EngineConfig(max_slots=2, max_model_len=64, tensor_parallel=tp)))
         sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         rids = [eng.add_request([3 + i, 40, 7 * i + 5] * 6, sp) for i in range(2)]
-        while eng.has_unfinished():
-            eng.step()
-        tokens.append([eng.pop(r).token_ids for r in rids])
+        done = {}
+        while eng.num_unfinished:
+            done |= {d.request_id: d.output for d in eng.step() if d.finished}
+        tokens.append([done[r].token_ids for r in rids])
     assert tokens[0] == tokens[1] and all(len(t) == 8 for t in tokens[0])
 
 

@@ -160,7 +160,7 @@ def test_ordered_output_follows_input_order_unordered_has_same_records(llm, tmp_
     assert so["requests"] == su["requests"] == 30
     assert so["generated_tokens"] == su["generated_tokens"] == sum(40 - i for i in range(30))
     assert so["reorder_window"] == 8
-    assert len(llm.engine.requests) == 0  # nothing left behind in the shared engine
+    assert llm.engine.num_unfinished == 0  # nothing left behind in the shared engine
 
 
 # -------------------------------------------------------------------------------- resume

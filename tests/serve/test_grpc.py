@@ -617,7 +617,7 @@ def test_stop_without_drain_cancels_in_flight_with_unavailable(aux_llm):
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value
             assert time.monotonic() - t0 < 10
         sch = aux_llm.engine.scheduler
-        assert sch.free_pages == sch.allocator.num_total and not aux_llm.engine.requests
+        assert sch.free_pages == sch.allocator.num_total and not aux_llm.engine.num_unfinished
     finally:
         if not stopped:
             s.stop()

@@ -1,6 +1,8 @@
 """Offline batch on a local Ray (2 CPUs, one cluster for the module) with the tiny Llama:
 `jaxinfer batch --ray` against `jaxinfer batch` on one host, with a replica and then the driver
-SIGKILLed mid-job; `LLMPredictor` in a user's `map_batches`; the block index by hand."""
+SIGKILLed mid-job; without --ordered, OUTPUT appended per block and resumed after a torn append
+(the driver in this process); `LLMPredictor` in a user's `map_batches`; the block index by
+hand."""
 
 import json
 import os
@@ -135,6 +137,57 @@ def test_replicas_match_one_host_with_a_replica_and_the_driver_killed(
     assert s["requests"] == 200 and s["errors"] == 5 and s["duplicate_ids"] == 1
     parts = [json.loads(x) for p in _parts(shards) for x in (shards / p).read_text().splitlines()]
     assert [p["id"] for p in parts] == [g["id"] for g in got]
+
+
+def test_unordered_output_appended_per_block_then_resumed_after_a_torn_append(
+        cluster, tiny_llm, tiny_dir, tmp_path, capsys):
+    """Without --ordered, OUTPUT gets every block as it finishes; a driver killed after
+    appending blocks it had not yet logged (and inside a ledger line) is resumed without Ray:
+    OUTPUT is cut back to the last logged block and the rest appended, each id once."""
+    from jaxinfer.serve.cli import build_parser
+
+    rows = [json.dumps({"id": f"u{i}", "prompt": _prompt(i), "max_tokens": 2 + i % 5})
+            for i in range(21)]
+    rows.insert(9, '{"id": "nop", "max_tokens": 3}')  # no prompt: an error record
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(rows) + "\n")
+    tiny_llm.generate_jsonl(src, tmp_path / "ref.jsonl", sampling={"ignore_eos": True},
+                            ordered=True, progress=False)
+    ref = {r["id"]: r for r in _read(tmp_path / "ref.jsonl")}
+    ledger_path = tmp_path / "out.jsonl.shards" / ray_batch.LEDGER
+    cmd = ["batch", "--ray", "--block-lines", "4", "--model", str(tiny_dir), *FLAGS,
+           "--input", str(src), "--output", str(out), "--ignore-eos",
+           "--summary-json", str(tmp_path / "s.json")]
+
+    def run(*extra):
+        args = build_parser().parse_args(cmd + list(extra))
+        assert args.fn(args) == 0, capsys.readouterr().err[-3000:]
+        return json.loads((tmp_path / "s.json").read_text())
+
+    def check():
+        got = _read(out)
+        assert sorted(r["id"] for r in got) == sorted(ref)  # each id exactly once
+        for g in got:
+            r = ref[g["id"]]
+            assert {k: g.get(k) for k in ("text", "token_ids", "error", "line")} == \
+                {k: r.get(k) for k in ("text", "token_ids", "error", "line")}
+        ledger = [tuple(map(int, x.split())) for x in ledger_path.read_text().splitlines()]
+        assert sorted(k for k, _ in ledger) == list(range(6))
+        assert ledger[-1][1] == out.stat().st_size
+
+    s = run()  # 22 lines: blocks of 4, 4, 4, 4, 4, 2
+    assert (s["blocks"], s["blocks_resumed"], s["requests"], s["errors"]) == (6, 0, 21, 1)
+    check()
+    kept = ledger_path.read_text().splitlines()[:2]
+    cut = int(kept[-1].split()[1])
+    head = out.read_bytes()[:cut]
+    ledger_path.write_text("\n".join(kept) + "\n" + "3 9")  # killed inside the third line
+    with open(out, "ab") as f:  # and inside an append past the blocks it had logged
+        f.write(b'{"id": "u0", "text": "to')
+    s = run("--resume")
+    assert (s["blocks"], s["blocks_resumed"], s["requests"], s["errors"]) == (6, 6, 21, 1)
+    assert out.read_bytes()[:cut] == head
+    check()
 
 
 def test_predictor_in_map_batches_gives_records_and_error_rows(cluster, tiny_llm, tiny_dir):

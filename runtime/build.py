@@ -1,0 +1,197 @@
+"""The prepare step: a model as loaded -> the model in the form the engine runs it.
+
+Everything decided once, before the engine exists, happens here and nowhere else:
+  * `load(model, options)`: the options checked (EngineConfig), how weights stream in (quantized
+    as they load, kept as GGUF blocks, or straight into tensor-parallel shards), the checkpoint's
+    own quantization and its mode, the options the model sets when the caller did not
+    (`max_model_len`, `tensor_parallel` over the host's cores on CPU), the draft model;
+  * `prepare(cfg, params, tokenizer, config)`: the mesh, the attention backend, the LoRA stack,
+    fused Q/K/V and gate/up projections (runtime/device/fused_projections.py), sharding
+    (runtime/device/sharding.py) and the CPU's output-major layout
+    (runtime/device/weight_layout.py).
+
+    model = load("gemma3-270m", {"max_slots": 16})
+    engine = Engine(model)                  # runtime/engine.py: takes the params as they are
+
+`Prepared` is the result: what the engine runs, and what `LLM.model` shows (cfg, params,
+tokenizer, source).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+from jaxinfer.runtime.config import FORMATS, EngineConfig, ModelConfig
+
+
+@dataclass
+class Prepared:
+    cfg: ModelConfig
+    params: object  # runtime.device.model.Params, as the engine runs them
+    tokenizer: object  # runtime.host.tokenizer.Tokenizer
+    config: EngineConfig  # every option resolved
+    mesh: object = None  # jax.sharding.Mesh for tensor parallel / several hosts
+    backend: str = "xla"  # the attention backend the steps use (attention.resolve_backend)
+    draft: tuple | None = None  # (ModelConfig, Params) of a speculative draft model
+    source: str | None = None  # where the weights came from
+
+
+def check_names(options: dict) -> None:
+    """TypeError naming the options EngineConfig does not have."""
+    known = {f.name for f in dataclasses.fields(EngineConfig)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"unknown LLM option(s) {unknown}; valid: {sorted(known)}")
+
+
+def load(model: str, options: dict) -> Prepared:
+    """Load `model` (an HF checkpoint dir, a .gguf file, a `jaxinfer convert` dir or a model
+    name) under `options` (EngineConfig fields; those not given are the config's defaults or,
+    for max_model_len and tensor_parallel, the model's)."""
+    from jaxinfer.checkpoints.loader import load_model
+    from jaxinfer.checkpoints.quantize import placer, quantization_spec, with_mode
+    from jaxinfer.runtime.device.host_devices import auto_tensor_parallel, request_host_devices
+    from jaxinfer.runtime.device.quantization import default_mode, keeps_gguf_blocks
+
+    check_names(options)
+    q = options.get("quantization")
+    place = None
+    if q in FORMATS:  # quantize each weight as it streams in (peak ~ the int8 model)
+        # LoRA adapters read the norms' outputs as trained: no smoothing / AWQ scales there
+        smooth = {"activation_aware": False} if options.get("enable_lora") else {}
+        place = placer(q, options.get("dtype", "float32"), mode=options.get("quant_mode"),
+                       quantize_embeddings=options.get("quantize_embeddings", True), **smooth)
+    config = EngineConfig(**options)  # every option checked before anything loads
+    if config.distributed:  # join the multi-host job: one mesh over every process's devices
+        from jaxinfer.runtime.device.distributed import init_distributed
+
+        init_distributed()
+    request_host_devices()  # before anything starts JAX's backends
+    import jax
+    if q == "gguf":
+        from jaxinfer.checkpoints.loader import is_gguf_file, resolve
+
+        if not is_gguf_file(resolve(model)):
+            raise ValueError(f"{model}: quantization='gguf' keeps a GGUF file's quantized "
+                             "blocks; this model is not a GGUF file (use quantization=None)")
+    mesh = None
+    if config.tensor_parallel != 1 or jax.process_count() > 1:
+        # tensor parallel: every tensor streams straight into its shards on the mesh
+        import jax.numpy as jnp
+
+        from jaxinfer.runtime.device.sharding import make_mesh, shard_placer
+
+        mesh = make_mesh(config.tensor_parallel)
+        place = shard_placer(mesh, jnp.dtype(config.dtype), inner=place)
+    keep = keeps_gguf_blocks()
+    loaded = load_model(model, dtype=config.dtype, place=place, mesh=mesh,
+                        keep_quantized=q == "gguf" or (q is None and keep),
+                        keep_int4=q == "int4" or (q is None and keep))
+    params, from_model = loaded.params, {}
+    spec = quantization_spec(params)  # a converted dir may be quantized already
+    if q == "gguf" and spec is None:
+        raise ValueError(f"{model}: quantization='gguf': the file holds no block-quantized "
+                         "matmul weights (use quantization=None)")
+    if spec is not None:
+        if q is not None and q != spec["fmt"]:
+            raise ValueError(f"{model}: holds {spec['fmt']} weights; cannot serve them as {q!r}")
+        from_model["quantization"] = spec["fmt"]
+        mode = config.quant_mode or default_mode(spec["fmt"])
+        from jaxinfer.checkpoints.orbax_io import is_converted
+
+        if (config.enable_lora and spec["fmt"] == "int8" and spec["mode"] == "w8a8"
+                and is_converted(loaded.source)):
+            raise ValueError(
+                f"{model}: LoRA adapters over an int8 W8A8 checkpoint converted ahead of time "
+                "are not supported (its norms may hold SmoothQuant scales the adapters were "
+                "not trained with); load the float checkpoint with quantization='int8'")
+        if mode != spec["mode"]:
+            params = with_mode(params, mode)
+    if "max_model_len" not in options:
+        from_model["max_model_len"] = min(loaded.cfg.max_position_embeddings, 2048)
+    if mesh is None and "tensor_parallel" not in options:  # the host's cores, on CPU
+        tp = auto_tensor_parallel(loaded.cfg, dataclasses.replace(config, **from_model),
+                                  platform=jax.default_backend(), devices=jax.device_count())
+        if tp > 1:
+            from jaxinfer.runtime.device.sharding import make_mesh
+
+            mesh, from_model["tensor_parallel"] = make_mesh(tp), tp
+    config = dataclasses.replace(config, **from_model)
+    draft = None
+    if config.speculative is not None and config.speculative.method == "draft":
+        draft = _load_draft(model, loaded.cfg, params, config)
+    return prepare(loaded.cfg, params, loaded.tokenizer, config, mesh=mesh, draft=draft,
+                   source=loaded.source)
+
+
+def _load_draft(target: str, cfg: ModelConfig, params, config: EngineConfig) -> tuple:
+    """(cfg, params) of the draft model; the target's own weights when it names the target
+    (and asks for no other quantization)."""
+    from jaxinfer.checkpoints.loader import load_model
+    from jaxinfer.checkpoints.quantize import placer
+    from jaxinfer.runtime.device.quantization import keeps_gguf_blocks
+    from jaxinfer.runtime.proposers import check_vocab
+
+    spec = config.speculative
+    same = spec.model == target or (os.path.exists(spec.model) and os.path.exists(target)
+                                    and os.path.samefile(spec.model, target))
+    kept = spec.quantization is None and config.quantization == "gguf"
+    if same and (spec.quantization == config.quantization or kept):
+        return cfg, params
+    place = placer(spec.quantization, config.dtype) if spec.quantization is not None else None
+    keep = spec.quantization is None and keeps_gguf_blocks()
+    draft = load_model(spec.model, dtype=config.dtype, place=place, keep_quantized=keep,
+                       keep_int4=keep or spec.quantization == "int4")
+    check_vocab(cfg, draft.cfg, repr(spec.model))
+    return draft.cfg, draft.params
+
+
+def prepare(cfg: ModelConfig, params, tokenizer, config: EngineConfig, *, mesh=None,
+            draft: tuple | None = None, source: str | None = None) -> Prepared:
+    """The loaded parameters in the form the engine runs them, under `config`. A draft that is
+    the target itself (`draft[1] is params`) follows the target's form."""
+    import jax
+
+    from jaxinfer.runtime.device.attention import resolve_backend
+    from jaxinfer.runtime.device.fused_projections import fuse_projections
+    from jaxinfer.runtime.device.weight_layout import (cpu_pieces, output_major_layers,
+                                                       use_output_major)
+
+    loaded = params
+    backend = resolve_backend(config.attention_backend)
+    if mesh is None and (config.tensor_parallel > 1 or jax.process_count() > 1):
+        from jaxinfer.runtime.device.sharding import make_mesh
+
+        mesh = make_mesh(config.tensor_parallel)
+    if config.enable_lora:
+        from jaxinfer.runtime.device.lora import init_lora
+
+        if jax.process_count() > 1:
+            raise ValueError("LoRA adapters with several hosts are not supported yet")
+        params = params.replace(lora=init_lora(cfg, config.max_loras, config.max_lora_rank))
+    output_major = mesh is None and use_output_major(config.weight_layout, jax.default_backend())
+    fuse = config.fuse_projections
+    if fuse or (fuse is None and not output_major):
+        # one QKV and one gate/up weight (runtime/device/fused_projections.py)
+        params = fuse_projections(params, 1 if mesh is None else mesh.shape["model"])
+    if mesh is not None:
+        from jaxinfer.runtime.device.sharding import shard_params
+
+        params = shard_params(params, mesh)
+        if mesh.shape["model"] > 1 and backend in ("pallas_tpu", "pallas_gpu"):
+            # Mosaic / Triton kernels are not auto-partitioned by XLA SPMD (they need a
+            # shard_map over the kv-head axis, not wired yet): serve TP with the XLA path
+            if config.attention_backend == "pallas":
+                raise ValueError("attention_backend='pallas' with tensor_parallel > 1 is not "
+                                 "supported yet; use 'xla' (or leave it unset)")
+            backend = "xla"
+    if output_major:
+        # layer weights stored [out, in], a piece per core (runtime/device/weight_layout.py).
+        # Not when split over host devices: the mixed workload measured 282 vs 288 tok/s there
+        params = output_major_layers(params, cpu_pieces())
+    if draft is not None and draft[1] is loaded:  # the target drafts itself
+        draft = (draft[0], params)
+    return Prepared(cfg=cfg, params=params, tokenizer=tokenizer, config=config, mesh=mesh,
+                    backend=backend, draft=draft, source=source)

@@ -1,0 +1,296 @@
+"""The output processor: everything between a step's sampled tokens and what a caller receives.
+Host only, no JAX.
+
+Per request it keeps what a result is made of: the incremental detokenizer, the text with stop
+strings cut (a suffix that may still complete a stop string is held back, never streamed), the
+logprob entries of each token, the prompt logprobs filled as prefill chunks come back, and the
+latency stamps. Each step it turns the scheduler's outputs into one `RequestDelta` per request
+that advanced; the last delta of a request is `finished` and carries its `RequestOutput`, and the
+processor forgets the request there. Every front end formats `RequestDelta`: `LLM.generate` and
+`LLM.stream`, the serving loop (gRPC, HTTP), JSONL batch and Ray read nothing else.
+
+    outputs = OutputProcessor(tokenizer)
+    outputs.add(rid, prompt_ids, params, now=t)
+    outputs.scheduled(plan.request_ids, now, cached_tokens_of)      # first scheduled, cache hits
+    outputs.record_prompt_logprobs(plan, rows)                      # prefill rows [T, 1 + 2n]
+    delta = outputs.tokens(rid, new_ids, finished, reason, row, n, now)
+    delta.finished and delta.output                                 # the RequestOutput
+
+A logprob entry is {"token_id", "logprob", "top": [(id, logprob) x k]}; prompt logprobs are one
+per prompt token, None for the first (nothing predicts it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from jaxinfer.runtime.host.requests import SamplingParams
+from jaxinfer.runtime.host.tokenizer import IncrementalDetokenizer
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+@dataclass
+class RequestMetrics:
+    arrival: float
+    scheduled: float | None = None
+    first_token: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished: float | None = None
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    speculative: bool = False  # report the spec_* figures below
+    spec_proposed: int = 0  # proposals verified
+    spec_accepted: int = 0  # proposals accepted
+    spec_steps: int = 0  # verify steps with at least one proposal
+
+    def summary(self) -> dict:
+        itl = list(np.diff(self.token_times)) if len(self.token_times) > 1 else []
+        return {
+            "queue_s": None if self.scheduled is None else self.scheduled - self.arrival,
+            "ttft_s": None if self.first_token is None else self.first_token - self.arrival,
+            "itl_s": [float(x) for x in itl],
+            "itl_s_mean": float(np.mean(itl)) if itl else None,
+            "e2e_s": None if self.finished is None else self.finished - self.arrival,
+            "cached_tokens": self.cached_tokens,
+        } | (self._spec_summary() if self.speculative else {})
+
+    def _spec_summary(self) -> dict:
+        """acceptance_rate = accepted / proposed; mean_accepted_len = tokens emitted per verify
+        step with proposals (accepted + the correction/bonus token), as vLLM reports it."""
+        p, a, n = self.spec_proposed, self.spec_accepted, self.spec_steps
+        return {"spec_proposed": p, "spec_accepted": a,
+                "acceptance_rate": a / p if p else None,
+                "mean_accepted_len": (a + n) / n if n else None}
+
+
+@dataclass
+class RequestOutput:
+    """A finished request (the last RequestDelta carries it)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # one of FINISH_REASONS
+    metrics: dict = field(default_factory=dict)  # queue_s, ttft_s, itl_s (list), itl_s_mean, e2e_s, cached_tokens
+    logprobs: list[dict] | None = None  # one entry per token when asked for
+    error: str | None = None  # why the engine failed this request (finish_reason "error")
+    # one per prompt token: None for the first, then {"token_id", "logprob", "top"} as logprobs
+    prompt_logprobs: list[dict | None] | None = None
+    lora_name: str | None = None  # the LoRA adapter that served it (None: the base model)
+
+    @property
+    def usage(self) -> dict:
+        return {"prompt_tokens": len(self.prompt_token_ids),
+                "completion_tokens": len(self.token_ids),
+                "cached_tokens": int(self.metrics.get("cached_tokens", 0))}
+
+
+@dataclass
+class RequestDelta:
+    """What one step added to one request: new text (stop strings held back and cut), the new
+    token ids and their logprob entries (when asked for), the prompt's logprobs on the request's
+    first delta (when asked for), and on the last one `finished`, the reason and the whole
+    `output`. `index`: the sample's index within a request of n samples (set by the serving loop;
+    0 from the engine)."""
+
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)
+    prompt_logprobs: list[dict | None] | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+    output: RequestOutput | None = None
+    index: int = 0
+
+    @property
+    def error(self) -> str | None:
+        return self.output.error if self.output is not None else None
+
+
+@dataclass
+class _State:
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    metrics: RequestMetrics
+    lora: str | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)
+    prompt_logprobs: list[dict | None] = field(default_factory=list)
+    text: str = ""  # the whole text so far (stop strings cut)
+    emitted: int = 0  # chars of `text` already delivered
+    sent_prompt: bool = False  # the prompt logprobs went out with a delta
+
+
+class OutputProcessor:
+    """The unfinished requests' output state (see the module docstring). `speculative`: report
+    the per-request acceptance figures in the metrics."""
+
+    def __init__(self, tokenizer, speculative: bool = False):
+        self.tokenizer = tokenizer
+        self.speculative = speculative
+        self._live: dict[str, _State] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._live
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def ids(self) -> list[str]:
+        return list(self._live)
+
+    def users_of(self, lora_name: str) -> int:
+        """Unfinished requests served by the LoRA adapter `lora_name`."""
+        return sum(1 for st in self._live.values() if st.lora == lora_name)
+
+    def add(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *,
+            now: float, lora: str | None = None, prompt: str | None = None) -> None:
+        if request_id in self._live:
+            raise ValueError(f"duplicate request_id {request_id!r}")
+        ids = list(prompt_ids)
+        self._live[request_id] = _State(
+            request_id=request_id, prompt=prompt, prompt_ids=ids, params=params,
+            detok=IncrementalDetokenizer(self.tokenizer, ids),
+            metrics=RequestMetrics(arrival=now, speculative=self.speculative), lora=lora,
+            prompt_logprobs=[None] * len(ids) if params.prompt_logprobs is not None else [])
+
+    # ---- what a step reports ------------------------------------------------------------------
+    def scheduled(self, request_ids: Sequence[str], now: float,
+                  cached_tokens_of: Callable[[str], int]) -> None:
+        """Stamp the first time each request is scheduled, and its prompt tokens served from the
+        prefix cache (call before the scheduler retires anyone)."""
+        for rid in request_ids:
+            st = self._live.get(rid)
+            if st is not None and st.metrics.scheduled is None:
+                st.metrics.scheduled = now
+                st.metrics.cached_tokens = cached_tokens_of(rid)
+
+    def speculation(self, request_id: str, proposed: int, accepted: int) -> None:
+        m = self._live[request_id].metrics
+        m.spec_proposed += proposed
+        m.spec_accepted += accepted
+        m.spec_steps += 1
+
+    def record_prompt_logprobs(self, plan, rows: np.ndarray) -> None:
+        """rows [T, 1 + 2n]: token row t scores prompt token prompt_targets[t], at position
+        positions[t] + 1, of the request of its sequence row (a prefill recomputed after
+        preemption writes the same values again)."""
+        n, cu = plan.num_logprobs, plan.cu_q_lens
+        for s, rid in enumerate(plan.request_ids):
+            st = self._live.get(rid)
+            if st is None or st.params.prompt_logprobs is None:
+                continue
+            k = st.params.prompt_logprobs
+            for t in range(int(cu[s]), int(cu[s + 1])):
+                target = int(plan.prompt_targets[t])
+                if target >= 0:
+                    st.prompt_logprobs[int(plan.positions[t]) + 1] = logprob_entry(
+                        target, rows[t], n, k)
+
+    def tokens(self, request_id: str, new_ids: Sequence[int], finished: bool,
+               reason: str | None, row: np.ndarray, num_logprobs: int, now: float,
+               error: str | None = None) -> RequestDelta:
+        """The delta of a request that got `new_ids` this step (`finished`: the scheduler ended
+        it, for `reason`). `row` [1 + 2n]: the step's logprob columns of its sequence row. A stop
+        string completed by these tokens ends it too: the delta is then finished with "stop"
+        while `finished` was False (the caller retires it from the scheduler)."""
+        st = self._live[request_id]
+        p = st.params
+        stop_at = None  # several tokens in one step: none after a completed stop string
+        for idx, tok in enumerate(new_ids):
+            st.token_ids.append(tok)
+            st.metrics.token_times.append(now)
+            if st.metrics.first_token is None:
+                st.metrics.first_token = now
+            if p.logprobs is not None and num_logprobs:
+                st.logprobs.append(logprob_entry(tok, row[1:], num_logprobs, p.logprobs))
+            st.text += st.detok.add(tok)
+            if len(new_ids) > 1 and p.stop and idx + 1 < len(new_ids) and _find_stop(
+                    st.text, p.stop, max(0, st.emitted - _max_len(p.stop))) is not None:
+                stop_at = idx + 1
+                break
+        if stop_at is not None:
+            new_ids = new_ids[:stop_at]
+        if finished:
+            st.text += st.detok.flush()
+        cut = _find_stop(st.text, p.stop, max(0, st.emitted - _max_len(p.stop)))
+        if cut is not None:
+            st.text = st.text[:cut]
+            finished, reason = True, "stop"
+        upto = len(st.text) if finished else len(st.text) - _holdback(st.text, p.stop)
+        text = st.text[st.emitted:upto]
+        st.emitted = max(st.emitted, upto)
+        lp = st.logprobs[len(st.logprobs) - len(new_ids):] if p.logprobs is not None else []
+        delta = RequestDelta(request_id, text, list(new_ids), list(lp),
+                             prompt_logprobs=self._prompt_once(st))
+        if finished:
+            self._end(st, delta, reason, now, error)
+        return delta
+
+    def finish(self, request_id: str, reason: str, now: float,
+               error: str | None = None) -> RequestDelta | None:
+        """End a request with no new tokens ("abort", "error"): its last delta (no text: what
+        was held back stays in `output.text` only), or None when it is not live."""
+        st = self._live.get(request_id)
+        if st is None:
+            return None
+        delta = RequestDelta(request_id, prompt_logprobs=self._prompt_once(st))
+        self._end(st, delta, reason, now, error)
+        return delta
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _prompt_once(self, st: _State) -> list[dict | None] | None:
+        if st.params.prompt_logprobs is None or st.sent_prompt:
+            return None
+        st.sent_prompt = True
+        return list(st.prompt_logprobs)
+
+    def _end(self, st: _State, delta: RequestDelta, reason: str | None, now: float,
+             error: str | None) -> None:
+        st.metrics.finished = now
+        p = st.params
+        delta.finished, delta.finish_reason = True, reason
+        delta.output = RequestOutput(
+            request_id=st.request_id, prompt=st.prompt, prompt_token_ids=list(st.prompt_ids),
+            text=st.text, token_ids=list(st.token_ids), finish_reason=reason,
+            metrics=st.metrics.summary(),
+            logprobs=st.logprobs if p.logprobs is not None else None, error=error,
+            prompt_logprobs=st.prompt_logprobs if p.prompt_logprobs is not None else None,
+            lora_name=st.lora)
+        del self._live[st.request_id]
+
+
+def logprob_entry(token: int, cols: np.ndarray, n: int, k: int) -> dict:
+    """cols [1 + 2n]: the token's logprob, the top-n logprobs, their ids -> the entry of a
+    token with its top k <= n."""
+    return {"token_id": int(token), "logprob": float(cols[0]),
+            "top": [(int(i), float(v)) for v, i in zip(cols[1:1 + k], cols[1 + n:1 + n + k])]}
+
+
+def _max_len(stops) -> int:
+    return max((len(s) for s in stops), default=0)
+
+
+def _find_stop(text: str, stops, start: int) -> int | None:
+    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def _holdback(text: str, stops) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
