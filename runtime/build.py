@@ -179,14 +179,8 @@ def prepare(cfg: ModelConfig, params, tokenizer, config: EngineConfig, *, mesh=N
     if mesh is not None:
         from jaxinfer.runtime.device.sharding import shard_params
 
+        # (the Pallas kernels run per device on their heads: runtime/device/attention.py)
         params = shard_params(params, mesh)
-        if mesh.shape["model"] > 1 and backend in ("pallas_tpu", "pallas_gpu"):
-            # Mosaic / Triton kernels are not auto-partitioned by XLA SPMD (they need a
-            # shard_map over the kv-head axis, not wired yet): serve TP with the XLA path
-            if config.attention_backend == "pallas":
-                raise ValueError("attention_backend='pallas' with tensor_parallel > 1 is not "
-                                 "supported yet; use 'xla' (or leave it unset)")
-            backend = "xla"
     if output_major:
         # layer weights stored [out, in], a piece per core (runtime/device/weight_layout.py).
         # Not when split over host devices: the mixed workload measured 282 vs 288 tok/s there

@@ -3,6 +3,8 @@
 Backends: "xla" (gather the sequences' pages, masked attention; the CPU default), "pallas"
 (the Mosaic-TPU / Triton kernel of the current platform), "pallas_interpret" (the same kernel in
 Pallas interpret mode, for tests on CPU). The model calls `attend(...)` and never knows which runs.
+Traced on a tensor-parallel mesh (the context mesh), the Pallas kernels run inside a `shard_map`
+over its "model" axis (runtime/device/sharding.py `shard_kv_heads`).
 """
 
 from __future__ import annotations
@@ -93,14 +95,17 @@ def attend(
         kw.update(k_scale=k_pages.scales, v_scale=v_pages.scales)
         k_pages, v_pages = k_pages.values, v_pages.values
     args = (q, k_pages, v_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs)
-    if backend == "xla":
+    if backend == "xla":  # XLA SPMD partitions it on a mesh like any other op
         return xla_ragged_paged_attention(*args, **kw, max_q_len=md.max_q_len)
     from jaxinfer.pallas_kernels.ragged_paged_attention import ragged_paged_attention
+    from jaxinfer.runtime.device.sharding import shard_kv_heads
 
-    if backend == "pallas_interpret":
-        return ragged_paged_attention(*args, **kw, platform="tpu", interpret=True)
-    platform = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}[backend]
-    return ragged_paged_attention(*args, **kw, platform=platform)
+    platform = {"pallas_tpu": "tpu", "pallas_gpu": "gpu", "pallas_interpret": "tpu"}[backend]
+    kernel = functools.partial(ragged_paged_attention, platform=platform,
+                               interpret=backend == "pallas_interpret")
+    # traced on a mesh (the tensor-parallel steps: runtime/device/steps.py `_on_mesh`), the
+    # kernel runs per device on its KV heads: XLA SPMD cannot partition a Mosaic / Triton call
+    return shard_kv_heads(kernel, jax.sharding.get_abstract_mesh())(*args, **kw)
 
 
 _TILE_ROWS = 32  # query rows per tile when a step carries prompt chunks

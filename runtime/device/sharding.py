@@ -27,7 +27,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxinfer.runtime.device.tree_paths import path_names
 
@@ -243,24 +243,41 @@ def bytes_per_device(tree) -> int:
 # ------------------------------------------------------------------ attention kernels under TP
 
 
-def shard_kv_heads(attention: Callable, mesh: Mesh) -> Callable:
+def shard_kv_heads(attention: Callable, mesh: Mesh | AbstractMesh) -> Callable:
     """Wrap a ragged paged-attention call `attention(q, k_pages, v_pages, kv_lens, page_indices,
-    cu_q_lens, num_seqs, **kw)` in a `shard_map` over the "model" axis when the KV heads divide
-    it: each device runs the kernel on its own q heads [T, Hq/tp, Dh] and KV heads
-    [Hkv/tp, N, ps, Dh] (GQA groups stay whole, since q head h reads kv head h // (Hq/Hkv));
-    the metadata is replicated. Pallas (Mosaic / Triton) kernels need this: XLA SPMD cannot
-    partition their custom calls. With KV heads that do not divide (one kv head) the call runs
-    unwrapped on replicated operands."""
-    tp = mesh.shape["model"]
+    cu_q_lens, num_seqs, **kw)` in a `shard_map` over the mesh's "model" axis (tp devices), so
+    that each device runs the kernel on its own heads. Pallas (Mosaic / Triton) kernels need
+    this: XLA SPMD cannot partition their custom calls. GQA: q head h reads kv head h // G.
+      KV heads divide tp:  q [T, Hq/tp, Dh], pages [Hkv/tp, N, ps, Dh] (groups stay whole)
+      one KV head, q heads divide tp: q [T, Hq/tp, Dh], the (replicated) pool whole
+      otherwise:           every operand whole on every device (the kernel runs replicated)
+    int8 pages' `k_scale` / `v_scale` [Hkv, N, ps] split like the pages; the metadata is
+    replicated; the output [T, Hq, Dh] comes back split like q. No mesh, or no "model" axis
+    over several devices: the call as it is."""
+    tp = 1 if mesh.empty or "model" not in mesh.axis_names else mesh.shape["model"]
 
-    def wrapped(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **kw):
-        args = (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
-        if tp == 1 or k_pages.shape[0] % tp:
-            return attention(*args, **kw)
-        heads, pool, rep = P(None, "model"), P("model"), P()
-        fn = jax.shard_map(lambda *a: attention(*a, **kw), mesh=mesh,
-                           in_specs=(heads, pool, pool, rep, rep, rep, rep), out_specs=heads,
-                           check_vma=False)
-        return fn(*args)
+    def wrapped(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
+                k_scale=None, v_scale=None, **kw):
+        meta = (kv_lens, page_indices, cu_q_lens, num_seqs)
+        scales = () if k_scale is None else (k_scale, v_scale)
+        if tp == 1:
+            return attention(q, k_pages, v_pages, *meta, **kw,
+                             **dict(zip(("k_scale", "v_scale"), scales)))
+        hkv, hq = k_pages.shape[0], q.shape[1]
+        heads, split, whole = P(None, "model"), P("model"), P()
+        if hkv % tp == 0:
+            q_spec, pool = heads, split
+        elif hkv == 1 and hq % tp == 0:
+            q_spec, pool = heads, whole
+        else:
+            q_spec, pool = whole, whole
+
+        def local(q, k, v, *rest):
+            sc = dict(zip(("k_scale", "v_scale"), rest[4:]))
+            return attention(q, k, v, *rest[:4], **kw, **sc)
+
+        fn = jax.shard_map(local, mesh=mesh, out_specs=q_spec, check_vma=False,
+                           in_specs=(q_spec, pool, pool) + (whole,) * 4 + (pool,) * len(scales))
+        return fn(q, k_pages, v_pages, *meta, *scales)
 
     return wrapped

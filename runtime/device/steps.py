@@ -202,36 +202,42 @@ _VERIFY_STATICS = ("max_q_len", "num_logprobs", "filtered")
 _STEP_STATICS = _VERIFY_STATICS + ("prompt_logprobs",)
 
 
-def make_verify(cfg: ModelConfig, backend: str, vocab_limit: int | None = None) -> Launches:
+def make_verify(cfg: ModelConfig, backend: str, shardings=None,
+                vocab_limit: int | None = None) -> Launches:
     """The verify step (static: q bucket, logprob count, filter flag; q_probs None or not
-    retraces once)."""
-    return Launches(shared_jit(verify, _VERIFY_STATICS, cfg=cfg, backend=backend,
-                               vocab_limit=vocab_limit))
+    retraces once); `shardings` as for make_step."""
+    return _jit(verify, _VERIFY_STATICS, shardings, cfg=cfg, backend=backend,
+                vocab_limit=vocab_limit)
 
 
 def make_step(cfg: ModelConfig, backend: str, shardings=None,
               vocab_limit: int | None = None) -> Launches:
     """The step for one model; static: q bucket, logprob count, filter flag, prompt logprobs.
     `shardings` (tensor parallel): (params, cache, replicated) NamedSharding trees from
-    runtime.device.sharding. Inputs arrive laid out (params and cache committed to their shardings;
-    host plan arrays are replicated); the packed output is replicated and the new cache keeps
-    the donated cache's layout, so steady-state steps never reshard or recompile. (jit takes
-    no in_shardings together with keyword static args.)"""
+    runtime.device.sharding."""
+    return _jit(step, _STEP_STATICS, shardings, cfg=cfg, backend=backend,
+                vocab_limit=vocab_limit)
+
+
+def _jit(fn, statics: tuple[str, ...], shardings, **bound) -> Launches:
+    """One device: the process's shared jit of `fn`. On a mesh (`shardings`): `fn` traced on
+    the mesh (the Pallas attention kernels and expert-parallel layers run per device in a
+    shard_map over its "model" axis). Inputs arrive laid out (params and cache committed to
+    their shardings; host plan arrays are replicated); the packed output is replicated and the
+    new cache keeps the donated cache's layout, so steady-state steps never reshard or
+    recompile. (jit takes no in_shardings together with keyword static args.)"""
     if shardings is None:
-        return Launches(shared_jit(step, _STEP_STATICS, cfg=cfg, backend=backend,
-                                   vocab_limit=vocab_limit))
+        return Launches(shared_jit(fn, statics, **bound))
     _, cache_sh, rep = shardings
-    return Launches(jax.jit(
-        functools.partial(_on_mesh(step, rep.mesh), cfg=cfg, backend=backend,
-                          vocab_limit=vocab_limit),
-        static_argnames=_STEP_STATICS, donate_argnames=("cache",),
-        out_shardings=(rep, cache_sh),
-    ))
+    return Launches(jax.jit(functools.partial(_on_mesh(fn, rep.mesh), **bound),
+                            static_argnames=statics, donate_argnames=("cache",),
+                            out_shardings=(rep, cache_sh)))
 
 
 def _on_mesh(fn, mesh):
     """`fn` traced with `mesh` as the context mesh, where the model's expert-parallel layers
-    (runtime/device/moe.py) find the "model" axis."""
+    (runtime/device/moe.py) and the Pallas attention kernels (runtime/device/attention.py)
+    find the "model" axis."""
     @functools.wraps(fn)
     def traced(*args, **kwargs):
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):

@@ -139,13 +139,16 @@ GEMMA3_270M = ModelConfig(
 TRITON_OK = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
 
 
-def _step_args(cfg, dtype, t, s, p, num_pages=64, page_size=16, fused=False):
+def _step_args(cfg, dtype, t, s, p, num_pages=64, page_size=16, fused=False, tp=1,
+               kv_dtype=None):
     """Abstract step arguments; `fused`: Q/K/V and gate/up joined, as engines on TPU/GPU hold
-    them (runtime/device/fused_projections.py)."""
+    them (runtime/device/fused_projections.py; for `tp` devices); `kv_dtype`: the pools'
+    (dtype, or "int8"), else `dtype`."""
     sds = jax.ShapeDtypeStruct
-    fuse = fuse_projections if fused else (lambda x: x)
+    fuse = (lambda x: fuse_projections(x, tp)) if fused else (lambda x: x)
     params = jax.eval_shape(lambda: fuse(init_params(cfg, jax.random.key(0), dtype=dtype)))
-    cache = jax.eval_shape(lambda: init_cache(cfg, num_pages, page_size, dtype))
+    kv = dtype if kv_dtype is None else kv_dtype
+    cache = jax.eval_shape(lambda: init_cache(cfg, num_pages, page_size, kv))
     dims = {"T": t, "S": s, "P": p, "K": 0, "W": -(-cfg.vocab_size // 32)}
     arrays = {f.name: sds(f.extent(dims), f.dtype) for f in fields_of(*STEP_GROUPS)}
     return params, cache, arrays
