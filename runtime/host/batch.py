@@ -396,7 +396,8 @@ def run_batch(engine: EngineInterface, tokenizer, input_path, output_path, *,
     bar = _progress(show, _count_lines(fin) if show else None)
     prefix = f"jsonl-{os.getpid():x}-{id(writer):x}-"
 
-    stats = dict(requests=0, errors=0, skipped=0, prompt_tokens=0, generated_tokens=0)
+    # held: admissions the engine put off (queue full, or predicted late with refuse_late)
+    stats = dict(requests=0, errors=0, skipped=0, held=0, prompt_tokens=0, generated_tokens=0)
     ttft, itl = _Reservoir(), _Reservoir(seed=1)
     seen: set[str] = set()
     inflight: dict[str, _Job] = {}
@@ -452,6 +453,7 @@ def run_batch(engine: EngineInterface, tokenizer, input_path, output_path, *,
                                refuse_late=bool(inflight))
         except QueueFull:  # Overloaded too: hold the line until a step has made room
             held = job
+            stats["held"] += 1
             return False
         except RequestError as e:  # prompt too long for the model, an unknown adapter, ...
             error(job.line, job.uid, _line_message(e))
@@ -596,7 +598,9 @@ def format_summary(s: dict) -> str:
 
     return (
         f"batch: {s['requests']} requests, {s['errors']} errors, {s['skipped']} skipped "
-        f"(resume) in {s['wall_s']:.1f}s\n"
+        f"(resume) in {s['wall_s']:.1f}s"
+        + (f"; admissions held back {s['held']}x (queue full or predicted late)"
+           if s.get("held") else "") + "\n"
         f"  tokens: {s['prompt_tokens']} prompt, {s['generated_tokens']} generated; "
         f"{s['generated_tokens_per_s'] or 0:.1f} gen tok/s, "
         f"{s['total_tokens_per_s'] or 0:.1f} total tok/s, {s['requests_per_s'] or 0:.2f} req/s\n"

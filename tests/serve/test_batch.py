@@ -334,3 +334,24 @@ def test_engine_fault_gives_retry_records_that_resume_completes(tiny_dir, tmp_pa
     ref = llm.generate([r["prompt"] for r in rows],
                        SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
     assert [results[i]["token_ids"] for i in range(8)] == [o.token_ids for o in ref]
+
+
+def test_refuse_late_holds_lines_and_the_job_completes(tiny_dir, tmp_path, capsys):
+    """`jaxinfer batch --ttft-slo-ms 1 --refuse-late`: every request is predicted to miss a
+    1 ms TTFT once step times are measured, so the engine refuses each line (Overloaded) while
+    others of the job are in flight; the runner holds such a line and retries it after a step.
+    The job ends with every id exactly once and no error record."""
+    from jaxinfer.serve.cli import main
+
+    rows = [{"id": f"r{i}", "prompt": f"line {i} of the job", "max_tokens": 3} for i in range(40)]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rc = main(["batch", "--model", str(tiny_dir), "--input", str(tmp_path / "in.jsonl"),
+               "--output", str(tmp_path / "out.jsonl"), "--ttft-slo-ms", "1", "--refuse-late",
+               "--max-slots", "4", "--page-size", "8", "--max-model-len", "128",
+               "--summary-json", str(tmp_path / "s.json"), "--no-progress"])
+    assert rc == 0, capsys.readouterr().err
+    out = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert sorted(r["id"] for r in out) == sorted(r["id"] for r in rows)
+    assert not [r for r in out if "error" in r] and all(len(r["token_ids"]) == 3 for r in out)
+    s = json.loads((tmp_path / "s.json").read_text())
+    assert s["requests"] == 40 and s["errors"] == 0 and s["held"] > 0
