@@ -762,13 +762,7 @@ class Scheduler:
         if num_accepted is not None:
             return self._update_verify(rows, plan, sampled, num_accepted)
         outputs: list[StepOutput] = []
-        for s, (seq, n, start) in enumerate(rows):
-            if seq.status != RUNNING:
-                continue
-            if not plan.samples[s]:
-                self._register_full_pages(seq, start + n)
-                continue
-            seq.pending -= 1
+        for s, seq, n, start in self._sampled_rows(rows, plan):
             tok = int(sampled[s])
             seq.output_ids.append(tok)
             self._register_full_pages(seq, start + n)
@@ -782,19 +776,26 @@ class Scheduler:
             outputs.append(StepOutput(seq.req.request_id, [tok], reason is not None, reason))
         return outputs
 
-    def _update_verify(self, rows, plan, sampled, num_accepted) -> list[StepOutput]:
-        outputs: list[StepOutput] = []
+    def _sampled_rows(self, rows, plan):
+        """(row, sequence, tokens, first position) of a plan's rows that sampled a token for a
+        sequence still running (its pending token now known); the other rows still running
+        publish their full pages."""
         for s, (seq, n, start) in enumerate(rows):
             if seq.status != RUNNING:
                 continue
             if not plan.samples[s]:
                 self._register_full_pages(seq, start + n)
                 continue
+            seq.pending -= 1
+            yield s, seq, n, start
+
+    def _update_verify(self, rows, plan, sampled, num_accepted) -> list[StepOutput]:
+        outputs: list[StepOutput] = []
+        for s, seq, n, start in self._sampled_rows(rows, plan):
             d = int(plan.num_draft[s])
             a = int(num_accepted[s])
             if not 0 <= a <= d:
                 raise ValueError(f"row {s}: {a} accepted of {d} proposals")
-            seq.pending -= 1
             emitted, reason = [], None
             for tok in np.asarray(sampled[s, : a + 1]).tolist():
                 emitted.append(int(tok))
