@@ -14,6 +14,7 @@ from jaxinfer.runtime.host import batch
 from jaxinfer.runtime.host.batch import (FSYNC_MODES, BatchError, format_summary, prepare_output,
                                     run_batch)
 from jaxinfer.runtime.host.requests import SamplingParams
+from jaxinfer.serve.engine_args import sampling_args, sampling_kwargs
 
 
 def register(subparsers, engine_args) -> None:
@@ -54,29 +55,15 @@ def register(subparsers, engine_args) -> None:
                    help="TPU chips each replica reserves (the 'TPU' resource)")
     r.add_argument("--replica-resources", type=json.loads, default=None,
                    help='custom resources per replica, JSON: {"v5e-8-head": 1}')
-    g = p.add_argument_group("sampling defaults (lines may override them)")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--logprobs", type=int, default=None)
-    g.add_argument("--prompt-logprobs", type=int, default=None,
-                   help="logprob + top-n of each prompt token (computed in prefill)")
-    g.add_argument("--ignore-eos", action="store_true")
+    sampling_args(p, title="sampling defaults (SamplingParams fields; lines may override them)",
+                  max_tokens=64, temperature=0.0)
     p.set_defaults(fn=cmd_batch)
 
 
 def cmd_batch(args) -> int:
     from jaxinfer.serve.engine_args import llm_from_args
 
-    sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                    top_p=args.top_p, min_p=args.min_p, seed=args.seed,
-                    stop=tuple(args.stop or ()), logprobs=args.logprobs,
-                    prompt_logprobs=args.prompt_logprobs,
-                    ignore_eos=args.ignore_eos)
+    sampling = sampling_kwargs(args)
     try:
         prepare_output(args.output, args.resume, args.overwrite)
         if args.input != "-" and not os.path.isfile(args.input):

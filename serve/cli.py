@@ -3,27 +3,26 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
-from jaxinfer.serve.engine_args import engine_args, llm_from_args
+from jaxinfer.serve.engine_args import engine_args, llm_from_args, sampling_args, sampling_kwargs
+
 
 def cmd_generate(args) -> int:
     from jaxinfer.runtime.host.requests import SamplingParams
 
+    sp = SamplingParams(**sampling_kwargs(args))  # bad values fail before the model loads
     t0 = time.perf_counter()
     llm = llm_from_args(args)
     load_s = time.perf_counter() - t0
-    sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                        top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                        stop=tuple(args.stop or ()))
     t1 = time.perf_counter()
-    ids, first = [], None
+    first = None
     if args.no_stream:
         out = llm.generate([args.prompt], sp)[0]
         sys.stdout.write(args.prompt + out.text + "\n")
-        ids, m = out.token_ids, out.metrics
-        first = t1 + (m["ttft_s"] or 0.0)
+        first = t1 + (out.metrics["ttft_s"] or 0.0)
     else:
         sys.stdout.write(args.prompt)
         for d in llm.stream(args.prompt, sp):
@@ -31,10 +30,13 @@ def cmd_generate(args) -> int:
                 first = time.perf_counter()
             sys.stdout.write(d.text)
             sys.stdout.flush()
-            ids += d.token_ids
+            out = d.output
         sys.stdout.write("\n")
     done = time.perf_counter()
-    n = len(ids)
+    if sp.logprobs is not None or sp.prompt_logprobs is not None:  # one JSON line, asked for
+        print(json.dumps({"logprobs": out.logprobs, "prompt_logprobs": out.prompt_logprobs}),
+              file=sys.stderr)
+    n = len(out.token_ids)
     rate = (n - 1) / (done - first) if n > 1 and first and done > first else float("nan")
     print(f"[{n} tokens; first token {(first or done) - t1:.2f}s (incl. compile); "
           f"decode {rate:.1f} tok/s; load {load_s:.1f}s]", file=sys.stderr)
@@ -69,12 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate a continuation of a prompt")
     engine_args(g)
     g.add_argument("prompt")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    sampling_args(g, skip=("priority",), max_tokens=64, temperature=0.0)  # one request: no queue
     g.add_argument("--no-stream", action="store_true")
     g.set_defaults(fn=cmd_generate)
 

@@ -12,6 +12,10 @@ and help come from there; this module only picks the argparse style of each row:
 A flag not given leaves its attribute None and its option out of `engine_kwargs(args)`, so
 LLM's own defaults hold (it derives max_model_len and tensor_parallel from the model);
 `llm_from_args` turns warmup on for `serve` unless a flag says otherwise.
+
+The sampling flags of `batch` and `generate` come the same way from the request door's table
+(SAMPLING_FIELDS, runtime/host/requests.py): `sampling_args` adds one per row (a command may give
+its own defaults), `sampling_kwargs` reads back the given ones as SamplingParams keywords.
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Mapping
 
 from jaxinfer.checkpoints.named import DEFAULT_MODEL
 from jaxinfer.runtime.config import ENGINE_OPTIONS, Option
+from jaxinfer.runtime.host.requests import SAMPLING_FIELDS, Field
 
 
 def engine_args(p: argparse.ArgumentParser, options: tuple[Option, ...] = ENGINE_OPTIONS) -> None:
@@ -84,6 +90,48 @@ _json.__name__ = "JSON"  # argparse: "invalid JSON value: ..."
 def engine_kwargs(args: argparse.Namespace, options: tuple[Option, ...] = ENGINE_OPTIONS) -> dict:
     """The options whose flags were given (or a tool defaulted), by name: LLM keyword arguments."""
     return {o.name: v for o in options if (v := getattr(args, o.name, None)) is not None}
+
+
+# ---- sampling flags: one per row of the request door's table (runtime/host/requests.py) -------
+#     kind            flag                                   given as
+#     int, float      --max-tokens 64, --top-p 0.9           the value
+#     bool            --ignore-eos                           True (--no-x: a row True by default)
+#     strings, ids    --stop S, --stop-token-ids ID          repeatable: a tuple
+#     structured      --structured-outputs '{"regex": ...}'  the JSON value
+def sampling_args(p, *, title: str = "sampling (SamplingParams fields of the same names)",
+                  skip: tuple[str, ...] = (), table: Mapping[str, Field] = SAMPLING_FIELDS,
+                  **defaults) -> None:
+    """A flag per sampling field but `skip` (fields meaningless to the command), in a group
+    `title`; `defaults`: the command's value of a field when its flag is not given (else None:
+    not given, the field's own default holds). `sampling_kwargs(args)` reads them back."""
+    g = p.add_argument_group(title)
+    for name, f in table.items():
+        if name in skip:
+            continue
+        v = defaults.get(name)
+        shown = f.default if v is None else v
+        quiet = shown is None or shown == () or isinstance(shown, bool)  # said by the doc
+        help_ = f.doc if quiet else f"{f.doc} (default: {shown})"
+        kw = dict(dest=name, default=v, help=help_.replace("%", "%%"))
+        if f.kind == "bool":  # given: the switch turns the default over
+            kw |= dict(action="store_const", const=not f.default)
+        elif f.kind in ("strings", "ids"):
+            kw |= dict(action="append", type=int if f.kind == "ids" else str,
+                       metavar="ID" if f.kind == "ids" else "STR", help=kw["help"] + "; repeatable")
+        elif f.kind == "structured":
+            kw |= dict(type=_json, metavar="JSON")
+        else:
+            t = int if f.kind == "int" else float
+            kw |= dict(type=t, metavar=t.__name__.upper())
+        g.add_argument(f"--{'no-' if f.default is True else ''}{name.replace('_', '-')}", **kw)
+
+
+def sampling_kwargs(args: argparse.Namespace,
+                    table: Mapping[str, Field] = SAMPLING_FIELDS) -> dict:
+    """The sampling fields whose flags were given (or the command defaulted), by name:
+    SamplingParams keyword arguments (a repeated flag's values as a tuple)."""
+    return {name: tuple(v) if isinstance(v, list) else v
+            for name in table if (v := getattr(args, name, None)) is not None}
 
 
 def llm_from_args(args):

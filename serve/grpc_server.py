@@ -39,8 +39,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from jaxinfer.runtime.host.requests import (Limits, RequestError, SamplingParams, check_samples, parse_prompt,
-                              sampling_from_json)
+from jaxinfer.runtime.host.requests import (SAMPLING_FIELDS, Limits, RequestError, SamplingParams,
+                                            check_samples, parse_prompt, sampling_from_json)
 from jaxinfer.runtime.host.errors import Overloaded, QueueFull
 from jaxinfer.serve.engine_loop import EngineFault, EngineLoop, ShuttingDown
 from jaxinfer.serve.metrics import ServingMetrics
@@ -73,7 +73,9 @@ class ServerConfig:
 # ---- request parsing (runs on the offload pool: it tokenizes) ---------------------------------
 def generate_inputs(req, tokenizer, limits: Limits) -> tuple[list[int], SamplingParams]:
     """GenerateRequest -> (prompt ids, SamplingParams), through the request door; RequestError
-    naming the field."""
+    naming the field. Every row of the sampling table that the message has a field of the same
+    name for is read (`sampling_fields`); a new row needs that field in GenerateRequest
+    (serve/proto/jaxinfer.proto, a wire change), nothing here."""
     has_text, has_ids = req.HasField("prompt"), len(req.prompt_token_ids) > 0
     if has_text and has_ids:
         raise RequestError("prompt", "set exactly one of prompt and prompt_token_ids, got both")
@@ -83,21 +85,41 @@ def generate_inputs(req, tokenizer, limits: Limits) -> tuple[list[int], Sampling
         _, ids = parse_prompt(req.prompt, tokenizer, limits)
     else:
         _, ids = parse_prompt(list(req.prompt_token_ids), tokenizer, limits, "prompt_token_ids")
-    fields = {f: getattr(req, f) for f in ("max_tokens", "temperature", "top_k", "top_p", "min_p",
-                                            "seed", "logprobs", "prompt_logprobs",
-                                            "priority")
-              if req.HasField(f)}
-    fields.update(stop=list(req.stop), stop_token_ids=list(req.stop_token_ids),
-                  ignore_eos=req.ignore_eos)
-    if req.HasField("structured_outputs"):
-        so = req.structured_outputs
-        kind = so.WhichOneof("kind")
-        if kind is None:
-            raise RequestError("structured_outputs", "set one of json, regex, choice, grammar, "
-                                                     "json_object")
-        value = getattr(so, kind)
-        fields["structured_outputs"] = {kind: list(value.values) if kind == "choice" else value}
-    return ids, sampling_from_json(fields)
+    return ids, sampling_from_json(sampling_fields(req))
+
+
+def sampling_fields(req) -> dict:
+    """The sampling table's fields a request message carries, as JSON values: a repeated field
+    as a list, a field with presence (`optional`, a message) only when set, a plain scalar as it
+    is (proto3: unset reads as its zero value, so a plain scalar suits only a row whose default
+    is that zero, like ignore_eos)."""
+    out = {}
+    on_wire = req.DESCRIPTOR.fields_by_name
+    for name in SAMPLING_FIELDS:
+        f = on_wire.get(name)
+        if f is None:
+            continue
+        if f.is_repeated:
+            out[name] = list(getattr(req, name))
+        elif not f.has_presence:
+            out[name] = getattr(req, name)
+        elif req.HasField(name):
+            v = getattr(req, name)
+            out[name] = _FROM_MESSAGE[f.message_type.full_name](v) if f.message_type else v
+    return out
+
+
+def _structured(so) -> dict:
+    kind = so.WhichOneof("kind")
+    if kind is None:
+        raise RequestError("structured_outputs", "set one of json, regex, choice, grammar, "
+                                                 "json_object")
+    value = getattr(so, kind)
+    return {kind: list(value.values) if kind == "choice" else value}
+
+
+# message-typed sampling fields: the message as the row's JSON value
+_FROM_MESSAGE = {"jaxinfer.v1.StructuredOutputs": _structured}
 
 
 def decode_inputs(req, tokenizer, limits: Limits, max_samples: int):

@@ -55,8 +55,9 @@ from starlette.responses import JSONResponse as _StarletteJSON
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from jaxinfer.runtime.host.requests import (MAX_LOGPROBS, RequestError, SamplingParams, check_samples,
-                              check_structured, parse_prompt, sampling_from_json)
+from jaxinfer.runtime.host.requests import (MAX_LOGPROBS, SAMPLING_FIELDS, RequestError, SamplingParams,
+                                            check_samples, check_structured, parse_prompt,
+                                            sampling_from_json)
 from jaxinfer.runtime.host.structured import StructuredOutputs
 from jaxinfer.serve.tool_calls import (ToolPlan, check_tool_calls, parse_tools, plain_turns,
                                        tool_result, with_tools)
@@ -72,10 +73,10 @@ FINGERPRINT = "jaxinfer"
 
 # Fields accepted and ignored: they carry no meaning for a local engine.
 _IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
-_COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "n", "stop",
-           "seed", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
-           "top_k", "min_p", "ignore_eos", "stop_token_ids", "response_format",
-           "structured_outputs", "prompt_logprobs", "priority"} | _IGNORED
+# Both endpoints: every field of the request door's sampling table (runtime/host/requests.py;
+# a new row is accepted here with no line of its own) and these OpenAI ones.
+_COMMON = {"model", "stream", "stream_options", "n", "presence_penalty", "frequency_penalty",
+           "logit_bias", "logprobs", "response_format"} | set(SAMPLING_FIELDS) | _IGNORED
 _COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
                           "tool_choice", "functions", "function_call", "modalities"}
@@ -236,9 +237,9 @@ def _sampling(b: _Body, *, max_tokens_key: str, default_max_tokens: int, logprob
     try:
         sp = sampling_from_json(fields, {"max_tokens": default_max_tokens, "logprobs": logprobs,
                                          "prompt_logprobs": prompt_logprobs})
-    except RequestError as e:
+    except RequestError as e:  # named as the body names it
         field_ = max_tokens_key if e.field == "max_tokens" else e.field
-        raise bad(str(e).replace("max_tokens", field_), field_) from None
+        raise bad(f"{field_}: {e.reason}" if field_ else e.reason, field_) from None
     if sp.seed is None:
         return [sp] * n
     # sample i uses seed + i: the samples differ, and each is reproducible alone

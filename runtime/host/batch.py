@@ -74,7 +74,7 @@ from jaxinfer.runtime.host.requests import (SAMPLING_FIELDS, Limits, SamplingPar
                                             parse_prompt, sampling_from_json)
 
 REQUEST_FIELDS = {"id", "prompt", "prompt_token_ids", "lora"}
-LINE_SAMPLING = {*SAMPLING_FIELDS, "structured_outputs"}  # per-line fields of SamplingParams
+LINE_SAMPLING = set(SAMPLING_FIELDS)  # per-line fields of SamplingParams
 METRIC_KEYS = ("queue_s", "ttft_s", "itl_s_mean", "e2e_s")
 FSYNC_MODES = ("step", "line", "none")
 _GROUP_MAX = 256  # records per fsync group while reading (errors / skips)

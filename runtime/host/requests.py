@@ -1,12 +1,14 @@
 """The request door: every front end turns its input into (prompt ids, SamplingParams, n) here.
 
-One table of sampling fields with their types and ranges (`SAMPLING_FIELDS`, applied by
-`SamplingParams` itself), one prompt parser (`parse_prompt`), one length / page budget and vocab
-check against the served model (`check_request`), one typed error naming the field
-(`RequestError`, runtime/host/errors.py); results come out of the output processor
-(runtime/host/outputs.py). `LLM`, gRPC (jaxinfer.v1 Generate and JetStream Decode), the OpenAI
-HTTP API and JSONL batch all call these and re-implement none of them; `Engine.add_request` runs
-`check_request` again, so nothing reaches a step that did not pass the door.
+One table of sampling fields with their types and ranges (`SAMPLING_FIELDS`: `SamplingParams`'
+fields and checks derive from it, and so do the doors' readers: JSON, the HTTP body, the gRPC
+message, the command line's flags; a new field is one row), one prompt parser (`parse_prompt`),
+one length / page budget and vocab check against the served model (`check_request`), one typed
+error naming the field (`RequestError`, runtime/host/errors.py); results come out of the
+output processor (runtime/host/outputs.py). `LLM`, gRPC (jaxinfer.v1 Generate and JetStream
+Decode), the OpenAI HTTP API and JSONL batch all call these and re-implement none of them;
+`Engine.add_request` runs `check_request` again, so nothing reaches a step that did not pass the
+door.
 
     limits = Limits.of(engine)
     params = sampling_from_json(obj, defaults)       # JSON values -> SamplingParams
@@ -18,10 +20,11 @@ No JAX here: the host scheduler imports SamplingParams.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, make_dataclass
 
 from jaxinfer.runtime.host.errors import RequestError
 from jaxinfer.runtime.host.structured import StructuredOutputs
@@ -35,9 +38,18 @@ GREEDY_BELOW = 1e-5  # a temperature under this samples greedily (vLLM's epsilon
 
 
 # ---- the sampling field table ------------------------------------------------------------------
+KIND_TYPES = {"int": int, "float": float, "bool": bool, "strings": tuple[str, ...],
+              "ids": tuple[int, ...], "structured": StructuredOutputs}
+
+
 @dataclass(frozen=True)
 class Field:
+    """One sampling field: SamplingParams' field and its check, and how every door reads it
+    (JSON as it is; gRPC the message field of the same name; HTTP the body field; the command
+    line a flag, serve/engine_args.py `sampling_args`) derive from the row."""
+
     kind: str  # "int" | "float" | "bool" | "strings" (str or list of str) | "ids" (list of int)
+    #            | "structured" (a StructuredOutputs or its JSON object; runtime/host/structured.py)
     default: object
     lo: float | None = None
     hi: float | None = None
@@ -45,14 +57,24 @@ class Field:
     nullable: bool = False  # None is a value of its own (not "the default")
     doc: str = ""
 
+    @property
+    def annotation(self):
+        t = KIND_TYPES[self.kind]
+        return t | None if self.nullable else t
 
+
+# A new field is one row here (and, for gRPC only, a field of that name in GenerateRequest,
+# serve/proto/jaxinfer.proto: a wire change). Every door then takes it with no other line: JSONL
+# lines, the HTTP body, gRPC, and the `batch` / `generate` flags (--name-with-dashes).
 SAMPLING_FIELDS: dict[str, Field] = {
     "max_tokens": Field("int", 16, 1, INT32_MAX,
                         doc="tokens to generate; prompt + max_tokens <= max_model_len"),
     "temperature": Field("float", 1.0, 0.0, 2.0, doc="0 (or < 1e-5) is greedy"),
     "top_k": Field("int", 0, -1, INT32_MAX, doc="0 or -1: off; at most the vocabulary"),
-    "top_p": Field("float", 1.0, 0.0, 1.0, lo_open=True),
-    "min_p": Field("float", 0.0, 0.0, 1.0),
+    "top_p": Field("float", 1.0, 0.0, 1.0, lo_open=True,
+                   doc="sample from the most likely tokens holding this much probability"),
+    "min_p": Field("float", 0.0, 0.0, 1.0,
+                   doc="drop tokens less likely than min_p x the most likely one; 0: off"),
     "seed": Field("int", None, -(2**63), 2**64 - 1, nullable=True,
                   doc="reproducible sampling (taken mod 2**32); null: random"),
     "stop": Field("strings", (), 1, MAX_STOP_CHARS,
@@ -63,10 +85,21 @@ SAMPLING_FIELDS: dict[str, Field] = {
     "prompt_logprobs": Field("int", None, 0, MAX_LOGPROBS, nullable=True,
                              doc="logprob and top-n of each prompt token after the first "
                                  "(computed in prefill); null: none"),
-    "ignore_eos": Field("bool", False),
+    "ignore_eos": Field("bool", False, doc="keep generating past EOS"),
     "priority": Field("int", 0, -(2**31), 2**31 - 1,
                       doc="scheduling priority, lower first (vLLM's convention)"),
+    "structured_outputs": Field("structured", None, nullable=True,
+                                doc='the output must match one of {"json": schema}, '
+                                    '{"regex": r}, {"choice": [s, ...]}, {"grammar": lark}, '
+                                    '{"json_object": true}; null: free'),
 }
+
+# Rules over several fields: (the field at fault, holds(params), reason)
+SAMPLING_RULES = (
+    ("ignore_eos", lambda p: not (p.ignore_eos and p.structured_outputs is not None),
+     "cannot be combined with structured_outputs (a constrained output ends at the grammar's "
+     "end)"),
+)
 
 
 def _is_int(v) -> bool:
@@ -77,13 +110,15 @@ def _range_text(f: Field) -> str:
     return f"in {'(' if f.lo_open else '['}{f.lo}, {f.hi}]"
 
 
-def check_field(name: str, v):
+def check_field(name: str, v, table: Mapping[str, Field] = SAMPLING_FIELDS):
     """One field's value, type-checked, range-checked and normalized; RequestError otherwise."""
-    f = SAMPLING_FIELDS[name]
+    f = table[name]
     if v is None:
         if f.nullable or f.kind in ("strings", "ids"):
             return f.default
         raise RequestError(name, "must not be null")
+    if f.kind == "structured":
+        return StructuredOutputs.from_json(v)
     if f.kind == "bool":
         if not isinstance(v, bool):
             raise RequestError(name, f"must be a boolean, got {_show(v)}")
@@ -124,52 +159,48 @@ def _show(v) -> str:
     return f"{type(v).__name__} {s[:40]}{'...' if len(s) > 40 else ''}"
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request sampling (fields and ranges: SAMPLING_FIELDS). temperature 0 is greedy;
-    `seed` makes sampling reproducible (the key of each token derives from (seed, position)
-    only). Bad values raise RequestError (a ValueError) naming the field."""
+class _SamplingViews:
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
 
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_k: int = 0  # 0 (or -1) = off
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    logprobs: int | None = None  # top-n logprobs per generated token
-    prompt_logprobs: int | None = None  # top-n logprobs per prompt token (the first gets None)
-    ignore_eos: bool = False
-    priority: int = 0  # waiting requests are admitted lower priority first (runtime/host/slo.py)
-    # the output must match a JSON schema / regex / choice / grammar (runtime.host.structured);
-    # a dict {"json": schema, ...} is taken as StructuredOutputs(**dict)
-    structured_outputs: StructuredOutputs | None = None
+
+def sampling_class(name: str = "SamplingParams", table: Mapping[str, Field] = SAMPLING_FIELDS,
+                   rules=SAMPLING_RULES) -> type:
+    """A frozen dataclass with one field per row (table order, the row's default) whose
+    construction checks every field (check_field), then every rule, then writes the normal forms
+    (temperature under GREEDY_BELOW: 0; top_k -1: 0)."""
 
     def __post_init__(self):
-        for name in SAMPLING_FIELDS:
-            object.__setattr__(self, name, check_field(name, getattr(self, name)))
-        if self.structured_outputs is not None:
-            object.__setattr__(self, "structured_outputs",
-                               StructuredOutputs.from_json(self.structured_outputs))
-            if self.ignore_eos:
-                raise RequestError("ignore_eos", "cannot be combined with structured_outputs "
-                                                 "(a constrained output ends at the grammar's end)")
+        for n in table:
+            object.__setattr__(self, n, check_field(n, getattr(self, n), table))
+        for field_, holds, reason in rules:
+            if not holds(self):
+                raise RequestError(field_, reason)
         if self.temperature < GREEDY_BELOW:
             object.__setattr__(self, "temperature", 0.0)
         if self.top_k < 0:
             object.__setattr__(self, "top_k", 0)
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
+    fields = [(n, f.annotation, dataclasses.field(default=f.default)) for n, f in table.items()]
+    return make_dataclass(name, fields, bases=(_SamplingViews,), frozen=True,
+                          namespace={"__post_init__": __post_init__})
+
+
+SamplingParams = sampling_class()
+SamplingParams.__module__ = __name__  # pickled by name: Ray sends them
+SamplingParams.__doc__ = (
+    "Per-request sampling: one field per SAMPLING_FIELDS row, checked on construction (bad "
+    "values raise RequestError, a ValueError, naming the field). temperature 0 is greedy; `seed` "
+    "makes sampling reproducible (the key of each token derives from (seed, position) only).\n\n"
+    + "\n".join(f"    {n} = {f.default!r}: {f.doc}" for n, f in SAMPLING_FIELDS.items()))
 
 
 def sampling_from_json(obj: Mapping, defaults: Mapping | None = None) -> SamplingParams:
     """SamplingParams from the sampling fields of a JSON object (other keys ignored; null means
     the default). Raises RequestError naming the field."""
     kw = dict(defaults or {})
-    for name in (*SAMPLING_FIELDS, "structured_outputs"):
+    for name in SAMPLING_FIELDS:
         if name in obj and obj[name] is not None:
             kw[name] = obj[name]
     return SamplingParams(**kw)
