@@ -70,7 +70,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import background, shard
+from tests import background, engines, shard
 
 
 @pytest.fixture(scope="session")
@@ -82,13 +82,31 @@ def tiny_dir(tmp_path_factory):
     return make(tmp_path_factory.mktemp("tiny_llama"), "tiny", seed=0)
 
 
-@pytest.fixture(scope="session")
-def tiny_llm(tiny_dir):
-    """One LLM over the tiny Llama (4 slots, pages of 8, 256 tokens) shared by the runtime tests
-    that need no engine of their own: its programs compile once."""
-    from jaxinfer import LLM
+_SHARED_ENGINES = engines.SharedEngines()
 
-    return LLM(str(tiny_dir), max_slots=4, page_size=8, max_model_len=256)
+
+@pytest.fixture(scope="session")
+def llm_for():
+    """`llm_for(model_dir, *, tag=None, **options) -> LLM`: the session's one LLM per (model
+    path, options, tag), built on first use (tests/engines.py). Whoever uses it leaves it as
+    found: no unfinished requests, nothing replaced or registered."""
+    return _SHARED_ENGINES
+
+
+@pytest.fixture(autouse=True)
+def _shared_engines_left_clean():
+    """Fails the test that left unfinished requests (or a replaced step) in a shared engine,
+    and puts that right, so the next test finds the engine clean."""
+    yield
+    left = _SHARED_ENGINES.check_untagged()
+    assert not left, f"shared engines left dirty: {left}"
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_dir, llm_for):
+    """The shared LLM over the tiny Llama (4 slots, pages of 8, 256 tokens) for tests that need
+    no options of their own."""
+    return llm_for(tiny_dir, **engines.TINY)
 
 
 # --------------------------------------------------------------------------- real Gemma 3 270M

@@ -17,8 +17,8 @@ PROMPTS = ["To be, or not to be", "Friends, Romans, countrymen", "Now is the win
 
 
 @pytest.fixture(scope="module")
-def ref(tiny_dir):
-    return {p: o.token_ids for p, o in zip(PROMPTS, LLM(str(tiny_dir), **ENGINE).generate(
+def ref(tiny_dir, llm_for):
+    return {p: o.token_ids for p, o in zip(PROMPTS, llm_for(tiny_dir, **ENGINE).generate(
         PROMPTS, GREEDY))}
 
 
@@ -62,10 +62,10 @@ def test_failed_step_fails_only_running_requests_and_the_rest_are_exact(tiny_dir
     assert [o.token_ids for o in again] == [ref[p] for p in PROMPTS[:2]]
 
 
-def test_fault_mid_plan_leaves_consistent_pages(tiny_dir, ref, monkeypatch):
+def test_fault_mid_plan_leaves_consistent_pages(tiny_dir, llm_for, ref, monkeypatch):
     """A failure inside the scheduler's plan building (pages already taken for the new rows)
     leaks no page or slot."""
-    llm = LLM(str(tiny_dir), **ENGINE)
+    llm = llm_for(tiny_dir, **ENGINE)  # the plan builder is patched back by monkeypatch
     sch = llm.engine.scheduler
     real, calls = sch._build_plan, []
 
@@ -83,10 +83,13 @@ def test_fault_mid_plan_leaves_consistent_pages(tiny_dir, ref, monkeypatch):
     assert sch.free_pages == sch.allocator.num_total  # free counts evictable cached pages
 
 
-def test_llm_generate_reports_a_failed_request(tiny_dir, ref):
-    llm = LLM(str(tiny_dir), **ENGINE)
-    _fail_once(llm.engine, on_call=1)
-    out = llm.generate(PROMPTS[:3], GREEDY)
+def test_llm_generate_reports_a_failed_request(tiny_dir, llm_for, ref):
+    llm = llm_for(tiny_dir, **ENGINE)
+    failing = fail_once(llm.engine, on_call=1)
+    try:
+        out = llm.generate(PROMPTS[:3], GREEDY)
+    finally:  # the shared engine gets its own step back
+        llm.engine._step = failing.real
     assert [o.finish_reason for o in out] == ["error", "error", "length"]
     assert out[0].error and out[0].token_ids == [] and out[2].token_ids == ref[PROMPTS[2]]
 

@@ -148,13 +148,13 @@ def test_model_logits_with_int8_kv_close_to_f32_kv(tiny_llama):
     assert np.abs(q_pre - f_pre).max() > 0  # the int8 cache was really used
 
 
-def test_engine_int8_kv_generate(tiny_dir):
+def test_engine_int8_kv_generate(tiny_dir, tiny_llm):
     from jaxinfer import LLM, SamplingParams
 
     d = tiny_dir
     sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     prompts = ["To be, or not to be", "Now is the winter of our discontent"]
-    f = LLM(str(d), max_slots=2, page_size=8, max_model_len=128).generate(prompts, sp)
+    f = tiny_llm.generate(prompts, sp)  # the f32 cache's tokens (slots and length change none)
     llm8 = LLM(str(d), max_slots=2, page_size=8, max_model_len=128, kv_cache_dtype="int8")
     assert isinstance(llm8.engine.cache.k[0], QuantizedPages)
     q = llm8.generate(prompts, sp)

@@ -40,18 +40,20 @@ def _hf_log_softmax(hf, ids) -> np.ndarray:
         return torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1).numpy()
 
 
-def test_batched_greedy_with_chunking_and_preemption_equals_alone_and_hf(tiny_dir, hf):
+def test_batched_greedy_with_chunking_and_preemption_equals_alone_and_hf(tiny_dir, llm_for, hf):
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     # every third request also scores its prompt (prompt logprobs, top 3)
     scored = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
     # 4 slots, 19 usable pages of 8 tokens: the long prompts need up to 14 pages each ->
     # preemption; a 16-token budget chunks every prompt longer than that.
+    # its own: its preemptions are this test's
     small = LLM(str(tiny_dir), max_slots=4, page_size=8, num_pages=20, max_model_len=128,
                 prefill_chunk=16)
     batched = small.generate(PROMPTS, [scored if i % 3 == 0 else greedy
                                        for i in range(len(PROMPTS))])
     assert small.engine.scheduler.num_preemptions > 0
-    alone = LLM(str(tiny_dir), max_slots=1, page_size=8, max_model_len=256)
+    # one slot: each request runs alone (its max_model_len, test_grpc's, only bounds lengths)
+    alone = llm_for(tiny_dir, max_slots=1, page_size=8, max_model_len=1024)
     for i, (p, out) in enumerate(zip(PROMPTS, batched)):
         single = alone.generate([p], greedy)[0]
         assert out.token_ids == single.token_ids, p
@@ -74,12 +76,12 @@ def test_batched_greedy_with_chunking_and_preemption_equals_alone_and_hf(tiny_di
     assert small.engine.scheduler.free_pages == 19  # nothing leaked
 
 
-def test_async_scheduling_gives_the_sync_outputs(tiny_dir):
+def test_async_scheduling_gives_the_sync_outputs(tiny_dir, llm_for):
     """One plan ahead (decode inputs fed on the device) vs every step waiting for the last:
     same tokens, texts and finish reasons under chunking, preemption, seeded sampling, stop
     tokens (each finishing run has a dropped row after its stop) and stop strings."""
     kw = dict(max_slots=4, page_size=8, num_pages=20, max_model_len=128, prefill_chunk=16)
-    sync = LLM(str(tiny_dir), async_scheduling=False, **kw)
+    sync = llm_for(tiny_dir, async_scheduling=False, **kw)
     free = sync.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
     params = []
     for i, out in enumerate(free):
@@ -93,7 +95,7 @@ def test_async_scheduling_gives_the_sync_outputs(tiny_dir):
             params.append(SamplingParams(max_tokens=10 + i, temperature=0.0, ignore_eos=True))
     want = sync.generate(PROMPTS, params)
     assert not sync.engine.async_scheduling
-    fast = LLM(str(tiny_dir), **kw)
+    fast = LLM(str(tiny_dir), **kw)  # its own: its scheduler is patched, its preemptions counted
     assert fast.engine.async_scheduling
     fed, schedule = [], fast.engine.scheduler.schedule
 
@@ -188,13 +190,14 @@ def test_no_new_compilations_after_warmup(tiny_dir):
     assert llm.engine.compile_count == warm
 
 
-def test_min_token_bucket_sets_the_smallest_step_and_changes_no_output(tiny_dir, monkeypatch):
+def test_min_token_bucket_sets_the_smallest_step_and_changes_no_output(tiny_dir, llm_for,
+                                                                       monkeypatch):
     from jaxinfer.runtime.config import EngineConfig
     from jaxinfer.runtime.engine import min_token_bucket
 
     kw = dict(max_slots=4, page_size=8, max_model_len=64, prefill_chunk=16)
-    small = LLM(str(tiny_dir), min_token_bucket=1, **kw)
-    big = LLM(str(tiny_dir), min_token_bucket=16, **kw)
+    small = llm_for(tiny_dir, min_token_bucket=1, **kw)
+    big = llm_for(tiny_dir, min_token_bucket=16, **kw)
     assert small.engine.scheduler.token_buckets == (1, 2, 4, 8, 16)
     assert big.engine.scheduler.token_buckets == (16,)
     prompts = ["To be, or not to be", "Hello", "Now is the winter of our discontent"]
@@ -215,7 +218,7 @@ def test_min_token_bucket_sets_the_smallest_step_and_changes_no_output(tiny_dir,
         EngineConfig(min_token_bucket=0)
 
 
-def test_min_page_bucket_sets_the_narrowest_page_table_and_changes_no_output(tiny_dir,
+def test_min_page_bucket_sets_the_narrowest_page_table_and_changes_no_output(tiny_dir, llm_for,
                                                                               monkeypatch):
     """Page tables of 1, 4 and 8 pages (and 1, 4, 9 for the draft model's shadows, k = 4 past
     max_model_len) against one width: same tokens, plain and speculative."""
@@ -224,8 +227,8 @@ def test_min_page_bucket_sets_the_narrowest_page_table_and_changes_no_output(tin
 
     kw = dict(max_slots=4, page_size=8, max_model_len=64, prefill_chunk=16,
               speculative={"method": "draft", "model": str(tiny_dir), "k": 4})
-    narrow = LLM(str(tiny_dir), min_page_bucket=1, **kw)
-    wide = LLM(str(tiny_dir), min_page_bucket=8, **kw)
+    narrow = llm_for(tiny_dir, min_page_bucket=1, **kw)
+    wide = llm_for(tiny_dir, min_page_bucket=8, **kw)
     assert narrow.engine.scheduler.page_buckets == (1, 4, 8)
     assert narrow.engine.proposer.page_buckets == (1, 4, 9)
     assert wide.engine.scheduler.page_buckets == (8,) and wide.engine.proposer.page_buckets == (8, 9)

@@ -51,9 +51,12 @@ def _check_pool(llm):
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("num_pages", [None, 18], ids=["roomy", "pressure"])
-def test_outputs_identical_with_and_without_prefix_caching(tiny_dir, sampled, num_pages):
+def test_outputs_identical_with_and_without_prefix_caching(tiny_dir, llm_for, sampled,
+                                                            num_pages):
+    # `on` starts cold (its hit rate, preemptions and evictions are this test's); `off` keeps
+    # nothing between requests, so it is shared
     on = LLM(str(tiny_dir), **_engine_opts(num_pages=num_pages))
-    off = LLM(str(tiny_dir), **_engine_opts(num_pages=num_pages, enable_prefix_caching=False))
+    off = llm_for(tiny_dir, **_engine_opts(num_pages=num_pages, enable_prefix_caching=False))
     assert on.config.enable_prefix_caching and not off.config.enable_prefix_caching
     prompts = _workload(on.tokenizer)
     params = _params(len(prompts), sampled)
@@ -106,7 +109,7 @@ def _finite(out):
                for lp in out.logprobs)
 
 
-def test_nan_poisoned_free_pages_never_leak(tiny_dir):
+def test_nan_poisoned_free_pages_never_leak(tiny_dir, llm_for):
     """After each round, every page neither held nor cached is NaN-filled; the next round's
     requests (sharing cached prefixes, evicting and reusing pages) must match a fresh engine's
     outputs exactly, with finite logprobs. A page handed to a new sequence is only partly written,
@@ -122,7 +125,8 @@ def test_nan_poisoned_free_pages_never_leak(tiny_dir):
         _poison_unused_pages(llm, free)
         params = _params(len(batch), sampled=rnd == 1)
         got = llm.generate(batch, params)
-        fresh = LLM(str(tiny_dir), **dict(opts, enable_prefix_caching=False)).generate(batch, params)
+        fresh = llm_for(tiny_dir, **dict(opts, enable_prefix_caching=False)).generate(batch,
+                                                                                     params)
         for g, w in zip(got, fresh):
             assert _finite(g), (rnd, g.prompt_token_ids)
             assert g.token_ids == w.token_ids, (rnd, g.prompt_token_ids)
@@ -148,8 +152,8 @@ def test_nan_detector_works_on_a_shared_cached_page(tiny_dir):
     assert not _finite(again)
 
 
-def test_prefix_caching_flag_and_usage_keys(tiny_dir):
-    llm = LLM(str(tiny_dir), **_engine_opts(enable_prefix_caching=False))
+def test_prefix_caching_flag_and_usage_keys(tiny_dir, llm_for):
+    llm = llm_for(tiny_dir, **_engine_opts(enable_prefix_caching=False))
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0.0))[0]
     assert set(out.usage) == {"prompt_tokens", "completion_tokens", "cached_tokens"}
     assert llm.engine.scheduler.enable_prefix_caching is False

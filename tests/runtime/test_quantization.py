@@ -260,10 +260,10 @@ PROMPTS = ["To be, or not to be", "Now is the winter of our discontent", "O Rome
 
 
 @pytest.fixture(scope="module")
-def f32_tokens(tiny_dir):
-    from jaxinfer import LLM, SamplingParams
+def f32_tokens(tiny_dir, llm_for):
+    from jaxinfer import SamplingParams
 
-    llm = LLM(str(tiny_dir), max_slots=4, page_size=8, max_model_len=128)
+    llm = llm_for(tiny_dir, max_slots=4, page_size=8, max_model_len=128)
     return [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(**GREEDY))]
 
 
@@ -459,11 +459,11 @@ def test_quantize_params_smooths_int8_w8a8_only(tiny_models):
         np.testing.assert_array_equal(np.asarray(sm.wo.values), np.asarray(pl.wo.values))
 
 
-def test_llm_int8_is_smoothed_at_load_weight_only_is_not(tiny_dir):
+def test_llm_int8_is_smoothed_at_load_weight_only_is_not(tiny_dir, tiny_llm):
     from jaxinfer import LLM
 
     kw = dict(max_slots=1, page_size=8, max_model_len=64)
-    f32 = LLM(str(tiny_dir), **kw).engine.params
+    f32 = tiny_llm.engine.params  # the f32 weights: an engine's slots and length do not change them
     w8a8 = LLM(str(tiny_dir), quantization="int8", **kw).engine.params
     wo = LLM(str(tiny_dir), quantization="int8", quant_mode="weight_only", **kw).engine.params
     for lf, lq, lw in zip(f32.layers, w8a8.layers, wo.layers):

@@ -30,8 +30,8 @@ def dirs(tiny_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def plain(dirs):
-    return LLM(str(dirs[0]), max_slots=4, **OPTS)
+def plain(dirs, llm_for):
+    return llm_for(dirs[0], max_slots=4, **OPTS)
 
 
 @pytest.fixture(scope="module")
@@ -47,18 +47,10 @@ def _specs(dirs):
 
 
 @pytest.fixture(scope="module")
-def spec(dirs):
-    """spec(method): the module's speculative engine for a method (4 slots, OPTS: the shapes
-    of `plain`), built once; every test leaves it empty (_no_leaks)."""
-    engines = {}
-
-    def get(method):
-        if method not in engines:
-            engines[method] = LLM(str(dirs[0]), max_slots=4, speculative=_specs(dirs)[method],
-                                  **OPTS)
-        return engines[method]
-
-    return get
+def spec(dirs, llm_for):
+    """spec(method): the shared speculative engine for a method (4 slots, OPTS: the shapes
+    of `plain`); every test leaves it empty (_no_leaks)."""
+    return lambda method: llm_for(dirs[0], max_slots=4, speculative=_specs(dirs)[method], **OPTS)
 
 
 def _no_leaks(llm):
@@ -224,7 +216,7 @@ def test_served_acceptance_rate_is_the_engines(dirs):
         results = []
         for prompt in PROMPTS[16:20]:  # repeated text: the n-gram proposer has hits
             h = loop.submit(llm.tokenizer.encode(prompt), GREEDY)
-            results += [u.result for step in h for u in step if u.finished]
+            results += [u.output for step in h for u in step if u.finished]
         proposed = sum(r.metrics["spec_proposed"] for r in results)
         accepted = sum(r.metrics["spec_accepted"] for r in results)
         assert len(results) == 4 and proposed > 0

@@ -12,7 +12,7 @@ import re
 import numpy as np
 import pytest
 
-from jaxinfer import LLM, RequestError, SamplingParams
+from jaxinfer import RequestError, SamplingParams
 from jaxinfer.runtime.host.structured import StructuredOutputs, token_bytes
 
 PROMPTS = ["To be, or not to be", "Hello", "Now is the winter of our discontent", "O Romeo",
@@ -138,7 +138,7 @@ def test_ignore_eos_with_a_constraint_is_refused():
     assert e.value.field == "ignore_eos"
 
 
-def test_constrained_rows_match_and_the_others_are_untouched(llm, tiny_dir):
+def test_constrained_rows_match_and_the_others_are_untouched(llm, tiny_dir, llm_for):
     """8 rows in one batch: 4 constraints (greedy and sampled) next to unconstrained rows. Every
     constrained output matches; unconstrained rows give exactly their tokens alone; nothing
     compiles beyond the unconstrained programs; the synchronous engine gives the same tokens
@@ -157,17 +157,17 @@ def test_constrained_rows_match_and_the_others_are_untouched(llm, tiny_dir):
         assert [o.token_ids for o in outs[4:]] == alone
     assert (llm.engine.compile_count, llm.engine._step.jitted._cache_size()) == warm
 
-    sync = LLM(str(tiny_dir), max_slots=4, page_size=8, max_model_len=256, async_scheduling=False)
+    sync = llm_for(tiny_dir, max_slots=4, page_size=8, max_model_len=256, async_scheduling=False)
     again = sync.generate(PROMPTS[:4], sps)
     assert [o.token_ids for o in again] == [o.token_ids for o in outs[:4]]
 
 
-def test_constrained_requests_under_speculative_decoding(tiny_dir, llm):
+def test_constrained_requests_under_speculative_decoding(tiny_dir, llm_for, llm):
     """Constrained rows take proposals, each verify row masked by the grammar's state after the
     proposals before it: greedy rows emit what plain decoding emits, proposals the grammar
     refuses are never emitted, sampled rows still match."""
-    spec = LLM(str(tiny_dir), max_slots=4, page_size=8, max_model_len=256,
-               speculative={"method": "ngram", "k": 3, "n": 1})
+    spec = llm_for(tiny_dir, max_slots=4, page_size=8, max_model_len=256,
+                   speculative={"method": "ngram", "k": 3, "n": 1})
     sps = [SamplingParams(max_tokens=48, temperature=0.0, structured_outputs=so)
            for so, _ in CONSTRAINTS]
     got = spec.generate(PROMPTS[:4], sps)

@@ -22,8 +22,8 @@ WORDS = ("To be or not to be that is the question whether tis nobler in the mind
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_dir):
-    return LLM(str(tiny_dir), **ENGINE)
+def llm(tiny_dir, llm_for):
+    return llm_for(tiny_dir, **ENGINE)
 
 
 def _prompt(i):

@@ -15,7 +15,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from jaxinfer import LLM, SamplingParams
+from jaxinfer import SamplingParams
 from jaxinfer.serve.grpc_server import ServerConfig, ServerThread
 from jaxinfer.serve.proto import jaxinfer_pb2, jaxinfer_pb2_grpc
 
@@ -25,8 +25,8 @@ BODY_LIMIT = 1 << 20
 
 
 @pytest.fixture(scope="module")
-def server(tiny_dir):
-    s = ServerThread(LLM(str(tiny_dir), **ENGINE),
+def server(tiny_dir, llm_for):
+    s = ServerThread(llm_for(tiny_dir, tag="server", **ENGINE),
                      ServerConfig(port=0, http_port=0, max_queue=16, max_samples=8,
                                   max_message_bytes=BODY_LIMIT, model_name=MODEL))
     yield s
@@ -178,11 +178,12 @@ def test_undecodable_protobuf_is_invalid_argument(server):
     assert_serving(server)
 
 
-def test_a_huge_prompt_does_not_stall_the_event_loop(tiny_dir):
+def test_a_huge_prompt_does_not_stall_the_event_loop(tiny_dir, llm_for):
     """Tokenizing a ~12 MB prompt takes seconds; meanwhile health and small requests on the same
     event loop answer at once (tokenization runs on the offload pool)."""
-    s = ServerThread(LLM(str(tiny_dir), **ENGINE), ServerConfig(port=0, http_port=0,
-                                                                model_name=MODEL))
+    # a second server beside the module's: the untagged engine (the module's is tagged)
+    s = ServerThread(llm_for(tiny_dir, **ENGINE), ServerConfig(port=0, http_port=0,
+                                                               model_name=MODEL))
     try:
         text = "To be or not to be, that is the question. " * 280_000  # ~12 MB
         result = {}

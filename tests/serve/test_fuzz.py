@@ -18,7 +18,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxinfer import LLM
 from jaxinfer.runtime.host.requests import (SAMPLING_FIELDS, Limits, RequestError, check_request, parse_prompt,
                               sampling_from_json)
 from jaxinfer.runtime.host.batch import LineError, _Parser
@@ -106,8 +105,8 @@ def test_jsonl_line_is_a_job_or_a_line_error(line):
 
 # ---- the servers ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def server(tiny_dir):
-    s = ServerThread(LLM(str(tiny_dir), max_slots=4, page_size=8, max_model_len=256),
+def server(tiny_dir, llm_for):
+    s = ServerThread(llm_for(tiny_dir, tag="server", max_slots=4, page_size=8, max_model_len=256),
                      ServerConfig(port=0, http_port=0, max_queue=32, model_name=MODEL,
                                   max_message_bytes=1 << 20))
     yield s

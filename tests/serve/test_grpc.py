@@ -27,13 +27,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="session")
-def ref_llm(tiny_dir):
-    return LLM(str(tiny_dir), **ENGINE)
+def ref_llm(tiny_dir, llm_for):
+    return llm_for(tiny_dir, **ENGINE)
 
 
 @pytest.fixture(scope="module")
-def server(tiny_dir):
-    s = ServerThread(LLM(str(tiny_dir), **ENGINE),
+def server(tiny_dir, llm_for):
+    s = ServerThread(llm_for(tiny_dir, tag="server", **ENGINE),
                      ServerConfig(port=0, metrics_port=0, max_queue=64, max_samples=4))
     yield s
     s.stop()
@@ -423,8 +423,8 @@ def test_bench_serving_writes_json_and_plot(server, tmp_path):
 
 # ---- back-pressure, auth + TLS, engine fault (their own servers) --------------------------------
 @pytest.fixture(scope="module")
-def aux_llm(tiny_dir):
-    return LLM(str(tiny_dir), max_slots=1, page_size=8, max_model_len=1024)
+def aux_llm(tiny_dir, llm_for):
+    return llm_for(tiny_dir, max_slots=1, page_size=8, max_model_len=1024)
 
 
 def test_full_queue_resource_exhausted_at_once(aux_llm):
