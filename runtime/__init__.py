@@ -1,2 +1,3 @@
-"""The engine: typed configs, the request door, the host scheduler (no JAX), the jitted steps and
-the pure model. The public names are re-exported by `jaxinfer`."""
+"""The engine, in rooms: runtime/host/ (no JAX), runtime/device/ (JAX), the two schemas they
+share (config.py, plan.py), and the engine level over them (llm.py, build.py, engine.py,
+proposers.py, adapters.py). The public names are re-exported by `jaxinfer`."""

@@ -149,14 +149,14 @@ class ModelConfig:
         return cls(**d)
 
 
-# ---- latency targets (runtime/host/slo.py) ----
+# ---- latency targets (runtime/host/admission.py) ----
 STARVE_FACTOR = 5.0  # max wait = this x the TTFT budget
 DEFAULT_MAX_WAIT_S = 30.0  # ... without one
 
 
 @dataclass(frozen=True)
 class SloConfig:
-    """Latency targets of the scheduler's admission (runtime/host/slo.py); seconds."""
+    """Latency targets of the scheduler's admission (runtime/host/admission.py); seconds."""
 
     itl_s: float | None = None  # decode steps' time budget
     ttft_s: float | None = None  # time-to-first-token budget
