@@ -81,7 +81,10 @@ def _help(o: Option) -> str:
 
 
 def _json(text: str):
-    return json.loads(text)
+    try:
+        return json.loads(text)
+    except RecursionError:  # argparse reports a ValueError as "invalid JSON value"
+        raise ValueError("nested too deeply") from None
 
 
 _json.__name__ = "JSON"  # argparse: "invalid JSON value: ..."

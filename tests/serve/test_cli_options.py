@@ -187,9 +187,15 @@ def test_every_row_round_trips_from_its_flag(cli):
 def test_bad_flags_name_the_option(capsys):
     for argv, flag in [(["--dtype", "float16"], "--dtype"), (["--max-slots", "x"], "--max-slots"),
                        (["--speculative", "{bad"], "--speculative"),
-                       (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype")]:
+                       (["--speculative", "[" * 5000 + "]" * 5000], "--speculative"),  # deep
+                       (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype"),
+                       (["--itl-slo-ms", "nan"], None)]:
         p = argparse.ArgumentParser()
         engine_args(p)
+        if flag is None:  # parses; the config refuses it, naming the option
+            with pytest.raises(OptionError, match="^itl_slo_ms must be a finite number"):
+                EngineConfig(**engine_kwargs(p.parse_args(argv)))
+            continue
         with pytest.raises(SystemExit):
             p.parse_args(argv)
         assert f"argument {flag}" in capsys.readouterr().err
