@@ -396,20 +396,33 @@ ENGINE_RULES = (
 )
 
 
+def checked_dataclass(name: str, fields, check: Callable, rules, error: type, *, bases=(),
+                      finish: Callable | None = None) -> type:
+    """A frozen dataclass of `fields` [(name, annotation, default)] whose construction checks
+    every field (`check(name, value)` -> the value to keep), then every rule (field at fault,
+    holds(obj), reason formatted with c=obj; `error(field, reason)` when one fails), then runs
+    `finish(obj)` (normal forms). The engine options and the request door's sampling fields are
+    both tables made into classes this way."""
+
+    def __post_init__(self):
+        for n, _, _ in fields:
+            object.__setattr__(self, n, check(n, getattr(self, n)))
+        for n, holds, reason in rules:
+            if not holds(self):
+                raise error(n, reason.format(c=self))
+        if finish is not None:
+            finish(self)
+
+    return make_dataclass(name, [(n, a, dataclasses.field(default=d)) for n, a, d in fields],
+                          bases=bases, frozen=True, namespace={"__post_init__": __post_init__})
+
+
 def config_class(name: str, options=ENGINE_OPTIONS, rules=ENGINE_RULES, bases=()) -> type:
     """A frozen dataclass with one field per option (table order, the option's default) whose
     construction checks every field (Option.check), then every rule."""
-
-    def __post_init__(self):
-        for o in options:
-            object.__setattr__(self, o.name, o.check(getattr(self, o.name)))
-        for opt, holds, reason in rules:
-            if not holds(self):
-                raise OptionError(opt, reason.format(c=self))
-
-    fields = [(o.name, o.annotation, dataclasses.field(default=o.default)) for o in options]
-    return make_dataclass(name, fields, bases=bases, frozen=True,
-                          namespace={"__post_init__": __post_init__})
+    rows = {o.name: o for o in options}
+    return checked_dataclass(name, [(o.name, o.annotation, o.default) for o in options],
+                             lambda n, v: rows[n].check(v), rules, OptionError, bases=bases)
 
 
 class _EngineConfigViews:

@@ -67,7 +67,7 @@ import time
 import uuid
 
 from jaxinfer.runtime.host.batch import (BatchError, encode_record, fsync_dir_of, id_key,
-                                         prepare_output, run_batch)
+                                         prepare_output, run_batch, write_all)
 
 RECORD_COLUMNS = ("id", "text", "token_ids", "finish_reason", "usage", "metrics", "error")
 JSON_COLUMNS = ("logprobs", "prompt_logprobs")
@@ -420,10 +420,8 @@ class _Appender:
 
 
 def _write_all(f, data: bytes) -> None:
-    """Every byte to an unbuffered file (a raw write may take fewer), then fsync."""
-    view = memoryview(data)
-    while view:
-        view = view[f.write(view):]
+    """Every byte to an unbuffered file, then fsync."""
+    write_all(f, data)
     os.fsync(f.fileno())
 
 

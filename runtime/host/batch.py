@@ -244,10 +244,7 @@ class _Writer:
         self.unsynced = 0
 
     def write(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            n = self.f.write(view)
-            view = view[n:]
+        write_all(self.f, data)
         if self.fsync == "line":
             os.fsync(self.f.fileno())
         else:
@@ -261,6 +258,13 @@ class _Writer:
     def close(self) -> None:
         self.commit()
         self.f.close()
+
+
+def write_all(f, data: bytes) -> None:
+    """Every byte of `data` to the unbuffered file `f` (one raw write may take fewer)."""
+    view = memoryview(data)
+    while view:
+        view = view[f.write(view):]
 
 
 def fsync_dir_of(path: str) -> None:

@@ -204,7 +204,7 @@ class OutputProcessor:
         string completed by these tokens ends it too: the delta is then finished with "stop"
         while `finished` was False (the caller retires it from the scheduler)."""
         st = self._live[request_id]
-        p = st.params
+        p, first_lp = st.params, len(st.logprobs)
         stop_at = None  # several tokens in one step: none after a completed stop string
         for idx, tok in enumerate(new_ids):
             st.token_ids.append(tok)
@@ -229,8 +229,7 @@ class OutputProcessor:
         upto = len(st.text) if finished else len(st.text) - _holdback(st.text, p.stop)
         text = st.text[st.emitted:upto]
         st.emitted = max(st.emitted, upto)
-        lp = st.logprobs[len(st.logprobs) - len(new_ids):] if p.logprobs is not None else []
-        delta = RequestDelta(request_id, text, list(new_ids), list(lp),
+        delta = RequestDelta(request_id, text, list(new_ids), st.logprobs[first_lp:],
                              prompt_logprobs=self._prompt_once(st))
         if finished:
             self._end(st, delta, reason, now, error)

@@ -20,12 +20,12 @@ No JAX here: the host scheduler imports SamplingParams.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import numbers
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, make_dataclass
+from dataclasses import dataclass
 
+from jaxinfer.runtime.config import checked_dataclass
 from jaxinfer.runtime.host.errors import RequestError
 from jaxinfer.runtime.host.structured import StructuredOutputs
 
@@ -171,20 +171,15 @@ def sampling_class(name: str = "SamplingParams", table: Mapping[str, Field] = SA
     construction checks every field (check_field), then every rule, then writes the normal forms
     (temperature under GREEDY_BELOW: 0; top_k -1: 0)."""
 
-    def __post_init__(self):
-        for n in table:
-            object.__setattr__(self, n, check_field(n, getattr(self, n), table))
-        for field_, holds, reason in rules:
-            if not holds(self):
-                raise RequestError(field_, reason)
+    def normal_forms(self):
         if self.temperature < GREEDY_BELOW:
             object.__setattr__(self, "temperature", 0.0)
         if self.top_k < 0:
             object.__setattr__(self, "top_k", 0)
 
-    fields = [(n, f.annotation, dataclasses.field(default=f.default)) for n, f in table.items()]
-    return make_dataclass(name, fields, bases=(_SamplingViews,), frozen=True,
-                          namespace={"__post_init__": __post_init__})
+    return checked_dataclass(name, [(n, f.annotation, f.default) for n, f in table.items()],
+                             lambda n, v: check_field(n, v, table), rules, RequestError,
+                             bases=(_SamplingViews,), finish=normal_forms)
 
 
 SamplingParams = sampling_class()
