@@ -165,9 +165,10 @@ class LatencyTargets(FirstComeFirstServed):
             return
         wait = self.predicted_wait(sched, prompt_len, priority)
         if wait > ttft:
+            who = f"request {request_id!r}: " if request_id else ""  # (an arrival has none)
             raise Overloaded(
-                f"request {request_id!r}: predicted time to first token {wait:.2f} s exceeds "
-                f"the {ttft:.2f} s budget (server overloaded)", retry_after_s=wait - ttft)
+                f"{who}predicted time to first token {wait:.2f} s exceeds the {ttft:.2f} s "
+                "budget (server overloaded)", retry_after_s=wait - ttft)
 
     def _warn_floor(self, sched) -> None:
         """Say once when the ITL budget is below a one-sequence decode step: it cannot be met,
