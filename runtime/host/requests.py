@@ -34,12 +34,17 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI caps logit_bias
+MAX_BAD_WORDS = 32  # strings; each may not be completed as its tokens (with and without a space)
+MAX_ALLOWED_IDS = 1 << 18
 GREEDY_BELOW = 1e-5  # a temperature under this samples greedily (vLLM's epsilon)
 
 
 # ---- the sampling field table ------------------------------------------------------------------
 KIND_TYPES = {"int": int, "float": float, "bool": bool, "strings": tuple[str, ...],
-              "ids": tuple[int, ...], "structured": StructuredOutputs}
+              "ids": tuple[int, ...], "bias": tuple[tuple[int, float], ...],
+              "structured": StructuredOutputs}
+MAX_ITEMS = {"strings": MAX_STOP_STRINGS, "ids": MAX_STOP_TOKEN_IDS, "bias": MAX_LOGIT_BIAS}
 
 
 @dataclass(frozen=True)
@@ -49,13 +54,20 @@ class Field:
     line a flag, serve/engine_args.py `sampling_args`) derive from the row."""
 
     kind: str  # "int" | "float" | "bool" | "strings" (str or list of str) | "ids" (list of int)
-    #            | "structured" (a StructuredOutputs or its JSON object; runtime/host/structured.py)
+    #            | "bias" ({token id: value}, ids as ints or decimal strings; kept as sorted
+    #            (id, value) pairs) | "structured" (a StructuredOutputs or its JSON object;
+    #            runtime/host/structured.py)
     default: object
-    lo: float | None = None
+    lo: float | None = None  # strings: characters a string; bias: a value's range
     hi: float | None = None
     lo_open: bool = False  # (lo, hi] instead of [lo, hi]
     nullable: bool = False  # None is a value of its own (not "the default")
     doc: str = ""
+    max_items: int | None = None  # strings, ids, bias: entries at most (None: MAX_ITEMS[kind])
+
+    @property
+    def most(self) -> int:
+        return self.max_items or MAX_ITEMS[self.kind]
 
     @property
     def annotation(self):
@@ -86,6 +98,39 @@ SAMPLING_FIELDS: dict[str, Field] = {
                              doc="logprob and top-n of each prompt token after the first "
                                  "(computed in prefill); null: none"),
     "ignore_eos": Field("bool", False, doc="keep generating past EOS"),
+    "min_tokens": Field("int", 0, 0, INT32_MAX,
+                        doc="EOS and stop_token_ids cannot end the output (nor a stop string "
+                            "match) before this many tokens"),
+    "repetition_penalty": Field("float", 1.0, 0.0, 10.0, lo_open=True,
+                                doc="HF/vLLM's: a token already in the prompt or output has its "
+                                    "logit divided by this (multiplied if negative); 1: off"),
+    "presence_penalty": Field("float", 0.0, -2.0, 2.0,
+                              doc="OpenAI's: subtracted from the logit of every token already "
+                                  "in the output; 0: off"),
+    "frequency_penalty": Field("float", 0.0, -2.0, 2.0,
+                               doc="OpenAI's: subtracted once per earlier occurrence in the "
+                                   "output; 0: off"),
+    "logit_bias": Field("bias", (), -100.0, 100.0,
+                        doc=f"{{token id: bias in [-100, 100]}} added to the logits, at most "
+                            f"{MAX_LOGIT_BIAS} entries"),
+    "bad_words": Field("strings", (), 1, 256, max_items=MAX_BAD_WORDS,
+                       doc=f"at most {MAX_BAD_WORDS} words whose tokens (with and without a "
+                           "leading space) may not be completed"),
+    "allowed_token_ids": Field("ids", None, nullable=True, max_items=MAX_ALLOWED_IDS,
+                               doc="sample only these ids; null: any"),
+    "n": Field("int", 1, 1, 128, doc="completions returned for the prompt (they share its "
+                                     "prefix pages)"),
+    "best_of": Field("int", None, 1, 128, nullable=True,
+                     doc="completions generated, the n with the highest cumulative logprob "
+                         "returned; null: n"),
+    "include_stop_str_in_output": Field("bool", False,
+                                        doc="keep the matched stop string at the end of the text"),
+    "skip_special_tokens": Field("bool", True, doc="leave special tokens out of the text"),
+    "spaces_between_special_tokens": Field("bool", True,
+                                           doc="a space between special tokens in the text "
+                                               "(when they are kept)"),
+    "truncate_prompt_tokens": Field("int", None, 1, INT32_MAX, nullable=True,
+                                    doc="keep only the prompt's last k tokens; null: all"),
     "priority": Field("int", 0, -(2**31), 2**31 - 1,
                       doc="scheduling priority, lower first (vLLM's convention)"),
     "structured_outputs": Field("structured", None, nullable=True,
@@ -99,6 +144,8 @@ SAMPLING_RULES = (
     ("ignore_eos", lambda p: not (p.ignore_eos and p.structured_outputs is not None),
      "cannot be combined with structured_outputs (a constrained output ends at the grammar's "
      "end)"),
+    ("min_tokens", lambda p: p.min_tokens <= p.max_tokens, "must be at most max_tokens"),
+    ("best_of", lambda p: p.best_of is None or p.best_of >= p.n, "must be at least n"),
 )
 
 
@@ -114,7 +161,7 @@ def check_field(name: str, v, table: Mapping[str, Field] = SAMPLING_FIELDS):
     """One field's value, type-checked, range-checked and normalized; RequestError otherwise."""
     f = table[name]
     if v is None:
-        if f.nullable or f.kind in ("strings", "ids"):
+        if f.nullable or f.kind in ("strings", "ids", "bias"):
             return f.default
         raise RequestError(name, "must not be null")
     if f.kind == "structured":
@@ -141,17 +188,45 @@ def check_field(name: str, v, table: Mapping[str, Field] = SAMPLING_FIELDS):
         items = [v] if isinstance(v, str) else v
         if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) for s in items):
             raise RequestError(name, f"must be a string or a list of strings, got {_show(v)}")
-        if len(items) > MAX_STOP_STRINGS:
-            raise RequestError(name, f"takes at most {MAX_STOP_STRINGS} strings, got {len(items)}")
+        if len(items) > f.most:
+            raise RequestError(name, f"takes at most {f.most} strings, got {len(items)}")
         if any(not f.lo <= len(s) <= f.hi for s in items):
             raise RequestError(name, f"strings must be {int(f.lo)}..{int(f.hi)} characters")
         return tuple(items)
+    if f.kind == "bias":
+        return _check_bias(name, v, f)
     # "ids"
     if not isinstance(v, (list, tuple)) or not all(_is_int(t) for t in v):
         raise RequestError(name, f"must be a list of integers, got {_show(v)}")
-    if len(v) > MAX_STOP_TOKEN_IDS:
-        raise RequestError(name, f"takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(v)}")
+    if len(v) > f.most:
+        raise RequestError(name, f"takes at most {f.most} ids, got {len(v)}")
+    if f.nullable and not v:
+        raise RequestError(name, "must not be empty (null: no restriction)")
     return tuple(int(t) for t in v)
+
+
+def _check_bias(name: str, v, f: Field) -> tuple[tuple[int, float], ...]:
+    """{id: value} (JSON keys are strings) or (id, value) pairs -> sorted (id, value) pairs."""
+    if isinstance(v, Mapping):
+        items = list(v.items())
+    elif isinstance(v, (list, tuple)) and all(isinstance(e, (list, tuple)) and len(e) == 2
+                                              for e in v):
+        items = [tuple(e) for e in v]
+    else:
+        raise RequestError(name, f"must be an object of token id -> bias, got {_show(v)}")
+    if len(items) > f.most:
+        raise RequestError(name, f"takes at most {f.most} entries, got {len(items)}")
+    out = {}
+    for k, b in items:
+        if isinstance(k, str) and k.strip().lstrip("-").isdigit() and len(k) <= 12:
+            k = int(k)
+        if not _is_int(k) or not 0 <= k <= INT32_MAX:
+            raise RequestError(name, f"keys must be token ids, got {_show(k)}")
+        if isinstance(b, bool) or not isinstance(b, numbers.Real) or not math.isfinite(b) \
+                or not f.lo <= b <= f.hi:
+            raise RequestError(f"{name}.{k}", f"must be a number {_range_text(f)}, got {_show(b)}")
+        out[int(k)] = float(b)
+    return tuple(sorted(out.items()))
 
 
 def _show(v) -> str:
