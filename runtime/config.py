@@ -33,6 +33,7 @@ QUANTIZATIONS = (None, *FORMATS, "gguf", "dequantize")
 MODES = ("w8a8", "weight_only")
 KV_CACHE_DTYPES = ("auto", "int8")
 WEIGHT_LAYOUTS = ("auto", "as_loaded", "output_major")  # runtime/device/weight_layout.py
+TASKS = ("auto", "generate", "embed")  # runtime/embedding.py
 
 
 class ConfigError(ValueError):
@@ -324,6 +325,10 @@ ENGINE_OPTIONS = (
            help="KV pages: auto = the compute dtype; int8 = per-token-per-head scales "
                 "(XLA attention path)"),
     Option("max_slots", int, 8, lo=1, help="sequences the engine runs at once"),
+    Option("logprobs_mode", str, "raw_logprobs", choices=("raw_logprobs", "processed_logprobs"),
+           help="logprobs of the model's own distribution, or of the one sampled from (after "
+                "penalties, logit_bias, bans and structured-output masks; before temperature "
+                "and top-k/p)"),
     Option("page_size", int, 16, lo=1, help="tokens per KV page"),
     Option("num_pages", int, None, lo=2, nullable=True,
            help="KV pages in the pool, the null page 0 included (default: enough for every "
@@ -363,6 +368,11 @@ ENGINE_OPTIONS = (
     Option("async_scheduling", bool, True,
            help="plan and launch step n+1 while step n runs (off, with speculative decoding or "
                 "on several hosts: each step waits for the previous step's tokens)"),
+    Option("task", str, "auto", choices=TASKS,
+           help="what start-up prepares for: embed = warm-up compiles the embedding programs "
+                "(LLM.embed, POST /v1/embeddings) instead of the generation steps; auto = embed "
+                "for an embedding checkpoint (architectures like Qwen3Model / LlamaModel, or a "
+                "sentence-transformers modules.json), else generate; both serve either"),
     Option("warmup", bool, False, cli="pair",
            help="compile every step shape before the first request (the command line's default: "
                 "on for `serve`, off for one-off commands; the compilation cache makes later "

@@ -30,12 +30,14 @@ import numpy as np
 from jaxinfer.runtime.build import Prepared
 from jaxinfer.runtime.config import MIN_TOKEN_BUCKET, EngineConfig
 from jaxinfer.runtime.device.kv_cache import init_cache
+from jaxinfer.runtime.device.processors import init_state, write_slot
 from jaxinfer.runtime.device.steps import make_step, sampled_tokens
 from jaxinfer.runtime.host.admission import admission_policy
 from jaxinfer.runtime.host.errors import AdapterInUse, RequestError, UnknownAdapter
 from jaxinfer.runtime.host.outputs import OutputProcessor, RequestDelta, RequestOutput
-from jaxinfer.runtime.host.requests import Limits, SamplingParams, check_request
+from jaxinfer.runtime.host.requests import Limits, SamplingParams, check_request, truncate_prompt
 from jaxinfer.runtime.host.plan_rows import LOGPROBS_BUCKET
+from jaxinfer.runtime.host.processors import Dims, ProcessorSpec, processor_fields
 from jaxinfer.runtime.host.scheduler import Request, Scheduler
 from jaxinfer.runtime.host.structured import Constraints, Grammars
 from jaxinfer.runtime.plan import STEP_GROUPS, padding_arrays, pow_buckets, verify_inputs
@@ -114,6 +116,9 @@ class Engine:
 
             self._new_cache = lambda: init_sharded_cache(make_cache, self.mesh)  # noqa: E731
         self.cache = self._new_cache()
+        # logits processors (penalties, logit_bias, bans): a state row per slot, on the device
+        self.proc_dims = Dims(cfg.vocab_size)
+        self.procs = self._new_procs()
         # ids the tokenizer can decode: a vocabulary padded past the tokenizer's (Qwen2.5: 151936
         # rows, 151665 tokens) never samples the padding rows
         self.text_vocab = min(tokenizer.vocab_size, cfg.vocab_size)
@@ -149,7 +154,8 @@ class Engine:
                 self.plan_channel = PlanChannel(PlanCodec(
                     shapes.tokens[-1], ecfg.max_slots, shapes.pages[-1],
                     self.scheduler.mask_words))
-        self._step = make_step(cfg, self.backend, shardings, vocab_limit=self.text_vocab)
+        self._step = make_step(cfg, self.backend, shardings, vocab_limit=self.text_vocab,
+                               processed_logprobs=self.processed_logprobs)
         self._inflight = None  # (plan, packed, sampled tokens) of the launched, unapplied step
         self._no_prev = None  # zeros [S]: `prev` of a step launched with nothing in flight
         # step(): calls, seconds inside, seconds of those blocked on the device's results
@@ -164,6 +170,19 @@ class Engine:
         self.consecutive_faults = 0  # ... since the last step that did not
         self.spec_proposed = 0  # proposals verified, all requests since start
         self.spec_accepted = 0  # of those, accepted
+
+    @property
+    def processed_logprobs(self) -> bool:
+        return self.ecfg.logprobs_mode == "processed_logprobs"
+
+    def _new_procs(self):
+        """Zeroed processor state rows, one per slot (replicated on a mesh)."""
+        procs = init_state(self.ecfg.max_slots, self.proc_dims.shapes())
+        if self.mesh is not None:
+            from jaxinfer.runtime.device.sharding import replicated
+
+            procs = jax.device_put(procs, replicated(self.mesh))
+        return procs
 
     @property
     def async_scheduling(self) -> bool:
@@ -194,7 +213,8 @@ class Engine:
                 page_buckets=page_buckets(e, -(-(e.max_model_len + sp.k) // e.page_size),
                                          self.backend),
                 dtype=kv_dtype)
-        self._verify = make_verify(self.cfg, self.backend, vocab_limit=self.text_vocab)
+        self._verify = make_verify(self.cfg, self.backend, vocab_limit=self.text_vocab,
+                                   processed_logprobs=self.processed_logprobs)
 
     # ---- LoRA adapters -----------------------------------------------------------------------
     def add_lora(self, name: str, path: str):
@@ -262,13 +282,18 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         prompt_ids = [int(t) for t in prompt_ids]
+        prompt_ids = truncate_prompt(prompt_ids, params)
         check_request(prompt_ids, params, self.limits)
         key = self._lora_key(lora)
+        procs = ProcessorSpec.of(params, self.eos_ids, self.tokenizer)
+        if procs is not None and self.plan_channel is not None:
+            raise RequestError(processor_fields(params)[0], "not supported with several hosts "
+                                                            "yet (the state rows are not sent)")
         if refuse_late:
             self.scheduler.check_overload(rid, len(prompt_ids), params.priority)
         now = time.monotonic()
         req = Request(request_id=rid, prompt_ids=prompt_ids, params=params, eos_ids=self.eos_ids,
-                      arrival_time=now, lora=key)
+                      arrival_time=now, lora=key, procs=procs)
         if params.structured_outputs is not None:  # scheduled once its matcher is built
             self.constraints.hold(req, params.structured_outputs)
         else:
@@ -308,6 +333,7 @@ class Engine:
                 "pages_free": sch.free_pages, "compile_count": self.compile_count,
                 "faults": self.faults, "consecutive_faults": self.consecutive_faults,
                 "spec_proposed": self.spec_proposed, "spec_accepted": self.spec_accepted,
+                "processor_state_bytes": sum(x.nbytes for x in jax.tree.leaves(self.procs)),
                 "ttft_target_s": slo.ttft_s, "itl_target_s": slo.itl_s}
 
     @property
@@ -334,14 +360,11 @@ class Engine:
             for p in sh.pages:
                 plan = padding_arrays(groups, T=t, S=s, P=p, W=w)
                 for q in sorted(qs):
-                    self.cache = self._run(plan, q, logprobs, filtered, prev=self._prev())[1]
+                    self._run(plan, q, logprobs, filtered, prev=self._prev())
                     if self._verify is not None and q > 1:  # a verify row has 1 + d > 1 tokens
                         arrays = verify_inputs(padding_arrays(
                             STEP_GROUPS + ("speculative",), T=t, S=s, P=p, K=self.spec.k, W=w))
-                        self.cache = self._verify(
-                            self.params, self.cache, self._device_masks(arrays), None,
-                            np.zeros(s, np.int32),
-                            max_q_len=q, num_logprobs=n_lp, filtered=filtered)[1]
+                        self._run_verify(arrays, None, np.zeros(s, np.int32), q, n_lp, filtered)
         if self.proposer is not None:
             self.proposer.warmup()
         return self.compile_count - before
@@ -361,7 +384,7 @@ class Engine:
             if msg is None:
                 return n
             arrays, max_q_len, num_logprobs, filtered = msg
-            self.cache = self._run(arrays, max_q_len, num_logprobs > 0, filtered)[1]
+            self._run(arrays, max_q_len, num_logprobs > 0, filtered)
             n += 1
 
     # ---- launching a step --------------------------------------------------------------------
@@ -381,8 +404,9 @@ class Engine:
         return self._no_prev
 
     def _run(self, arrays, max_q_len, logprobs, filtered, prev=None):
-        """Launch the step on a plan's arrays. Rows scoring prompt tokens (prompt_targets >= 0)
-        select the step's prompt-logprob program, whose output is (packed, prompt rows)."""
+        """Launch the step on a plan's arrays (the cache and processor state move on); -> its
+        packed output. Rows scoring prompt tokens (prompt_targets >= 0) select the step's
+        prompt-logprob program, whose output is (packed, prompt rows)."""
         prompt = bool((np.asarray(arrays["prompt_targets"]) >= 0).any())
         if self.plan_channel is not None and self.leader:  # followers run the same step
             self.plan_channel.send(arrays, max_q_len, LOGPROBS_BUCKET if logprobs else 0, filtered)
@@ -392,9 +416,18 @@ class Engine:
             arrays = global_plan(arrays, self.mesh)
         elif self.mesh is None:
             arrays = self._device_masks(arrays)
-        return self._step(self.params, self.cache, arrays, max_q_len=max_q_len,
-                          num_logprobs=LOGPROBS_BUCKET if logprobs else 0, filtered=filtered,
-                          prompt_logprobs=prompt, prev=prev)
+        packed, self.cache, self.procs = self._step(
+            self.params, self.cache, arrays, max_q_len=max_q_len,
+            num_logprobs=LOGPROBS_BUCKET if logprobs else 0, filtered=filtered,
+            prompt_logprobs=prompt, prev=prev, procs=self.procs)
+        return packed
+
+    def _run_verify(self, arrays, q_probs, q_rows, max_q_len, num_logprobs, filtered):
+        """Launch the verify step (the cache and processor state move on); -> its packed output."""
+        packed, self.cache, self.procs = self._verify(
+            self.params, self.cache, self._device_masks(arrays), q_probs, q_rows,
+            max_q_len=max_q_len, num_logprobs=num_logprobs, filtered=filtered, procs=self.procs)
+        return packed
 
     def _device_masks(self, arrays: dict) -> dict:
         """The plan's token masks (token_bitmask, and draft_bitmask of a verify step) as device
@@ -452,6 +485,8 @@ class Engine:
         if any(x.is_deleted() for x in jax.tree.leaves(self.cache)):
             self.cache = self._new_cache()
             self.scheduler.reset_prefix_cache()
+        if any(x.is_deleted() for x in jax.tree.leaves(self.procs)):
+            self.procs = self._new_procs()  # the running requests failed: no row is in use
         now, why = time.monotonic(), f"engine step failed: {type(exc).__name__}: {exc}"
         return [d for rid in failed if (d := self._end(rid, "error", now, why)) is not None]
 
@@ -486,6 +521,9 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan is not None and plan.lora_loads:
             self._load_lora_slots(plan.lora_loads)
+        for slot, seq in plan.proc_loads if plan is not None else ():
+            row = seq.req.procs.slot_row(self.proc_dims, seq.req.prompt_ids, seq.output_ids)
+            self.procs = write_slot(self.procs, np.int32(slot), row)
         if plan is not None and self.constraints is not None and plan.constrained.any():
             self.constraints.fill(plan)
         return plan
@@ -512,8 +550,7 @@ class Engine:
         filtered = _filtered(plan)
         if plan.has_drafts:
             return self._verify_step(plan, props, filtered)
-        packed, self.cache = self._run(plan.device_arrays(), plan.max_q_len,
-                                       plan.num_logprobs > 0, filtered)
+        packed = self._run(plan.device_arrays(), plan.max_q_len, plan.num_logprobs > 0, filtered)
         host, prompt = self._fetch(packed)  # [S, 1 (+ 1 + 2n)], [T, 1 + 2n] or None
         now = self._mark_scheduled(plan)
         return self._apply(plan, host, self.scheduler.update(plan, host[:, 0].astype(np.int32)),
@@ -529,8 +566,8 @@ class Engine:
         launched = None
         if plan is not None:
             arrays = plan.device_arrays(feed=True)
-            packed, self.cache = self._run(arrays, plan.max_q_len, plan.num_logprobs > 0,
-                                           _filtered(plan), prev=self._prev())
+            packed = self._run(arrays, plan.max_q_len, plan.num_logprobs > 0, _filtered(plan),
+                               prev=self._prev())
             for x in jax.tree.leaves(packed):
                 x.copy_to_host_async()
             launched = (plan, packed, sampled_tokens(packed))
@@ -555,9 +592,8 @@ class Engine:
             q_probs = props.q_probs
             for s, rid in enumerate(plan.request_ids):
                 q_rows[s] = props.q_rows.get(rid, 0)
-        packed, self.cache = self._verify(
-            self.params, self.cache, self._device_masks(plan.verify_arrays()), q_probs, q_rows,
-            max_q_len=plan.max_q_len, num_logprobs=plan.num_logprobs, filtered=filtered)
+        packed = self._run_verify(plan.verify_arrays(), q_probs, q_rows, plan.max_q_len,
+                                  plan.num_logprobs, filtered)
         host, _ = self._fetch(packed)  # [S, 2 + K (+ 1 + 2n)]
         now = self._mark_scheduled(plan)
         outs = self.scheduler.update(plan, host[:, 1:K + 2].astype(np.int32),
@@ -601,6 +637,14 @@ class Engine:
                 self._release(rid)
             deltas.append(d)
         return deltas
+
+    # ---- embeddings
+    def embed(self, prompts, pooling: str | None = None, normalize: bool = True) -> np.ndarray:
+        """Token-id prompts -> f32 [n, D] pooled final hidden states (runtime/embedding.py);
+        the engine's cache and scheduler are untouched. RequestError naming the field."""
+        from jaxinfer.runtime.embedding import embedder
+
+        return embedder(self)(prompts, pooling, normalize)
 
 
 def _filtered(plan) -> bool:

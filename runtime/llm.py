@@ -1,14 +1,20 @@
-"""The public Python API: `LLM(model).generate(prompts, SamplingParams(...))` and `stream`."""
+"""The public Python API: `LLM(model).generate(prompts, SamplingParams(...))`, `stream`, `embed`."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 
+import numpy as np
+
+from jaxinfer.runtime.beam_search import BeamSearch, BeamSearchParams, run_searches
 from jaxinfer.runtime.build import load
+from jaxinfer.runtime.embedding import checkpoint_defaults, embedder
 from jaxinfer.runtime.engine import Engine
 from jaxinfer.runtime.host.errors import RequestError
-from jaxinfer.runtime.host.outputs import RequestDelta, RequestOutput
-from jaxinfer.runtime.host.requests import LoRARequest, SamplingParams, check_request, parse_prompt
+from jaxinfer.runtime.host.outputs import RequestDelta, RequestOutput, best_of, grouped
+from jaxinfer.runtime.host.requests import (LoRARequest, SamplingParams, check_request,
+                                            parse_prompt, sample_params)
 
 
 class LLM:
@@ -22,6 +28,10 @@ class LLM:
         self.model = load(model, options)
         self.config, self.tokenizer = self.model.config, self.model.tokenizer
         self.engine = Engine(self.model)
+        # "generate" or "embed" (EngineConfig.task resolved) and the default embedding pooling
+        auto, pooling = checkpoint_defaults(self.model.source, self.model.cfg.architecture)
+        self.task = auto if self.config.task == "auto" else self.config.task
+        embedder(self.engine, pooling)
         self.warmup_stats: dict | None = None  # {"programs", "seconds"} of warmup()
         if self.config.warmup:
             self.warmup()
@@ -31,12 +41,13 @@ class LLM:
         buckets, the verify and draft steps), up front, so no request waits on a compile.
         Returns {"programs": step programs launched for the first time by this engine,
         "seconds": wall time}; programs compiled earlier (the persistent cache, another engine
-        of the same model in this process) load instead of compiling."""
+        of the same model in this process) load instead of compiling. Under task "embed":
+        the embedding programs (runtime/embedding.py), not the steps."""
         import logging
         import time
 
         t0 = time.perf_counter()
-        n = self.engine.warmup()
+        n = embedder(self.engine).warmup() if self.task == "embed" else self.engine.warmup()
         self.warmup_stats = {"programs": n, "seconds": time.perf_counter() - t0}
         logging.getLogger(__name__).info("warm-up: %d step programs ready in %.1f s", n,
                                          self.warmup_stats["seconds"])
@@ -76,22 +87,26 @@ class LLM:
     # ---- API ------------------------------------------------------------------------------
     def generate(self, prompts, sampling_params=None, *, use_tqdm: bool = False,
                  lora_request=None) -> list[RequestOutput]:
-        """`lora_request`: a LoRARequest for every prompt, or a list with one (or None) per
-        prompt (needs enable_lora=True)."""
-        if isinstance(prompts, str) or (
-            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
+        """One RequestOutput per prompt. With `n` / `best_of`, its `outputs` lists the n
+        completions (best_of > n: the best_of samples' n highest cumulative logprobs, best
+        first; their logprobs are computed for the ranking and returned only when asked for);
+        its own fields are the first's. With a seed, sample i uses seed + i. The samples share
+        the prompt's full KV pages (the scheduler admits the siblings once the first has
+        computed them). `lora_request`: a LoRARequest for every prompt, or a list with one (or
+        None) per prompt (needs enable_lora=True)."""
+        prompts = _prompt_list(prompts)
         limits = self.engine.limits
         inputs = [parse_prompt(p, self.tokenizer, limits) for p in prompts]
         params = self._params_list(len(inputs), sampling_params)
         for (_, pids), sp in zip(inputs, params):  # validate all before admitting any
             check_request(pids, sp, limits)
         loras = self._lora_names(len(inputs), lora_request)
-        ids, done = [], {}
+        groups, ids, done = [], [], {}
         try:
             for (text, pids), sp, lora in zip(inputs, params, loras):
-                ids.append(self.engine.add_request(pids, sp, lora=lora, prompt=text))
+                groups.append([self.engine.add_request(pids, s, lora=lora, prompt=text)
+                               for s in _samples(sp)])
+                ids += groups[-1]
             bar, mine = _progress(len(ids), use_tqdm), set(ids)
             while len(done) < len(ids):
                 for d in self.engine.step():
@@ -103,7 +118,22 @@ class LLM:
             for rid in ids:
                 if rid not in done:
                     self.engine.abort(rid)
-        return [done[rid] for rid in ids]
+        return [_group([done[rid] for rid in g], sp) for g, sp in zip(groups, params)]
+
+    def beam_search(self, prompts, params: BeamSearchParams, *,
+                    lora_request: LoRARequest | None = None) -> list[RequestOutput]:
+        """Beam search (runtime/beam_search.py: HF transformers' scoring, one engine round per
+        token, the beams' common full pages shared through the prefix cache, each beam's last
+        partial page recomputed every round). One RequestOutput per prompt whose `outputs`
+        are the beam_width hypotheses, best score first (score: cumulative_logprob /
+        len(token_ids) ** length_penalty)."""
+        prompts = _prompt_list(prompts)
+        limits = self.engine.limits
+        inputs = [parse_prompt(p, self.tokenizer, limits) for p in prompts]
+        searches = [BeamSearch(pids, params, limits, text) for text, pids in inputs]
+        run_searches(searches, lambda asks: self.generate(
+            [ids for ids, _ in asks], [sp for _, sp in asks], lora_request=lora_request))
+        return [s.output(self.tokenizer, f"beam-{i}") for i, s in enumerate(searches)]
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None, *,
                lora_request: LoRARequest | None = None) -> Iterator[RequestDelta]:
@@ -111,9 +141,12 @@ class LLM:
         ids, their logprob entries when `logprobs` is set, the prompt's logprobs on the first
         one; the last is `finished` and carries the whole `output`."""
         text, pids = parse_prompt(prompt, self.tokenizer, self.engine.limits)
+        sp = sampling_params or SamplingParams()
+        if sp.n > 1 or (sp.best_of or 1) > 1:
+            raise RequestError("n", "stream() yields one completion: use generate() for n or "
+                                    "best_of above 1")
         lora = self._lora_names(1, lora_request)[0]
-        rid = self.engine.add_request(pids, sampling_params or SamplingParams(), lora=lora,
-                                      prompt=text)
+        rid = self.engine.add_request(pids, sp, lora=lora, prompt=text)
         try:
             done = False
             while not done:
@@ -131,6 +164,44 @@ class LLM:
         from jaxinfer.runtime.host.batch import run_batch
 
         return run_batch(self.engine, self.tokenizer, str(in_path), str(out_path), **kw)
+
+    def embed(self, prompts, pooling: str | None = None, normalize: bool = True) -> np.ndarray:
+        """Embeddings of one prompt or a list (text or token ids): f32 [n, D], the final-normed
+        hidden states pooled per prompt ("last", "mean", "cls"; None: the checkpoint's, see
+        runtime/embedding.py), L2-normalized unless normalize=False. Runs the model's prefill
+        with no KV pages kept. RequestError naming the field."""
+        prompts = _prompt_list(prompts)
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
+            raise RequestError("prompts", "must be a prompt or a non-empty list of prompts")
+        ids = [parse_prompt(p, self.tokenizer, self.engine.limits)[1] for p in prompts]
+        return self.engine.embed(ids, pooling=pooling, normalize=normalize)
+
+
+def _prompt_list(prompts) -> list:
+    """One prompt (text or ids) or a list of them -> a list."""
+    if isinstance(prompts, str) or (
+        isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+    ):
+        return [prompts]
+    return prompts
+
+
+def _samples(sp: SamplingParams) -> list[SamplingParams]:
+    """The engine requests of one prompt: best_of (else n) samples, seeded by `sample_params`;
+    ranking best_of > n needs each sample's logprobs, computed even when not asked for."""
+    count = sp.best_of or sp.n
+    if count > sp.n and sp.logprobs is None:
+        sp = replace(sp, logprobs=0)
+    return sample_params(sp, count)
+
+
+def _group(outs: list[RequestOutput], sp: SamplingParams) -> RequestOutput:
+    """One prompt's samples -> its RequestOutput (one sample: as the engine made it)."""
+    if len(outs) == 1:
+        return outs[0]
+    if sp.logprobs is None:
+        outs = [replace(o, logprobs=None) for o in outs]
+    return grouped(best_of(outs, sp.n))
 
 
 def enable_compilation_cache() -> None:

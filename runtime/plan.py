@@ -62,6 +62,7 @@ PLAN_FIELDS = (
     PlanField("sample_positions", np.int32,   "S",     "sampling"),  # PRNG key input
     PlanField("constrained",      np.int32,   "S",     "sampling"),  # 1: token_bitmask applies
     PlanField("token_bitmask",    np.int32,   "S,W",   "sampling"),  # bit v: id v allowed
+    PlanField("proc_slots",       np.int32,   "S",     "sampling",    -1),  # processors' state row
     PlanField("num_draft",        np.int32,   "S",     "speculative"),
     PlanField("draft_ids",        np.int32,   "S,K",   "speculative"),
     PlanField("verify_indices",   np.int32,   "S,K+1", "speculative"),
@@ -80,6 +81,8 @@ PLAN_FIELDS = (
 # host: bookkeeping never sent to the device. constrained / token_bitmask (structured output):
 # the scheduler flags the rows, the engine fills their masks (runtime/host/structured.py);
 # draft_bitmask[s, j]: the mask of verify row j + 1, after the row's first j + 1 proposals.
+# proc_slots (logits processors: penalties, logit_bias, bans): the slot whose processor state
+# row applies to the row's sampled token, and takes it (-1: none; runtime/device/processors.py).
 
 GROUPS = tuple(dict.fromkeys(f.group for f in PLAN_FIELDS))  # every field
 STEP_GROUPS = ("tokens", "sequences", "sampling")  # the jitted step's inputs (and the codec's)
@@ -159,6 +162,7 @@ StepPlan = make_dataclass(
         ("prompt_logprobs", bool),  # some row scores prompt tokens (static): prompt_targets >= 0
         ("spec_k", int),  # K
         ("lora_loads", list),  # [(slot, adapter key)] to copy to the device before this step
+        ("proc_loads", list),  # [(slot, sequence)] processor state rows to write before it
     ],
     bases=(_StepPlanViews,),
 )
@@ -167,6 +171,9 @@ StepPlan.__doc__ = "One step: an array per PLAN_FIELDS row (plan.token_ids, ...)
 
 
 # ------------------------------------------------------------------------------- buckets
+
+
+PROMPT_BIT = 1 << 24  # processor state counts: the id is in the prompt (runtime/host/processors.py)
 
 
 def pow_buckets(lo: int, hi: int, factor: int = 2, *, cap: bool = False) -> tuple[int, ...]:

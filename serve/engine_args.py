@@ -101,6 +101,7 @@ def engine_kwargs(args: argparse.Namespace, options: tuple[Option, ...] = ENGINE
 #     bool            --ignore-eos                           True (--no-x: a row True by default)
 #     strings, ids    --stop S, --stop-token-ids ID          repeatable: a tuple
 #     structured      --structured-outputs '{"regex": ...}'  the JSON value
+#     bias            --logit-bias '{"5": 2.0}'              the JSON value
 def sampling_args(p, *, title: str = "sampling (SamplingParams fields of the same names)",
                   skip: tuple[str, ...] = (), table: Mapping[str, Field] = SAMPLING_FIELDS,
                   **defaults) -> None:
@@ -121,7 +122,7 @@ def sampling_args(p, *, title: str = "sampling (SamplingParams fields of the sam
         elif f.kind in ("strings", "ids"):
             kw |= dict(action="append", type=int if f.kind == "ids" else str,
                        metavar="ID" if f.kind == "ids" else "STR", help=kw["help"] + "; repeatable")
-        elif f.kind == "structured":
+        elif f.kind in ("structured", "bias"):
             kw |= dict(type=_json, metavar="JSON")
         else:
             t = int if f.kind == "int" else float

@@ -45,7 +45,8 @@ from dataclasses import dataclass, field
 from jaxinfer.runtime.host.errors import QueueFull, RequestError
 from jaxinfer.runtime.host.interface import EngineInterface
 from jaxinfer.runtime.host.outputs import RequestDelta, RequestOutput
-from jaxinfer.runtime.host.requests import SamplingParams, check_request
+from jaxinfer.runtime.host.requests import (SamplingParams, check_request, sample_params,
+                                            truncate_prompt)
 
 log = logging.getLogger(__name__)
 
@@ -182,9 +183,10 @@ class EngineLoop:
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams | Sequence[SamplingParams],
                request_id: str | None = None, *, n: int = 1, lora: str | None = None) -> Handle:
         """Queue `n` samples of one prompt (each an independent engine request; `params` is one
-        SamplingParams or one per sample). Raises at once: RequestError (a ValueError naming the
-        field), QueueFull, ShuttingDown, EngineFault. From inside a running event loop the
-        handle is async-iterable, otherwise sync-iterable."""
+        SamplingParams, seeded per sample by `sample_params`, or one per sample). Raises at
+        once: RequestError (a ValueError naming the field), QueueFull, ShuttingDown,
+        EngineFault. From inside a running event loop the handle is async-iterable, otherwise
+        sync-iterable."""
         return self.submit_many([(prompt_ids, params, n)], [request_id], lora=lora)[0]
 
     def submit_many(self, items: Sequence[tuple[Sequence[int], object, int]],
@@ -198,10 +200,11 @@ class EngineLoop:
         try:
             self.engine.check_lora(lora)
             for prompt_ids, params, n in items:
-                plist = list(params) if isinstance(params, (list, tuple)) else [params] * n
+                plist = (list(params) if isinstance(params, (list, tuple))
+                         else sample_params(params, n))
                 if len(plist) != n or n < 1:
                     raise RequestError("n", f"{len(plist)} sampling params for n={n}")
-                prompt_ids = [int(t) for t in prompt_ids]
+                prompt_ids = truncate_prompt([int(t) for t in prompt_ids], plist[0])
                 for p in plist:
                     check_request(prompt_ids, p, self.limits)
                 pending.append((prompt_ids, plist))
@@ -267,6 +270,13 @@ class EngineLoop:
             self._calls.append((fn, fut))
             self._cv.notify()
         return fut
+
+    def embed(self, prompts: Sequence[Sequence[int]], pooling: str | None = None,
+              normalize: bool = True) -> Future:
+        """Embed token-id prompts on the loop thread between two steps (the engine's `embed`;
+        generation waits meanwhile): the Future holds an f32 array [n, D], or the RequestError
+        naming a bad field. Raises ShuttingDown when the loop has stopped."""
+        return self.call(lambda: self.engine.embed(prompts, pooling=pooling, normalize=normalize))
 
     def cancel(self, handle_id: str) -> None:
         with self._cv:

@@ -3,8 +3,9 @@
 Services on one grpc.aio server:
   * jetstream_proto.Orchestrator (Decode, HealthCheck) — JetStream's wire format, so JetStream
     clients and its benchmark_serving.py work unchanged (see serve/proto/jetstream.proto).
-  * jaxinfer.v1.Generation (Generate, Stats) — per-request sampling, stop strings, logprobs,
-    usage and latency metrics; Stats for introspection (pages free, queue, counters).
+  * jaxinfer.v1.Generation (Generate, Stats) — per-request sampling (every row of the request
+    door's table), stop strings, logprobs, usage and latency metrics, n samples streamed with
+    their `index`; Stats for introspection (pages free, queue, counters).
   * grpc.health.v1.Health and server reflection.
 Prometheus metrics on a separate HTTP port (`--metrics-port`). With `--http-port` the
 OpenAI-compatible HTTP API (serve/openai_server.py) runs in the same asyncio loop over the same
@@ -40,7 +41,8 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from jaxinfer.runtime.host.requests import (SAMPLING_FIELDS, Limits, RequestError, SamplingParams,
-                                            check_samples, parse_prompt, sampling_from_json)
+                                            check_samples, parse_prompt, sample_params,
+                                            sampling_from_json)
 from jaxinfer.runtime.host.errors import Overloaded, QueueFull
 from jaxinfer.serve.engine_loop import EngineFault, EngineLoop, ShuttingDown
 from jaxinfer.serve.metrics import ServingMetrics
@@ -89,18 +91,21 @@ def generate_inputs(req, tokenizer, limits: Limits) -> tuple[list[int], Sampling
 
 
 def sampling_fields(req) -> dict:
-    """The sampling table's fields a request message carries, as JSON values: a repeated field
-    as a list, a field with presence (`optional`, a message) only when set, a plain scalar as it
-    is (proto3: unset reads as its zero value, so a plain scalar suits only a row whose default
-    is that zero, like ignore_eos)."""
+    """The sampling table's fields a request message carries, as JSON values: a map as a dict, a
+    repeated field as a list (empty: unset, so a nullable row's null), a field with presence
+    (`optional`, a message) only when set, a plain scalar as it is (proto3: unset reads as its
+    zero value, so a plain scalar suits only a row whose default is that zero, like
+    ignore_eos)."""
     out = {}
     on_wire = req.DESCRIPTOR.fields_by_name
     for name in SAMPLING_FIELDS:
         f = on_wire.get(name)
         if f is None:
             continue
-        if f.is_repeated:
-            out[name] = list(getattr(req, name))
+        if f.message_type is not None and f.message_type.GetOptions().map_entry:
+            out[name] = dict(getattr(req, name))
+        elif f.is_repeated:
+            out[name] = list(getattr(req, name)) or None
         elif not f.has_presence:
             out[name] = getattr(req, name)
         elif req.HasField(name):
@@ -190,11 +195,19 @@ class GenerationServicer(_Base, jaxinfer_pb2_grpc.GenerationServicer):
     async def Generate(self, request, context):
         ids, params = await self._parse(context, generate_inputs, request, self.tokenizer,
                                          self.loop.limits)
-        handle = await self._submit(context, ids, params, request_id=request.request_id,
-                                    lora=request.lora)
+        try:  # n samples, each streamed with its index (with a seed, sample i uses seed + i)
+            n = check_samples(params.n, self.cfg.max_samples)
+            if params.best_of not in (None, n):
+                raise RequestError("best_of", f"must be unset or n ({n}): every sample is "
+                                              f"streamed, got {params.best_of}")
+        except RequestError as e:
+            await self._invalid(context, e)
+        handle = await self._submit(context, ids, sample_params(params, n), n=n,
+                                    request_id=request.request_id, lora=request.lora)
         async for ups in self._updates(context, handle):
             for u in ups:
-                msg = jaxinfer_pb2.GenerateResponse(text=u.text, token_ids=u.token_ids)
+                msg = jaxinfer_pb2.GenerateResponse(text=u.text, token_ids=u.token_ids,
+                                                    index=u.index)
                 for field_, entries in (("logprobs", u.logprobs),
                                         ("prompt_logprobs", (u.prompt_logprobs or [None])[1:])):
                     for lp in entries:

@@ -2,16 +2,28 @@
 
     POST /v1/completions        prompt: str | [str] | [int] | [[int]]
     POST /v1/chat/completions   messages rendered with the checkpoint's chat template
-    GET  /v1/models             the one served model
+    POST /v1/embeddings         input: str | [str] | [int] | [[int]]; encoding_format float | base64
+    GET  /v1/models             the served model and its adapters (cards with max_model_len)
+    GET  /v1/models/{id}        one card (404 for an id not served)
+    POST /tokenize              vLLM's: {"prompt"} or {"messages"} -> {"count", "max_model_len",
+                                "tokens", "token_strs"}
+    POST /detokenize            vLLM's: {"tokens"} -> {"prompt"}
     GET  /health                200 while the engine is healthy and admitting, else 503
 
 Streaming is server-sent events (`stream: true`; `data: {...}` chunks, then `data: [DONE]`);
-`stream_options.include_usage` adds a last chunk with empty `choices` and the usage. Sampling
-fields: max_tokens / max_completion_tokens, temperature, top_p, n, stop, seed, logprobs /
-top_logprobs, plus the common extras top_k, min_p, ignore_eos, stop_token_ids (pass them with the
-openai client's `extra_body`). presence_penalty / frequency_penalty / logit_bias are not
-implemented: non-zero values are refused with a 400 naming the field, as are suffix and
-best_of != n. Tools: `tools` + `tool_choice` on chat (serve/tool_calls.py). Structured output: `response_format` {"type": "json_schema", "json_schema":
+`stream_options.include_usage` adds a last chunk with empty `choices` and the usage, and vLLM's
+`stream_options.continuous_usage_stats` puts the usage so far in every chunk (stream_options
+without `stream: true` is a 400, as OpenAI answers). Sampling fields: every row of the request
+door's table (max_tokens / max_completion_tokens, temperature, top_p, n, stop, seed,
+presence_penalty, frequency_penalty, logit_bias with decimal-string keys, ...), logprobs /
+top_logprobs, and vLLM's extensions as VLLM_EXTENSIONS below takes them (the openai client sends
+them with `extra_body`); a vLLM field this server does not implement is a 400 "'X' is not
+supported by this server", as is suffix.
+`best_of` (at least n, at most --max-samples, not streamed) generates best_of
+samples and returns the n with the highest cumulative logprob. `use_beam_search` with
+`length_penalty` (completions, vLLM's fields; not streamed) returns n = beam width beams, best
+first (runtime/beam_search.py; sampling fields other than max_tokens, ignore_eos, temperature
+and seed are refused with it). Tools: `tools` + `tool_choice` on chat (serve/tool_calls.py). Structured output: `response_format` {"type": "json_schema", "json_schema":
 {"name", "schema", "strict"}} or {"type": "json_object"} (both endpoints), or vLLM's
 `structured_outputs` {"json" | "regex" | "choice" | "grammar" | "json_object": ...}; other unknown fields are refused too (as OpenAI does),
 so nothing is silently ignored. With n > 1 and a seed, sample i uses seed + i, so the samples
@@ -34,6 +46,7 @@ that submitted them and SIGTERM drains both together; uvicorn's own signal handl
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import hmac
 import json
@@ -55,15 +68,17 @@ from starlette.responses import JSONResponse as _StarletteJSON
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from jaxinfer.runtime.beam_search import BeamSearch, BeamSearchParams, rounds
 from jaxinfer.runtime.host.requests import (MAX_LOGPROBS, SAMPLING_FIELDS, RequestError, SamplingParams,
-                                            check_samples, check_structured, parse_prompt,
-                                            sampling_from_json)
+                                            check_field, check_ids, check_samples,
+                                            check_structured, parse_prompt,
+                                            sample_params, sampling_from_json)
 from jaxinfer.runtime.host.structured import StructuredOutputs
 from jaxinfer.serve.tool_calls import (ToolPlan, check_tool_calls, parse_tools, plain_turns,
                                        tool_result, with_tools)
 from jaxinfer.serve.chat_template import ChatTemplate, ChatTemplateError
 from jaxinfer.runtime.host.errors import AdapterInUse, Overloaded, QueueFull, UnknownAdapter
-from jaxinfer.runtime.host.outputs import RequestOutput
+from jaxinfer.runtime.host.outputs import RequestOutput, best_of
 from jaxinfer.serve.engine_loop import EngineFault, EngineLoop, ShuttingDown
 from jaxinfer.serve.offload import Offload
 
@@ -77,10 +92,49 @@ _IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
 # a new row is accepted here with no line of its own) and these OpenAI ones.
 _COMMON = {"model", "stream", "stream_options", "n", "presence_penalty", "frequency_penalty",
            "logit_bias", "logprobs", "response_format"} | set(SAMPLING_FIELDS) | _IGNORED
-_COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
+_COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of", "use_beam_search",
+                                "length_penalty"}
+# sampling fields a beam search takes (temperature and seed: accepted, no effect on the search)
+_BEAM_SAMPLING = {"max_tokens", "ignore_eos", "temperature", "seed", "n", "best_of"}
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
                           "tool_choice", "functions", "function_call", "modalities"}
 _ROLES = ("system", "developer", "user", "assistant", "tool")
+
+# vLLM's request extensions: field -> how /v1/completions and /v1/chat/completions take it
+# ("sampling": a row of the request door's table; "honoured": read by the endpoint; "refused":
+# a 400 "'X' is not supported by this server" unless null or false; None: no field there).
+_S, _H, _R = "sampling", "honoured", "refused"
+VLLM_EXTENSIONS: dict[str, tuple[str | None, str | None]] = {
+    "use_beam_search": (_H, None), "length_penalty": (_H, None),  # beam search: completions
+    **{k: (_S, _S) for k in ("top_k", "min_p", "repetition_penalty", "stop_token_ids",
+                             "include_stop_str_in_output", "ignore_eos", "min_tokens",
+                             "skip_special_tokens", "spaces_between_special_tokens",
+                             "truncate_prompt_tokens", "allowed_token_ids", "prompt_logprobs",
+                             "bad_words", "seed", "priority", "structured_outputs")},
+    "echo": (_H, _R),  # completions: the prompt before the text
+    "add_special_tokens": (_H, _H),  # BOS on the prompt (completions: true; chat: false)
+    "add_generation_prompt": (None, _H), "continue_final_message": (None, _H),
+    "chat_template_kwargs": (None, _H),  # more variables for the chat template
+    "documents": (None, _R), "chat_template": (None, _R), "mm_processor_kwargs": (_R, _R),
+    # vLLM's older names of structured_outputs' kinds; the backend is llguidance
+    "guided_json": (_H, _H), "guided_regex": (_H, _H), "guided_choice": (_H, _H),
+    "guided_grammar": (_H, _H), "guided_decoding_backend": (_H, _H),
+    "request_id": (_H, _H),  # the response's id: cmpl-<request_id> / chatcmpl-<request_id>
+    "logits_processors": (_R, _R), "return_tokens_as_token_ids": (_R, _R), "cache_salt": (_R, _R),
+    "kv_transfer_params": (_R, _R), "vllm_xargs": (_R, _R),
+}
+assert all(k in SAMPLING_FIELDS for k, v in VLLM_EXTENSIONS.items() if _S in v)
+_COMPLETION_FIELDS = _COMPLETION_FIELDS | {k for k, (c, _) in VLLM_EXTENSIONS.items()
+                                           if c in (_S, _H)}
+_CHAT_FIELDS = _CHAT_FIELDS | {k for k, (_, c) in VLLM_EXTENSIONS.items() if c in (_S, _H)}
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}
+_GUIDED_BACKENDS = ("auto", "guidance", "llguidance")
+_TOKENIZE_FIELDS = {"model", "prompt", "add_special_tokens", "return_token_strs"}
+_TOKENIZE_CHAT_FIELDS = {"model", "messages", "add_generation_prompt", "continue_final_message",
+                         "add_special_tokens", "chat_template_kwargs", "return_token_strs"}
+_EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions"} | _IGNORED
+MAX_EMBEDDING_INPUTS = 2048  # inputs of one embeddings request (OpenAI's limit)
 
 
 class ApiError(Exception):
@@ -179,21 +233,42 @@ class _Job:
     tools: ToolPlan | None = None  # chat with tools: replies may be tool calls
     # vLLM's `prompt_logprobs` field was sent: each choice (chat: the response) carries them
     prompt_logprobs: bool = False
+    best_of: int | None = None  # samples generated per prompt, the n best returned (None: n)
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
+    request_id: str | None = None  # vLLM's request_id: the response's id
+
+    @property
+    def samples(self) -> int:
+        return self.best_of or self.n
 
 
 def _check_fields(body: dict, allowed: set[str]) -> None:
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise bad(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0])
+    """Every field is one the endpoint takes; a vLLM extension it does not is refused as such
+    (null or false: as if absent)."""
+    for k in sorted(set(body) - allowed):
+        v = body[k]
+        if k not in VLLM_EXTENSIONS:
+            raise bad(f"Unrecognized request argument supplied: {k}", k)
+        if not (v is None or v is False):
+            raise bad(f"'{k}' is not supported by this server", k)
 
 
 def _structured(body: dict, limits) -> StructuredOutputs | None:
     """`response_format` (OpenAI: json_schema / json_object / text) or vLLM's
     `structured_outputs` -> the constraint, checked here so errors name the field sent."""
     rf, so = body.get("response_format"), body.get("structured_outputs")
-    if rf is not None and so is not None:
-        raise bad("set 'response_format' or 'structured_outputs', not both", "structured_outputs")
+    backend = body.get("guided_decoding_backend")
+    if backend is not None and backend not in _GUIDED_BACKENDS:
+        raise bad(f"'guided_decoding_backend' must be one of {', '.join(_GUIDED_BACKENDS)} "
+                  f"(this server's is llguidance), got {_brief(backend)}",
+                  "guided_decoding_backend")
+    sent = [k for k in ("response_format", "structured_outputs", *_GUIDED)
+            if body.get(k) is not None]
+    if len(sent) > 1:
+        raise bad(f"set one of {', '.join(sent)}, not several", sent[-1])
     field_, kind = "structured_outputs", None
+    if sent and sent[0] in _GUIDED:  # vLLM's older fields: one kind of structured_outputs
+        so, field_ = {_GUIDED[sent[0]]: body[sent[0]]}, sent[0]
     if rf is not None:
         kind = rf.get("type") if isinstance(rf, dict) else None
         if kind == "text":
@@ -222,15 +297,8 @@ def _structured(body: dict, limits) -> StructuredOutputs | None:
 
 def _sampling(b: _Body, *, max_tokens_key: str, default_max_tokens: int, logprobs: int | None,
               n: int, limits, prompt_logprobs: int | None = None) -> list[SamplingParams]:
-    """The n samples' SamplingParams: fields and ranges from the request door; the OpenAI
-    fields this server does not implement are refused unless they are no-ops."""
-    for k in ("presence_penalty", "frequency_penalty"):
-        v = b.d.get(k)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v != 0):
-            raise bad(f"'{k}' is not supported by this server (only 0)", k)
-    lb = b.d.get("logit_bias")
-    if lb is not None and (not isinstance(lb, dict) or lb):
-        raise bad("'logit_bias' is not supported by this server (only empty or null)", "logit_bias")
+    """The n samples' SamplingParams: fields and ranges from the request door (an error names
+    the field as the body sent it: max_completion_tokens, logit_bias.<id>, ...)."""
     fields = {k: v for k, v in b.d.items() if k not in ("max_tokens", "logprobs")}
     fields["max_tokens"] = b.d.get(max_tokens_key)
     fields["structured_outputs"] = _structured(b.d, limits)
@@ -240,24 +308,84 @@ def _sampling(b: _Body, *, max_tokens_key: str, default_max_tokens: int, logprob
     except RequestError as e:  # named as the body names it
         field_ = max_tokens_key if e.field == "max_tokens" else e.field
         raise bad(f"{field_}: {e.reason}" if field_ else e.reason, field_) from None
-    if sp.seed is None:
-        return [sp] * n
-    # sample i uses seed + i: the samples differ, and each is reproducible alone
-    return [dataclasses.replace(sp, seed=(sp.seed + i) & 0xFFFFFFFF) for i in range(n)]
+    return sample_params(sp, n)  # with a seed, sample i uses seed + i
 
 
-def _stream_opts(b: _Body, stream: bool) -> bool:
+_STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
+
+
+def _stream_opts(b: _Body, stream: bool) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats) of `stream_options` (only with stream: true)."""
     so = b.d.get("stream_options")
     if so is None:
-        return False
+        return False, False
     if not stream:
         raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
-    if not isinstance(so, dict) or set(so) - {"include_usage"}:
-        raise bad("'stream_options' must be an object with 'include_usage'", "stream_options")
-    v = so.get("include_usage", False)
-    if not isinstance(v, bool):
-        raise bad("'stream_options.include_usage' must be a boolean", "stream_options.include_usage")
+    if not isinstance(so, dict):
+        raise bad("'stream_options' must be an object", "stream_options")
+    for k in so:
+        if k not in _STREAM_OPTIONS:
+            raise bad(f"'stream_options.{_brief(k)[1:-1][:40]}' is not a stream option (known: "
+                      f"{', '.join(_STREAM_OPTIONS)})", f"stream_options.{k}")
+    out = []
+    for k in _STREAM_OPTIONS:
+        v = so.get(k)
+        if v is not None and not isinstance(v, bool):
+            raise bad(f"'stream_options.{k}' must be a boolean", f"stream_options.{k}")
+        out.append(bool(v))
+    return out[0], out[1]
+
+
+def _request_id(b: _Body) -> str | None:
+    """vLLM's `request_id`: 1-128 printable ASCII characters."""
+    v = b.d.get("request_id")
+    if v is not None and not (isinstance(v, str) and 0 < len(v) <= 128 and v.isascii()
+                              and v.isprintable()):
+        raise bad("'request_id' must be a string of 1-128 printable ASCII characters",
+                  "request_id")
     return v
+
+
+def _truncated(b: _Body, prompts: list[list[int]], texts: list) -> tuple[list, list]:
+    """The prompts as the engine runs them (`truncate_prompt_tokens`); a cut prompt's text is
+    its ids' (echo)."""
+    try:
+        k = check_field("truncate_prompt_tokens", b.d.get("truncate_prompt_tokens"))
+    except RequestError as e:
+        raise bad(str(e), e.field) from None
+    if k is None:
+        return prompts, texts
+    cut = [len(p) > k for p in prompts]
+    return [p[-k:] for p in prompts], [None if c else t for c, t in zip(cut, texts)]
+
+
+class _NoSpecials:
+    """A tokenizer's encode without BOS (`add_special_tokens: false`)."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False)
+
+
+def _chat_options(b: _Body) -> dict:
+    """vLLM's chat rendering fields -> ChatTemplate.render keywords and the encoding's."""
+    gen = b.bool("add_generation_prompt", True)
+    cont = b.bool("continue_final_message", False)
+    if gen and cont:
+        raise bad("'continue_final_message' needs 'add_generation_prompt': false",
+                  "continue_final_message")
+    kw = b.d.get("chat_template_kwargs") or {}
+    if not isinstance(kw, dict):
+        raise bad("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    for k in kw:
+        if not k.isidentifier() or k in ("messages", "bos_token", "eos_token", "tools",
+                                         "add_generation_prompt", "continue_final_message"):
+            raise bad(f"'chat_template_kwargs' cannot set {_brief(k)}",
+                      f"chat_template_kwargs.{k}")
+    return {"add_generation_prompt": gen, "continue_final_message": cont, "kwargs": kw,
+            "add_special_tokens": b.bool("add_special_tokens", False)}
 
 
 def _message_text(m: dict, i: int) -> str:
@@ -362,9 +490,12 @@ class OpenAIApp:
         routes = [
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/embeddings", self.embeddings, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/v1/load_lora_adapter", self.load_lora, methods=["POST"]),
             Route("/v1/unload_lora_adapter", self.unload_lora, methods=["POST"]),
         ]
@@ -392,7 +523,7 @@ class OpenAIApp:
             raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <token>'",
                            None, "invalid_request_error", "invalid_api_key")
 
-    async def _body(self, request: Request) -> dict:
+    async def _body(self, request: Request, need_model: bool = True) -> dict:
         self._auth(request)
         too_big = ApiError(413, f"request body exceeds {self.max_body_bytes} bytes")
         declared = request.headers.get("content-length")
@@ -413,6 +544,8 @@ class OpenAIApp:
         if not isinstance(body, dict):
             raise bad("request body must be a JSON object")
         model = body.get("model")
+        if model is None and not need_model:
+            return body
         if not isinstance(model, str) or not model:
             raise bad("'model' is required (a string)", "model")
         if model != self.model_name and model not in self._adapter_names():
@@ -470,6 +603,50 @@ class OpenAIApp:
                                   "model", "invalid_request_error", "model_not_found")
         return JSONResponse(self._model_card(None if name == self.model_name else name))
 
+    async def tokenize(self, request: Request) -> Response:
+        return await self._guard(self._tokenize, request)
+
+    async def detokenize(self, request: Request) -> Response:
+        return await self._guard(self._detokenize, request)
+
+    async def _tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize: a prompt's ids (add_special_tokens, default true) or a chat's as
+        /v1/chat/completions renders it (add_generation_prompt, default true)."""
+        body = await self._body(request, need_model=False)
+        b = _Body(body)
+        if "messages" in body:
+            _check_fields(body, _TOKENIZE_CHAT_FIELDS)
+            ids = await self._chat_ids(b, None)
+        else:
+            _check_fields(body, _TOKENIZE_FIELDS)
+            p = body.get("prompt")
+            if not isinstance(p, str):
+                raise bad("'prompt' (a string) or 'messages' is required", "prompt")
+            tok = (self.tokenizer if b.bool("add_special_tokens", True)
+                   else _NoSpecials(self.tokenizer))
+            try:
+                ids = await self.offload.run(tok.encode, p)
+            except Exception as e:  # noqa: BLE001 - e.g. lone surrogates
+                raise bad(f"'prompt' cannot be tokenized: {type(e).__name__}", "prompt") from None
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if b.bool("return_token_strs", False) \
+            else None
+        return JSONResponse({"count": len(ids), "max_model_len": self.loop.limits.max_model_len,
+                             "tokens": ids, "token_strs": strs})
+
+    async def _detokenize(self, request: Request) -> Response:
+        """vLLM's /detokenize: ids -> text, special tokens kept (as HF's decode does)."""
+        body = await self._body(request, need_model=False)
+        _check_fields(body, {"model", "tokens"})
+        ids = body.get("tokens")
+        if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
+            raise bad("'tokens' must be a list of token ids", "tokens")
+        try:
+            check_ids(ids, self.loop.limits, "tokens")
+        except RequestError as e:
+            raise bad(str(e), e.field) from None
+        text = await self.offload.run(self.tokenizer.decode, ids, False)
+        return JSONResponse({"prompt": text})
+
     async def _lora_body(self, request: Request, fields: tuple[str, ...]) -> dict:
         """vLLM's adapter endpoints: {"lora_name": ..., "lora_path": ...} (no `model`)."""
         self._auth(request)
@@ -521,6 +698,73 @@ class OpenAIApp:
             return JSONResponse({"lora_name": body["lora_name"], "unloaded": True})
         return await self._guard(run, request)
 
+    async def embeddings(self, request: Request) -> Response:
+        return await self._guard(self._embeddings, request)
+
+    async def _embeddings(self, request: Request) -> Response:
+        """The inputs' embeddings (LLM.embed: the model's default pooling, L2-normalized), run
+        on the engine thread between two steps. `encoding_format` "base64": each vector's
+        little-endian f32 bytes. `dimensions` is refused: no served model shortens its vectors.
+        A LoRA adapter's name is refused as `model` (embeddings run on the base model)."""
+        body = await self._body(request)
+        _check_fields(body, _EMBEDDING_FIELDS)
+        if body["model"] != self.model_name:
+            raise bad("embeddings run on the base model, not on a LoRA adapter", "model")
+        fmt = body.get("encoding_format")
+        if fmt not in (None, "float", "base64"):
+            raise bad(f"'encoding_format' must be \"float\" or \"base64\", got {_brief(fmt)}",
+                      "encoding_format")
+        if body.get("dimensions") is not None:
+            raise bad("'dimensions' is not supported: this model's embeddings have one size",
+                      "dimensions")
+        ids = await self._embedding_inputs(body.get("input"))
+        try:
+            vecs = await asyncio.wrap_future(self.loop.embed(ids))
+        except RequestError as e:  # checked above already; named as the body names it
+            field_ = e.field.replace("prompt", "input", 1) if e.field else None
+            raise bad(f"{field_}: {e.reason}" if field_ else e.reason, field_) from None
+        except ShuttingDown as e:
+            raise ApiError(503, str(e), None, "service_unavailable", "unavailable") from None
+        except Exception as e:  # noqa: BLE001 - the engine failed this call; it serves on
+            log.error("embeddings failed", exc_info=e)
+            return error_response(500, f"embedding failed: {type(e).__name__}: {e}", None,
+                                  "server_error", "engine_fault")
+        data = [{"object": "embedding", "index": i,
+                 "embedding": base64.b64encode(v.astype("<f4").tobytes()).decode("ascii")
+                 if fmt == "base64" else v.tolist()} for i, v in enumerate(vecs)]
+        n = sum(map(len, ids))
+        return JSONResponse({"object": "list", "data": data, "model": body["model"],
+                             "usage": {"prompt_tokens": n, "total_tokens": n}})
+
+    async def _embedding_inputs(self, x) -> list[list[int]]:
+        """`input` -> token id lists (tokenized off the event loop); 400 naming `input` or
+        `input[i]`: wrong type, empty, ids out of the vocabulary, longer than max_model_len."""
+        if isinstance(x, str) or (isinstance(x, list) and x and all(_is_int(t) for t in x)):
+            items, names = [x], ["input"]
+        elif isinstance(x, list) and x and all(isinstance(i, (str, list)) for i in x):
+            items, names = x, [f"input[{i}]" for i in range(len(x))]
+        else:
+            raise bad("'input' must be a non-empty string, list of strings, list of token ids, "
+                      "or list of token id lists", "input")
+        if len(items) > MAX_EMBEDDING_INPUTS:
+            raise bad(f"'input' has {len(items)} items; at most {MAX_EMBEDDING_INPUTS}", "input")
+        limits = self.loop.limits
+
+        def parse() -> list[list[int]]:
+            out = []
+            for item, name in zip(items, names):
+                ids = parse_prompt(item, self.tokenizer, limits, name)[1]
+                if len(ids) > limits.max_model_len:
+                    raise RequestError(name, f"{len(ids)} tokens exceed max_model_len "
+                                             f"{limits.max_model_len}")
+                out.append(ids)
+            return out
+
+        try:
+            return await self.offload.run(parse)
+        except RequestError as e:
+            raise bad(str(e), e.field) from None
+
     async def completions(self, request: Request) -> Response:
         return await self._guard(self._completions, request)
 
@@ -533,26 +777,85 @@ class OpenAIApp:
         b = _Body(body)
         if body.get("suffix") not in (None, ""):
             raise bad("'suffix' is not supported by this server", "suffix")
-        prompts, texts = await self._prompts(body.get("prompt"))
+        prompts, texts = await self._prompts(body.get("prompt"),
+                                             b.bool("add_special_tokens", True))
+        prompts, texts = _truncated(b, prompts, texts)
         n = self._n(b)
-        best_of = b.int("best_of", None, 1)
-        if best_of is not None and best_of != n:
-            raise bad("'best_of' is not supported (only equal to n)", "best_of")
         stream = b.bool("stream", False)
-        include_usage = _stream_opts(b, stream)
+        best_of = self._best_of(b, n, stream)
+        include_usage, continuous = _stream_opts(b, stream)
         logprobs = b.int("logprobs", None, 0, MAX_LOGPROBS)
         echo = b.bool("echo", False)
         longest = max(len(p) for p in prompts)
-        # echo with logprobs scores the prompt too: its logprobs come from the prefill
-        params = _sampling(b, max_tokens_key="max_tokens", logprobs=logprobs, n=n,
-                           limits=self.loop.limits,
+        beam = b.bool("use_beam_search", False)
+        if b.has("length_penalty") and not beam:
+            raise bad("'length_penalty' applies only with 'use_beam_search'", "length_penalty")
+        count = n if beam else best_of
+        # echo with logprobs scores the prompt too: its logprobs come from the prefill; best_of
+        # ranks the samples by their tokens' logprobs, computed even when not asked for
+        params = _sampling(b, max_tokens_key="max_tokens", n=count, limits=self.loop.limits,
+                           logprobs=0 if logprobs is None and count > n else logprobs,
                            default_max_tokens=min(16, self.loop.limits.max_new_tokens(longest)),
                            prompt_logprobs=logprobs if echo else None)
         job = _Job(prompts, texts, [params] * len(prompts), n, stream, include_usage, logprobs,
-                   echo, body["model"], prompt_logprobs=b.d.get("prompt_logprobs") is not None)
+                   echo, body["model"], prompt_logprobs=b.d.get("prompt_logprobs") is not None,
+                   best_of=count if count > n else None)
+        job.continuous_usage, job.request_id = continuous, _request_id(b)
+        if beam:
+            return await self._run(request, job, chat=False, searches=self._searches(b, job))
         return await self._run(request, job, chat=False)
 
-    async def _prompts(self, p) -> tuple[list[list[int]], list[str | None]]:
+    def _best_of(self, b: _Body, n: int, stream: bool) -> int:
+        """Samples to generate per prompt: `best_of` (at least n, checked by the request door;
+        at most max_samples; above n not streamed), else n."""
+        best_of = b.int("best_of", None, 1)
+        if best_of is None:
+            return n
+        if best_of > self.max_samples:
+            raise bad(f"'best_of' must be at most {self.max_samples}", "best_of")
+        if stream and best_of > n:
+            raise bad("'best_of' above n cannot be streamed", "best_of")
+        return best_of
+
+    def _searches(self, b: _Body, job: _Job) -> list[BeamSearch]:
+        """A completion's beam searches (one per prompt), or a 400 naming the field."""
+        sp, default = job.params[0][0], SamplingParams()
+        if job.stream or job.logprobs is not None:
+            raise bad("'use_beam_search' cannot be combined with 'stream' or 'logprobs'",
+                      "stream" if job.stream else "logprobs")
+        if b.d.get("best_of") not in (None, job.n):
+            raise bad("'best_of' must equal n with 'use_beam_search' (n is the beam width)",
+                      "best_of")
+        for name in SAMPLING_FIELDS:
+            if name not in _BEAM_SAMPLING and getattr(sp, name) != getattr(default, name):
+                raise bad(f"'{name}' does not apply to beam search", name)
+        try:
+            params = BeamSearchParams(beam_width=job.n, max_tokens=sp.max_tokens,
+                                      ignore_eos=sp.ignore_eos,
+                                      length_penalty=b.d.get("length_penalty", 1.0))
+            return [BeamSearch(ids, params, self.loop.limits, text)
+                    for ids, text in zip(job.prompts, job.prompt_texts)]
+        except RequestError as e:
+            raise bad(str(e), "n" if e.field == "beam_width" else e.field) from None
+
+    async def _beams(self, searches: list[BeamSearch], job: _Job) -> list:
+        """Run the searches' rounds through the serving loop: every beam's completions."""
+        gen = rounds(searches)
+        try:
+            asks = next(gen)
+            while True:
+                step = _Job([ids for ids, _ in asks], [None] * len(asks),
+                            [[sp] for _, sp in asks], 1, False, False, None, model=job.model)
+                outs = await self._collect(self._submit(step), step)
+                if any(o is None or o.finish_reason == "abort" for o in outs):
+                    raise ShuttingDown("request cancelled by the server (shutting down)")
+                asks = gen.send(outs)
+        except StopIteration:
+            pass
+        return [c for s in searches for c in s.output(self.tokenizer).outputs]
+
+    async def _prompts(self, p, add_special_tokens: bool = True
+                       ) -> tuple[list[list[int]], list[str | None]]:
         if isinstance(p, str) or (isinstance(p, list) and p and all(_is_int(t) for t in p)):
             items = [p]
         elif isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
@@ -566,9 +869,10 @@ class OpenAIApp:
             raise ApiError(429, f"{len(items)} prompts exceed the queue limit of {mq} sequences",
                            None, "rate_limit_exceeded", "queue_full")
         limits = self.loop.limits
+        tok = self.tokenizer if add_special_tokens else _NoSpecials(self.tokenizer)
         try:
             parsed = await self.offload.run(
-                lambda: [parse_prompt(x, self.tokenizer, limits) for x in items])
+                lambda: [parse_prompt(x, tok, limits) for x in items])
         except RequestError as e:
             raise bad(str(e), e.field) from None
         return [ids for _, ids in parsed], [text for text, _ in parsed]
@@ -587,33 +891,19 @@ class OpenAIApp:
         mod = body.get("modalities")
         if mod is not None and mod != ["text"]:
             raise bad("'modalities' supports only [\"text\"]", "modalities")
-        messages = _messages(body)
-        if self.chat_template is None:
-            raise bad("this model has no chat template (none in the checkpoint): use "
-                      "/v1/completions, or start the server with --chat-template FILE", "messages")
-        extra = {}
-        if "tool_calls" not in self.chat_template.source:  # calls and results as plain turns
-            messages = plain_turns(messages)
-        if tools is not None:
-            messages, extra = with_tools(messages, tools, self.chat_template)
-        try:
-            ids = await self.offload.run(self.chat_template.encode, messages,
-                                         add_generation_prompt=True, **extra)
-        except ChatTemplateError as e:
-            raise bad(f"chat template: {e}", "messages") from None
-        except (RecursionError, UnicodeError, ValueError) as e:
-            raise bad(f"messages cannot be rendered or tokenized: {type(e).__name__}",
-                      "messages") from None
+        ids = await self._chat_ids(b, tools)
+        (ids,), _ = _truncated(b, [ids], [None])
         n = self._n(b)
         stream = b.bool("stream", False)
-        include_usage = _stream_opts(b, stream)
+        count = self._best_of(b, n, stream)
+        include_usage, continuous = _stream_opts(b, stream)
         want_lp = b.bool("logprobs", False)
         top = b.int("top_logprobs", None, 0, MAX_LOGPROBS)
         if top is not None and not want_lp:
             raise bad("'top_logprobs' requires 'logprobs': true", "top_logprobs")
         key = "max_completion_tokens" if b.has("max_completion_tokens") else "max_tokens"
-        params = _sampling(b, max_tokens_key=key, logprobs=(top or 0) if want_lp else None, n=n,
-                           limits=self.loop.limits,
+        params = _sampling(b, max_tokens_key=key, n=count, limits=self.loop.limits,
+                           logprobs=(top or 0) if want_lp or count > n else None,
                            default_max_tokens=self.loop.limits.max_new_tokens(len(ids)))
         forced = tools.constraint if tools is not None else None
         if forced is not None:  # a required call: its JSON is the constraint
@@ -625,10 +915,45 @@ class OpenAIApp:
             except RequestError as e:
                 raise bad(f"tools: {e.reason}", "tools") from None
             params = [dataclasses.replace(p, structured_outputs=forced) for p in params]
-        job = _Job([ids], [None], [params], n, stream, include_usage, top if want_lp else None,
+        lp = (top or 0) if want_lp else None  # logprobs: true alone is the chosen token's
+        job = _Job([ids], [None], [params], n, stream, include_usage, lp,
                    model=body["model"], tools=tools if tools and tools.mode != "none" else None,
-                   prompt_logprobs=b.d.get("prompt_logprobs") is not None)
+                   prompt_logprobs=b.d.get("prompt_logprobs") is not None,
+                   best_of=count if count > n else None)
+        job.continuous_usage, job.request_id = continuous, _request_id(b)
         return await self._run(request, job, chat=True)
+
+    async def _chat_ids(self, b: _Body, tools: ToolPlan | None) -> list[int]:
+        """The body's messages rendered by the chat template (with vLLM's rendering fields,
+        `_chat_options`) and tokenized, off the event loop."""
+        messages, opts = _messages(b.d), _chat_options(b)
+        if self.chat_template is None:
+            raise bad("this model has no chat template (none in the checkpoint): use "
+                      "/v1/completions, or start the server with --chat-template FILE", "messages")
+        extra = {}
+        if "tool_calls" not in self.chat_template.source:  # calls and results as plain turns
+            messages = plain_turns(messages)
+        if tools is not None:
+            messages, extra = with_tools(messages, tools, self.chat_template)
+        try:
+            return await self.offload.run(self._render, messages, extra, opts)
+        except ChatTemplateError as e:
+            raise bad(f"chat template: {e}", "messages") from None
+        except (RecursionError, UnicodeError, ValueError) as e:
+            raise bad(f"messages cannot be rendered or tokenized: {type(e).__name__}",
+                      "messages") from None
+
+    def _render(self, messages: list[dict], extra: dict, opts: dict) -> list[int]:
+        t = self.chat_template
+        text = t.render(messages, opts["add_generation_prompt"], **opts["kwargs"], **extra)
+        if opts["continue_final_message"]:  # open: the text ends with the last message's
+            last = messages[-1]["content"]
+            ends = [text.rfind(c) + len(c) for c in (last, last.strip()) if c and c in text]
+            if not ends:
+                raise ApiError(400, "the chat template does not render the final message's "
+                                    "content: it cannot be continued", "continue_final_message")
+            text = text[:ends[0]]
+        return t.tokenizer.encode(text, add_special_tokens=opts["add_special_tokens"])
 
     # ---- running a job --------------------------------------------------------------------
     def _n(self, b: _Body) -> int:
@@ -640,7 +965,7 @@ class OpenAIApp:
     def _submit(self, job: _Job) -> list:
         """All prompts x samples of the request are queued, or none (one door, one verdict)."""
         try:
-            return self.loop.submit_many([(ids, params, job.n)
+            return self.loop.submit_many([(ids, params, job.samples)
                                           for ids, params in zip(job.prompts, job.params)],
                                          lora=self._lora_of(job))
         except RequestError as e:
@@ -656,13 +981,15 @@ class OpenAIApp:
         except (ShuttingDown, EngineFault) as e:
             raise ApiError(503, str(e), None, "service_unavailable", "unavailable") from None
 
-    async def _run(self, request: Request, job: _Job, chat: bool) -> Response:
-        handles = self._submit(job)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    async def _run(self, request: Request, job: _Job, chat: bool,
+                   searches: list[BeamSearch] | None = None) -> Response:
+        handles = self._submit(job) if searches is None else []
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{job.request_id or uuid.uuid4().hex}"
         if job.stream:
             return StreamingResponse(self._sse(handles, job, chat, rid), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        collect = asyncio.ensure_future(self._collect(handles, job))
+        collect = asyncio.ensure_future(self._collect(handles, job) if searches is None
+                                        else self._beams(searches, job))
         gone = asyncio.ensure_future(_wait_disconnect(request))
         try:
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -683,16 +1010,19 @@ class OpenAIApp:
         if any(c is None or c.finish_reason == "abort" for c in choices):
             return error_response(503, "request cancelled by the server (shutting down)", None,
                                   "service_unavailable", "unavailable")
+        if job.samples > job.n:  # best_of: each prompt's n samples of highest cumulative logprob
+            s = job.samples
+            choices = [c for i in range(0, len(choices), s) for c in best_of(choices[i:i + s], job.n)]
         return JSONResponse(self._final(job, choices, chat, rid))
 
     async def _collect(self, handles, job: _Job) -> list[RequestOutput | None]:
         """Each choice's RequestOutput (its last delta carries it; None: cancelled unseen)."""
-        choices: list[RequestOutput | None] = [None] * (len(handles) * job.n)
+        choices: list[RequestOutput | None] = [None] * (len(handles) * job.samples)
         try:
             async for hi, deltas in _merge(handles):
                 for d in deltas:
                     if d.finished:
-                        choices[hi * job.n + d.index] = d.output
+                        choices[hi * job.samples + d.index] = d.output
         except BaseException:
             for h in handles:
                 h.cancel()
@@ -798,13 +1128,15 @@ class OpenAIApp:
         def chunk(choices: list[dict]) -> bytes:
             d = {"id": rid, "object": obj, "created": created, "model": job.model,
                  "system_fingerprint": FINGERPRINT, "choices": choices, **usage_null}
+            if job.continuous_usage:  # the tokens generated so far, all choices together
+                d["usage"] = self._usage(job, so_far)
             return b"data: " + _dumps(d) + b"\n\n"
 
         total = len(handles) * job.n
         offsets = [0] * total
         held = [""] * total  # chat with tools: the reply is known to be a call or text at its end
         held_lp: list[list[dict]] = [[] for _ in range(total)]
-        completion_tokens = 0
+        completion_tokens = so_far = 0
         try:
             if chat:
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -820,6 +1152,7 @@ class OpenAIApp:
                         raise ShuttingDown("request cancelled by the server (shutting down)")
                     if u.finished and u.output is not None:
                         completion_tokens += len(u.output.token_ids)
+                    so_far += len(u.token_ids)
                     if not (u.text or u.token_ids or u.finished):
                         continue
                     if job.tools is not None:

@@ -1,4 +1,4 @@
-"""Jitted step functions: one model pass over a StepPlan plus fused sampling.
+"""Jitted step functions: one model pass over a StepPlan plus fused logits processors and sampling.
 
 One step serves prefill chunks and decode tokens alike (the ragged layout covers both). The cache
 is donated. Only one packed f32 array travels back to the host per step:
@@ -22,6 +22,7 @@ from jaxinfer.runtime.config import ModelConfig
 from jaxinfer.runtime.device.kv_cache import KVCache
 from jaxinfer.runtime.device.model import Params, compute_logits, forward, forward_hidden
 from jaxinfer.runtime.plan import SAMPLING_FIELDS
+from jaxinfer.runtime.device.processors import ProcState, process_rows, process_verify, record
 from jaxinfer.runtime.device.sampling import accept, allow_tokens, mask_vocab, sample, top_logprobs
 
 
@@ -49,13 +50,19 @@ def step(
     max_q_len: int,
     num_logprobs: int,
     filtered: bool,
+    procs: ProcState | None = None,
     prompt_logprobs: bool = False,
     prev: jax.Array | None = None,
     vocab_limit: int | None = None,
+    processed_logprobs: bool = False,
 ):
-    """-> (packed [S, 1 (+ 1 + 2n)], cache), or ((packed, prompt [T, 1 + 2n]), cache) with
-    `prompt_logprobs` (n = num_logprobs): row t of `prompt` scores arrays["prompt_targets"][t].
-    `vocab_limit`: ids at and above it are never sampled (see sampling.mask_vocab).
+    """-> (packed [S, 1 (+ 1 + 2n)], cache, procs), or ((packed, prompt [T, 1 + 2n]), cache,
+    procs) with `prompt_logprobs` (n = num_logprobs): row t of `prompt` scores
+    arrays["prompt_targets"][t]. `procs`: the logits processors' state (processors.py), updated
+    with the sampled tokens (None: no processors, and None comes back). `vocab_limit`: ids at and above it are never sampled (see
+    sampling.mask_vocab). Logprobs are the model's own distribution, or with
+    `processed_logprobs` the one sampled from (after processors and structured-output masks,
+    before temperature and top-k/p/min-p).
     `prev` int32 [S]: the previous step's sampled tokens, read by the rows that
     arrays["feed_rows"] [T] points at (asynchronous scheduling; None: every id is in token_ids)."""
     md = _metadata(arrays, max_q_len)
@@ -79,14 +86,16 @@ def step(
 
     def head_and_sample(rows: int) -> jax.Array:  # the first `rows` rows, padded back to S
         logits = mask_vocab(compute_logits(params, h[:rows], cfg), vocab_limit)  # [rows, V]
-        # sampled from the allowed ids; logprobs are the model's own (before any constraint)
         a = {k: arrays[k][:rows] for k in SAMPLING_FIELDS}
-        allowed = allow_tokens(logits, a["token_bitmask"], a["constrained"])
+        processed = logits if procs is None else process_rows(logits, procs, a["proc_slots"],
+                                                               a["sample_positions"])
+        allowed = allow_tokens(processed, a["token_bitmask"], a["constrained"])
         tokens = sample(allowed, a["temperature"], a["top_k"], a["top_p"], a["min_p"],
                         a["seeds"], a["sample_positions"], filtered=filtered)
         cols = [tokens.astype(jnp.float32)[:, None]]
         if num_logprobs:
-            chosen, vals, ids = top_logprobs(logits, tokens, num_logprobs)
+            chosen, vals, ids = top_logprobs(allowed if processed_logprobs else logits, tokens,
+                                             num_logprobs)
             cols += [chosen[:, None], vals, ids.astype(jnp.float32)]
         return jnp.pad(jnp.concatenate(cols, axis=1), ((0, s - rows), (0, 0)))
 
@@ -100,7 +109,11 @@ def step(
         which = jnp.searchsorted(jnp.asarray(rows), arrays["num_seqs"][0])
         packed = jax.lax.switch(jnp.minimum(which, len(rows) - 1),
                                 [functools.partial(head_and_sample, r) for r in rows])
-    return (packed if prompt is None else (packed, prompt)), cache
+    if procs is not None:
+        slots = arrays["proc_slots"]
+        procs = record(procs, slots, packed[:, :1].astype(jnp.int32),
+                       (slots >= 0).astype(jnp.int32))
+    return (packed if prompt is None else (packed, prompt)), cache, procs
 
 
 # Token rows whose [rows, V] f32 logits exist at once when scoring a prompt: Gemma's 262k
@@ -147,8 +160,10 @@ def verify(
     max_q_len: int,
     num_logprobs: int,
     filtered: bool,
+    procs: ProcState | None = None,
     vocab_limit: int | None = None,
-) -> tuple[jax.Array, KVCache]:
+    processed_logprobs: bool = False,
+) -> tuple[jax.Array, KVCache, ProcState | None]:
     """Speculative verify: one forward with logits at every row's last token and proposals
     (arrays["logits_indices"] is [S*(K+1)]), then acceptance for all rows on the device.
     Packed [S, 2 + K (+ 1 + 2n)]: [:, 0] proposals accepted a, [:, 1:K+2] the emitted tokens
@@ -160,9 +175,14 @@ def verify(
                             arrays["lora_ids"])  # [S*(K+1), V]
     logits = mask_vocab(logits, vocab_limit)  # [S*(K+1), V]
     raw = logits.reshape(S, K + 1, -1)[:, 0]  # logprobs are the model's own (before any constraint)
+    slots = arrays["proc_slots"]
+    logits = logits.reshape(S, K + 1, -1)
+    if procs is not None:
+        logits = process_verify(logits, procs, slots, arrays["sample_positions"],
+                                arrays["draft_ids"], arrays["num_draft"])
     # a constrained row's verify row j takes the grammar's mask after its first j proposals
     masks = jnp.concatenate([arrays["token_bitmask"][:, None], arrays["draft_bitmask"]], 1)
-    logits = allow_tokens(logits, masks.reshape(S * (K + 1), -1),
+    logits = allow_tokens(logits.reshape(S * (K + 1), -1), masks.reshape(S * (K + 1), -1),
                           jnp.repeat(arrays["constrained"], K + 1)).reshape(S, K + 1, -1)
     q = None if q_probs is None else q_probs[q_rows]
     n_acc, tokens = accept(
@@ -172,9 +192,12 @@ def verify(
     )
     cols = [n_acc.astype(jnp.float32)[:, None], tokens.astype(jnp.float32)]
     if num_logprobs:
-        chosen, vals, ids = top_logprobs(raw, tokens[:, 0], num_logprobs)
+        chosen, vals, ids = top_logprobs(logits[:, 0] if processed_logprobs else raw,
+                                         tokens[:, 0], num_logprobs)
         cols += [chosen[:, None], vals, ids.astype(jnp.float32)]
-    return jnp.concatenate(cols, axis=1), cache
+    if procs is not None:
+        procs = record(procs, slots, tokens, jnp.where(slots >= 0, n_acc + 1, 0))
+    return jnp.concatenate(cols, axis=1), cache, procs
 
 
 class Launches:
@@ -203,20 +226,20 @@ _STEP_STATICS = _VERIFY_STATICS + ("prompt_logprobs",)
 
 
 def make_verify(cfg: ModelConfig, backend: str, shardings=None,
-                vocab_limit: int | None = None) -> Launches:
+                vocab_limit: int | None = None, processed_logprobs: bool = False) -> Launches:
     """The verify step (static: q bucket, logprob count, filter flag; q_probs None or not
     retraces once); `shardings` as for make_step."""
     return _jit(verify, _VERIFY_STATICS, shardings, cfg=cfg, backend=backend,
-                vocab_limit=vocab_limit)
+                vocab_limit=vocab_limit, processed_logprobs=processed_logprobs)
 
 
 def make_step(cfg: ModelConfig, backend: str, shardings=None,
-              vocab_limit: int | None = None) -> Launches:
+              vocab_limit: int | None = None, processed_logprobs: bool = False) -> Launches:
     """The step for one model; static: q bucket, logprob count, filter flag, prompt logprobs.
     `shardings` (tensor parallel): (params, cache, replicated) NamedSharding trees from
     runtime.device.sharding."""
     return _jit(step, _STEP_STATICS, shardings, cfg=cfg, backend=backend,
-                vocab_limit=vocab_limit)
+                vocab_limit=vocab_limit, processed_logprobs=processed_logprobs)
 
 
 def _jit(fn, statics: tuple[str, ...], shardings, **bound) -> Launches:
@@ -225,13 +248,14 @@ def _jit(fn, statics: tuple[str, ...], shardings, **bound) -> Launches:
     shard_map over its "model" axis). Inputs arrive laid out (params and cache committed to
     their shardings; host plan arrays are replicated); the packed output is replicated and the
     new cache keeps the donated cache's layout, so steady-state steps never reshard or
-    recompile. (jit takes no in_shardings together with keyword static args.)"""
+    recompile. The processor state is replicated. (jit takes no in_shardings together with
+    keyword static args.)"""
     if shardings is None:
-        return Launches(shared_jit(fn, statics, **bound))
+        return Launches(shared_jit(fn, statics, ("cache", "procs"), **bound))
     _, cache_sh, rep = shardings
     return Launches(jax.jit(functools.partial(_on_mesh(fn, rep.mesh), **bound),
-                            static_argnames=statics, donate_argnames=("cache",),
-                            out_shardings=(rep, cache_sh)))
+                            static_argnames=statics, donate_argnames=("cache", "procs"),
+                            out_shardings=(rep, cache_sh, rep)))
 
 
 def _on_mesh(fn, mesh):
@@ -247,11 +271,11 @@ def _on_mesh(fn, mesh):
 
 
 @functools.lru_cache(maxsize=16)
-def shared_jit(fn, statics: tuple[str, ...], **bound):
+def shared_jit(fn, statics: tuple[str, ...], donate: tuple[str, ...] = ("cache",), **bound):
     """One jitted `fn` per set of bound keyword values (model config, backend, ...) in the
     process, so engines of one model trace and compile each shape once; `statics` are its
-    static argument names and the cache argument is donated. Its programs outlive the engines
+    static argument names and `donate` the donated ones. Its programs outlive the engines
     that launched them (until evicted, or `jax.clear_caches()`); on XLA:CPU each holds a few
     hundred memory mappings, of the process's vm.max_map_count."""
     return jax.jit(functools.partial(fn, **bound), static_argnames=statics,
-                   donate_argnames=("cache",))
+                   donate_argnames=donate)

@@ -73,6 +73,12 @@ class EngineInterface(Protocol):
     def lora_adapters(self) -> dict[str, str] | None:
         """{name: path} of the loaded adapters; None when the engine serves none."""
 
+    def embed(self, prompts: Sequence[Sequence[int]], pooling: str | None = None,
+              normalize: bool = True):
+        """Token-id prompts -> their embeddings, an f32 array [n, D] (pooling "last", "mean"
+        or "cls"; None: the model's default), through the model's prefill with no KV pages
+        kept. RequestError naming the field."""
+
     def warmup(self) -> int:
         """Compile every step shape up front; the number of new programs."""
 

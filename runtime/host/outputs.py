@@ -1,12 +1,15 @@
 """The output processor: everything between a step's sampled tokens and what a caller receives.
 Host only, no JAX.
 
-Per request it keeps what a result is made of: the incremental detokenizer, the text with stop
-strings cut (a suffix that may still complete a stop string is held back, never streamed), the
-logprob entries of each token, the prompt logprobs filled as prefill chunks come back, and the
-latency stamps. Each step it turns the scheduler's outputs into one `RequestDelta` per request
-that advanced; the last delta of a request is `finished` and carries its `RequestOutput`, and the
-processor forgets the request there. Every front end formats `RequestDelta`: `LLM.generate` and
+Per request it keeps what a result is made of: the incremental detokenizer (the request's
+`skip_special_tokens` and `spaces_between_special_tokens`), the text with stop strings cut (a
+suffix that may still complete a stop string is held back, never streamed; with
+`include_stop_str_in_output` the text ends with the stop string and nothing is held back; none
+ends the output before `min_tokens` tokens), the logprob entries of each token, the prompt
+logprobs filled as prefill chunks come back, and the latency stamps. Each step it turns the
+scheduler's outputs into one `RequestDelta` per request that advanced; the last delta of a
+request is `finished` and carries its `RequestOutput`, and the processor forgets the request
+there. Every front end formats `RequestDelta`: `LLM.generate` and
 `LLM.stream`, the serving loop (gRPC, HTTP), JSONL batch and Ray read nothing else.
 
     outputs = OutputProcessor(tokenizer)
@@ -23,7 +26,7 @@ per prompt token, None for the first (nothing predicts it).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -67,8 +70,24 @@ class RequestMetrics:
 
 
 @dataclass
+class CompletionOutput:
+    """One completion of a prompt, as vLLM shapes it: `RequestOutput.outputs` lists them.
+    `cumulative_logprob`: the sum of its tokens' logprobs (None when none were computed)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict] | None
+    finish_reason: str | None
+
+
+@dataclass
 class RequestOutput:
-    """A finished request (the last RequestDelta carries it)."""
+    """A finished request (the last RequestDelta carries it). Its fields describe one
+    completion; `outputs` lists every completion of the prompt (vLLM's shape): the request
+    itself, or the n samples / beams `LLM.generate` (n, best_of) and `LLM.beam_search` group
+    under the first one's fields."""
 
     request_id: str
     prompt: str | None
@@ -82,11 +101,20 @@ class RequestOutput:
     # one per prompt token: None for the first, then {"token_id", "logprob", "top"} as logprobs
     prompt_logprobs: list[dict | None] | None = None
     lora_name: str | None = None  # the LoRA adapter that served it (None: the base model)
+    cumulative_logprob: float | None = None  # its tokens' logprobs summed, when computed
+    completions: list[CompletionOutput] | None = None  # grouped samples (None: this one)
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        if self.completions is not None:
+            return self.completions
+        return [CompletionOutput(0, self.text, self.token_ids, self.cumulative_logprob,
+                                 self.logprobs, self.finish_reason)]
 
     @property
     def usage(self) -> dict:
         return {"prompt_tokens": len(self.prompt_token_ids),
-                "completion_tokens": len(self.token_ids),
+                "completion_tokens": sum(len(c.token_ids) for c in self.outputs),
                 "cached_tokens": int(self.metrics.get("cached_tokens", 0))}
 
 
@@ -127,6 +155,7 @@ class _State:
     prompt_logprobs: list[dict | None] = field(default_factory=list)
     text: str = ""  # the whole text so far (stop strings cut)
     emitted: int = 0  # chars of `text` already delivered
+    stop_end: int = 0  # a stop string must end at or past this char (min_tokens not reached)
     sent_prompt: bool = False  # the prompt logprobs went out with a delta
 
 
@@ -159,7 +188,8 @@ class OutputProcessor:
         ids = list(prompt_ids)
         self._live[request_id] = _State(
             request_id=request_id, prompt=prompt, prompt_ids=ids, params=params,
-            detok=IncrementalDetokenizer(self.tokenizer, ids),
+            detok=IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
+                                         params.spaces_between_special_tokens),
             metrics=RequestMetrics(arrival=now, speculative=self.speculative), lora=lora,
             prompt_logprobs=[None] * len(ids) if params.prompt_logprobs is not None else [])
 
@@ -201,8 +231,10 @@ class OutputProcessor:
                error: str | None = None) -> RequestDelta:
         """The delta of a request that got `new_ids` this step (`finished`: the scheduler ended
         it, for `reason`). `row` [1 + 2n]: the step's logprob columns of its sequence row. A stop
-        string completed by these tokens ends it too: the delta is then finished with "stop"
-        while `finished` was False (the caller retires it from the scheduler)."""
+        string completed by these tokens ends it too (not one completed before `min_tokens`
+        tokens): the delta is then finished with "stop" while `finished` was False (the caller
+        retires it from the scheduler); the text ends before it, or after it with
+        `include_stop_str_in_output` (which holds nothing back while streaming)."""
         st = self._live[request_id]
         p, first_lp = st.params, len(st.logprobs)
         stop_at = None  # several tokens in one step: none after a completed stop string
@@ -214,19 +246,21 @@ class OutputProcessor:
             if p.logprobs is not None and num_logprobs:
                 st.logprobs.append(logprob_entry(tok, row[1:], num_logprobs, p.logprobs))
             st.text += st.detok.add(tok)
-            if len(new_ids) > 1 and p.stop and idx + 1 < len(new_ids) and _find_stop(
-                    st.text, p.stop, max(0, st.emitted - _max_len(p.stop))) is not None:
+            _no_stop_yet(st)
+            if len(new_ids) > 1 and p.stop and idx + 1 < len(new_ids) and _find_stop(st):
                 stop_at = idx + 1
                 break
         if stop_at is not None:
             new_ids = new_ids[:stop_at]
         if finished:
             st.text += st.detok.flush()
-        cut = _find_stop(st.text, p.stop, max(0, st.emitted - _max_len(p.stop)))
-        if cut is not None:
-            st.text = st.text[:cut]
+            _no_stop_yet(st)
+        match = _find_stop(st)
+        if match is not None:
+            st.text = st.text[:match[1] if p.include_stop_str_in_output else match[0]]
             finished, reason = True, "stop"
-        upto = len(st.text) if finished else len(st.text) - _holdback(st.text, p.stop)
+        held = 0 if p.include_stop_str_in_output else _holdback(st.text, p.stop)
+        upto = len(st.text) if finished else len(st.text) - held
         text = st.text[st.emitted:upto]
         st.emitted = max(st.emitted, upto)
         delta = RequestDelta(request_id, text, list(new_ids), st.logprobs[first_lp:],
@@ -264,8 +298,24 @@ class OutputProcessor:
             metrics=st.metrics.summary(),
             logprobs=st.logprobs if p.logprobs is not None else None, error=error,
             prompt_logprobs=st.prompt_logprobs if p.prompt_logprobs is not None else None,
-            lora_name=st.lora)
+            lora_name=st.lora, cumulative_logprob=sum(e["logprob"] for e in st.logprobs)
+            if p.logprobs is not None else None)
         del self._live[st.request_id]
+
+
+def best_of(samples: Sequence[RequestOutput], n: int) -> list[RequestOutput]:
+    """The n samples a request of n returns: all, in order, when there are n; else the n with
+    the highest cumulative logprob, best first (each needs its `cumulative_logprob`)."""
+    if len(samples) == n:
+        return list(samples)
+    return sorted(samples, key=lambda o: -o.cumulative_logprob)[:n]
+
+
+def grouped(samples: Sequence[RequestOutput]) -> RequestOutput:
+    """Samples of one prompt as one RequestOutput: the first's, `outputs` listing them all."""
+    return replace(samples[0], completions=[
+        CompletionOutput(i, o.text, o.token_ids, o.cumulative_logprob, o.logprobs,
+                         o.finish_reason) for i, o in enumerate(samples)])
 
 
 def logprob_entry(token: int, cols: np.ndarray, n: int, k: int) -> dict:
@@ -279,8 +329,20 @@ def _max_len(stops) -> int:
     return max((len(s) for s in stops), default=0)
 
 
-def _find_stop(text: str, stops, start: int) -> int | None:
-    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+def _no_stop_yet(st: _State) -> None:
+    """Before min_tokens tokens no stop string ends the output: the text so far cannot hold the
+    end of one."""
+    if len(st.token_ids) < st.params.min_tokens:
+        st.stop_end = len(st.text) + 1
+
+
+def _find_stop(st: _State) -> tuple[int, int] | None:
+    """(start, end) of the first stop string in the text not yet delivered (its first chars may
+    have been held back), ending at or past `stop_end`; None if there is none."""
+    stops = st.params.stop
+    start = max(0, st.emitted - _max_len(stops))
+    hits = [(i, i + len(s)) for s in stops
+            if (i := st.text.find(s, max(start, st.stop_end - len(s)))) >= 0]
     return min(hits) if hits else None
 
 

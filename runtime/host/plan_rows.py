@@ -9,6 +9,7 @@ it sets:
     SamplingRows     temperature, top_k, top_p, min_p, seeds, sample_positions
     LogprobRows      prompt_targets; num_logprobs, prompt_logprobs
     StructuredRows   constrained (FILLED_BY_ENGINE: the masks, from the request's grammar)
+    ProcessorRows    proc_slots; proc_loads
     SpeculativeRows  num_draft, draft_ids, verify_indices; spec_k      (num_spec_tokens > 0)
     LoraRows         lora_ids; lora_loads                             (with adapter slots)
 
@@ -106,6 +107,29 @@ class StructuredRows:
 FILLED_BY_ENGINE = ("token_bitmask", "draft_bitmask")  # the constrained rows' masks
 
 
+class ProcessorRows:
+    """Rows that sample under logits processors (penalties, logit_bias, bans: a request with a
+    `procs` spec) name their slot's processor state row; a sequence that took its slot since
+    that row was last written for it gets a load before the step (runtime/host/processors.py)."""
+
+    fields = ("proc_slots",)
+
+    def __init__(self):
+        self._loaded: dict[int, tuple] = {}  # slot -> (sequence, admissions) its row holds
+
+    def write(self, a, spans) -> dict:
+        proc_slots, samples, loads = a["proc_slots"], a["samples"], []
+        for s, (seq, _, _, _) in enumerate(spans):
+            if seq.req.procs is None:
+                continue
+            if self._loaded.get(seq.slot) != (seq, seq.admissions):
+                self._loaded[seq.slot] = (seq, seq.admissions)
+                loads.append((seq.slot, seq))
+            if samples[s]:
+                proc_slots[s] = seq.slot
+        return {"proc_loads": loads}
+
+
 class SpeculativeRows:
     """A row with d <= K proposals: the proposals, and the token rows whose logits verify
     them (runtime/plan.py)."""
@@ -150,7 +174,7 @@ class LoraRows:
         return {"lora_loads": []}
 
 
-WRITERS = (SamplingRows, LogprobRows, StructuredRows, SpeculativeRows, LoraRows)
+WRITERS = (SamplingRows, LogprobRows, StructuredRows, ProcessorRows, SpeculativeRows, LoraRows)
 OPTIONAL = (SpeculativeRows, LoraRows)  # left out by some configurations: their `off()` statics
 
 
@@ -160,7 +184,7 @@ class PlanRows:
 
     def __init__(self, *, page_size: int, num_spec_tokens: int = 0, lora_gate=None):
         self.page_size = page_size
-        writers = [SamplingRows(), LogprobRows(), StructuredRows()]
+        writers = [SamplingRows(), LogprobRows(), StructuredRows(), ProcessorRows()]
         if num_spec_tokens:
             writers.append(SpeculativeRows(num_spec_tokens))
         if lora_gate is not None:

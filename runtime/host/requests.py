@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from jaxinfer.runtime.config import checked_dataclass
 from jaxinfer.runtime.host.errors import RequestError
@@ -218,7 +218,7 @@ def _check_bias(name: str, v, f: Field) -> tuple[tuple[int, float], ...]:
         raise RequestError(name, f"takes at most {f.most} entries, got {len(items)}")
     out = {}
     for k, b in items:
-        if isinstance(k, str) and k.strip().lstrip("-").isdigit() and len(k) <= 12:
+        if isinstance(k, str) and k.strip().lstrip("-").isdecimal() and len(k) <= 12:
             k = int(k)
         if not _is_int(k) or not 0 <= k <= INT32_MAX:
             raise RequestError(name, f"keys must be token ids, got {_show(k)}")
@@ -283,6 +283,14 @@ def check_samples(n, max_samples: int, name: str = "n") -> int:
     return int(n)
 
 
+def sample_params(params: SamplingParams, count: int) -> list[SamplingParams]:
+    """The params of `count` samples of one prompt: with a seed, sample i uses seed + i (mod
+    2**32), so the samples differ and each is reproducible alone (sample 0 is the request)."""
+    if params.seed is None:
+        return [params] * count
+    return [replace(params, seed=(params.seed + i) & 0xFFFFFFFF) for i in range(count)]
+
+
 # ---- what the served model allows --------------------------------------------------------------
 @dataclass(frozen=True)
 class Limits:
@@ -292,13 +300,15 @@ class Limits:
     page_size: int
     num_pages: int  # usable KV pages of the pool
     grammars: object = None  # runtime.host.structured.Grammars: checks structured_outputs
+    eos_ids: tuple[int, ...] = ()  # the served model's EOS ids (beam search ends beams on them)
 
     @classmethod
     def of(cls, engine) -> Limits:
         sch = engine.scheduler
         return cls(vocab_size=engine.cfg.vocab_size, text_vocab=engine.text_vocab,
                    max_model_len=sch.max_model_len, page_size=sch.page_size,
-                   num_pages=sch.allocator.num_total, grammars=engine.grammars)
+                   num_pages=sch.allocator.num_total, grammars=engine.grammars,
+                   eos_ids=tuple(engine.eos_ids))
 
     def max_new_tokens(self, prompt_len: int) -> int:
         """The most tokens a prompt of this length can still generate (>= 1 when it fits)."""
@@ -334,15 +344,25 @@ def check_ids(ids: Sequence[int], limits: Limits, name: str) -> None:
         raise RequestError(name, f"token ids out of range [0, {limits.text_vocab}): {bad[:5]}")
 
 
+def truncate_prompt(prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
+    """The prompt the engine runs: its last `truncate_prompt_tokens` ids (all when unset)."""
+    k, ids = params.truncate_prompt_tokens, list(prompt_ids)
+    return ids if k is None or len(ids) <= k else ids[-k:]
+
+
 def check_request(prompt_ids: Sequence[int], params: SamplingParams, limits: Limits,
                   prompt_name: str = "prompt") -> None:
     """What depends on the served model: ids in the vocabulary, top_k, the length and page
-    budget of prompt + max_tokens, and that a structured-output constraint compiles."""
+    budget of prompt + max_tokens, and that a structured-output constraint compiles. The prompt
+    is checked as the engine will run it (`truncate_prompt`)."""
+    prompt_ids = truncate_prompt(prompt_ids, params)
     n, m = len(prompt_ids), params.max_tokens
     if n == 0:
         raise RequestError(prompt_name, "empty (no tokens)")
     check_ids(prompt_ids, limits, prompt_name)
     check_ids(params.stop_token_ids, limits, "stop_token_ids")
+    check_ids(params.allowed_token_ids or (), limits, "allowed_token_ids")
+    check_ids([t for t, _ in params.logit_bias], limits, "logit_bias")
     if params.top_k > limits.vocab_size:
         raise RequestError("top_k", f"must be at most the vocabulary size {limits.vocab_size}, "
                                     f"got {params.top_k}")

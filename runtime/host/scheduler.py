@@ -43,6 +43,9 @@ Prefix caching (`enable_prefix_caching=True`; see runtime/host/page_allocator.py
     (in `update`, during prefill chunks and decode alike), so later admissions can share it even
     while its writer is still running. If the hash is already registered (two sequences computed
     the same page concurrently) the second page stays private and is simply freed later.
+  * A queue head whose first uncached full page is being computed by a running sequence (same
+    hash, not registered yet: the n samples of one prompt, admitted together) is not admitted
+    until that page is registered; then it shares it (no overtaking meanwhile).
   * Admission counts cached-but-unheld pages as available (they are evicted LRU first when truly
     free pages run out), minus the cached pages the sequence itself is about to take back.
   * A request that wants prompt logprobs takes no cached pages: its prefill computes the logits
@@ -117,6 +120,7 @@ class Request:
     eos_ids: tuple[int, ...] = ()  # the model's EOS ids (ignored when params.ignore_eos)
     arrival_time: float = field(default_factory=time.monotonic)
     lora: str | None = None  # LoRA adapter key (one per loaded adapter version); None: base
+    procs: object = None  # runtime.host.processors.ProcessorSpec: its logits processors; None: none
 
 
 @dataclass
@@ -150,6 +154,7 @@ class _Seq:
     cached_tokens: int | None = None  # tokens taken from the prefix cache at first admission
     prefilled: bool = False  # computed tokens have reached all tokens once since (re)admission
     draft: list[int] = field(default_factory=list)  # speculative proposals for the next step
+    admissions: int = 0  # times it took a slot: its device state is loaded on a new count
     status: str = WAITING
     finish_reason: str | None = None
 
@@ -564,7 +569,7 @@ class Scheduler:
         # Admission, in the policy's order with no overtaking (the head also waits for its gates).
         while self._waiting and self._free_slots and budget > 0 and not preempted:
             seq = self._waiting[0]
-            if not policy.admits(self, seq) or not self._acquire(seq):
+            if self._awaits_prefix(seq) or not policy.admits(self, seq) or not self._acquire(seq):
                 break
             n = self._admit_pages(seq, budget)
             if n is None:
@@ -582,6 +587,7 @@ class Scheduler:
 
     def _start(self, seq: _Seq) -> None:
         seq.slot = heapq.heappop(self._free_slots)
+        seq.admissions += 1
         seq.status = RUNNING
         self._running.append(seq)
 
@@ -682,6 +688,19 @@ class Scheduler:
             return []
         k = (seq.num_tokens - 1) // self.page_size
         return self.allocator.lookup(self._hashes(seq, k)) if k else []
+
+    def _awaits_prefix(self, seq: _Seq) -> bool:
+        """Whether the first full page `seq` would not find cached is being computed by a
+        running sequence (same prefix hash, not registered yet: a sibling sample of the same
+        prompt admitted a step earlier): `seq` then waits until it is registered and shares it."""
+        if not self.enable_prefix_caching or seq.req.params.prompt_logprobs is not None:
+            return False
+        k = (seq.num_tokens - 1) // self.page_size
+        hashes = self._hashes(seq, k)
+        j = len(self.allocator.lookup(hashes))
+        return j < k and any(
+            r.num_registered <= j < r.num_known // self.page_size
+            and self._hashes(r, j + 1)[j] == hashes[j] for r in self._running)
 
     def _register_full_pages(self, seq: _Seq, computed: int) -> None:
         """Publish the pages of `seq` whose tokens are all computed (the first `computed`, by

@@ -42,6 +42,7 @@ __all__ = [
     "SentencePieceTokenizer",
     "HFTokenizer",
     "IncrementalDetokenizer",
+    "decode_text",
     "TokenizerError",
     "load_tokenizer",
     "tokenizer_from_gguf",
@@ -859,12 +860,35 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], types: list[int], pre:
 # ---------------------------------------------------------------------------------------------
 
 
+def decode_text(tokenizer: Tokenizer, ids: Sequence[int], skip_special_tokens: bool = True,
+                spaces_between_special_tokens: bool = False) -> str:
+    """`tokenizer.decode(ids, skip_special_tokens)`; when special tokens are kept and
+    `spaces_between_special_tokens`, each special token and each run of other tokens between
+    them is decoded on its own and the parts are joined by single spaces (the rule of HF's
+    Python tokenizers that vLLM follows: ``"<s> Hello</s>"`` -> ``"<s> Hello </s>"``)."""
+    if skip_special_tokens or not spaces_between_special_tokens:
+        return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    special, parts, run = tokenizer.special_ids, [], []
+    for i in ids:
+        if i in special:
+            if run:
+                parts.append(tokenizer.decode(run, skip_special_tokens=False))
+                run = []
+            parts.append(tokenizer.decode([i], skip_special_tokens=False))
+        else:
+            run.append(i)
+    if run:
+        parts.append(tokenizer.decode(run, skip_special_tokens=False))
+    return " ".join(parts)
+
+
 class IncrementalDetokenizer:
     """Streams the text of generated tokens, one delta per `add`.
 
     Definition. With prompt ids P and generated ids G[:k], the *text of the first k generated
-    tokens* is ``T(k) = decode(P + G[:k])[len(decode(P)):]`` (with this detokenizer's
-    `skip_special_tokens`). For an empty prompt that is ``decode(G[:k])``; after a prompt it keeps
+    tokens* is ``T(k) = decode(P + G[:k])[len(decode(P)):]`` (`decode_text` with this
+    detokenizer's `skip_special_tokens` and `spaces_between_special_tokens`). For an empty prompt
+    that is ``decode(G[:k])``; after a prompt it keeps
     the leading space of a first ``"▁the"`` piece that one-shot ``decode(G)`` of a sentencepiece
     model would drop.
 
@@ -884,10 +908,12 @@ class IncrementalDetokenizer:
     _PROMPT_CONTEXT = 6  # prompt tokens decoded as left context for the first generated token
 
     def __init__(
-        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
+        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (),
+        skip_special_tokens: bool = True, spaces_between_special_tokens: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.spaces_between_special_tokens = spaces_between_special_tokens
         self._ids: list[int] = [int(i) for i in prompt_ids]
         self._read = len(self._ids)  # all text up to here has been emitted (a clean boundary)
         self._prefix = self._prompt_context_start()
@@ -899,7 +925,8 @@ class IncrementalDetokenizer:
     def _decode(self, start: int, stop: int) -> str:
         if start >= stop:
             return ""
-        return self.tokenizer.decode(self._ids[start:stop], skip_special_tokens=self.skip_special_tokens)
+        return decode_text(self.tokenizer, self._ids[start:stop], self.skip_special_tokens,
+                           self.spaces_between_special_tokens)
 
     def _prompt_context_start(self) -> int:
         # A few prompt tokens of left context, starting on a character boundary: a window that

@@ -24,39 +24,43 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#jaxinfer/serve/proto/jaxinfer.proto\x12\x0bjaxinfer.v1\"\xc1\x04\n\x0fGenerateRequest\x12\x13\n\x06prompt\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x17\n\nmax_tokens\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x07 \x01(\x02H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x15\n\x08logprobs\x18\x0b \x01(\x05H\x07\x88\x01\x01\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x12\n\nrequest_id\x18\r \x01(\t\x12?\n\x12structured_outputs\x18\x0e \x01(\x0b\x32\x1e.jaxinfer.v1.StructuredOutputsH\x08\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\x05H\t\x88\x01\x01\x12\x0c\n\x04lora\x18\x10 \x01(\t\x12\x15\n\x08priority\x18\x11 \x01(\x05H\n\x88\x01\x01\x42\t\n\x07_promptB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_structured_outputsB\x12\n\x10_prompt_logprobsB\x0b\n\t_priority\"\x8e\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x14.jaxinfer.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x42\x06\n\x04kind\"\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.jaxinfer.v1.TopLogprob\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"c\n\x0eRequestMetrics\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\r\n\x05itl_s\x18\x03 \x03(\x01\x12\x12\n\nitl_mean_s\x18\x04 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x05 \x01(\x01\"\x83\x01\n\x05\x46inal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12!\n\x05usage\x18\x02 \x01(\x0b\x32\x12.jaxinfer.v1.Usage\x12,\n\x07metrics\x18\x03 \x01(\x0b\x32\x1b.jaxinfer.v1.RequestMetrics\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"\xb7\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.jaxinfer.v1.TokenLogprob\x12!\n\x05\x66inal\x18\x04 \x01(\x0b\x32\x12.jaxinfer.v1.Final\x12\x32\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x19.jaxinfer.v1.TokenLogprob\"\x0e\n\x0cStatsRequest\"\x90\x03\n\rStatsResponse\x12\x13\n\x0bqueue_depth\x18\x01 \x01(\x05\x12\x0f\n\x07running\x18\x02 \x01(\x05\x12\x11\n\tmax_slots\x18\x03 \x01(\x05\x12\x13\n\x0bpages_total\x18\x04 \x01(\x05\x12\x12\n\npages_free\x18\x05 \x01(\x05\x12\x12\n\npages_used\x18\x06 \x01(\x05\x12\x18\n\x10tokens_generated\x18\x07 \x01(\x03\x12:\n\x08requests\x18\x08 \x03(\x0b\x32(.jaxinfer.v1.StatsResponse.RequestsEntry\x12\x0f\n\x07healthy\x18\t \x01(\x08\x12\x11\n\tin_flight\x18\n \x01(\x05\x12\x15\n\rcompile_count\x18\x0b \x01(\x05\x12\x12\n\nvocab_size\x18\x0c \x01(\x05\x12\x15\n\rmax_model_len\x18\r \x01(\x05\x12\r\n\x05model\x18\x0e \x01(\t\x12\r\n\x05steps\x18\x0f \x01(\x03\x1a/\n\rRequestsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\x9b\x01\n\nGeneration\x12K\n\x08Generate\x12\x1c.jaxinfer.v1.GenerateRequest\x1a\x1d.jaxinfer.v1.GenerateResponse\"\x00\x30\x01\x12@\n\x05Stats\x12\x19.jaxinfer.v1.StatsRequest\x1a\x1a.jaxinfer.v1.StatsResponse\"\x00\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#jaxinfer/serve/proto/jaxinfer.proto\x12\x0bjaxinfer.v1\"\xd0\t\n\x0fGenerateRequest\x12\x13\n\x06prompt\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x17\n\nmax_tokens\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x07 \x01(\x02H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x15\n\x08logprobs\x18\x0b \x01(\x05H\x07\x88\x01\x01\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x12\n\nrequest_id\x18\r \x01(\t\x12?\n\x12structured_outputs\x18\x0e \x01(\x0b\x32\x1e.jaxinfer.v1.StructuredOutputsH\x08\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\x05H\t\x88\x01\x01\x12\x0c\n\x04lora\x18\x10 \x01(\t\x12\x15\n\x08priority\x18\x11 \x01(\x05H\n\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x12 \x01(\x05H\x0b\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x13 \x01(\x02H\x0c\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x14 \x01(\x02H\r\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x15 \x01(\x02H\x0e\x88\x01\x01\x12?\n\nlogit_bias\x18\x16 \x03(\x0b\x32+.jaxinfer.v1.GenerateRequest.LogitBiasEntry\x12\x11\n\tbad_words\x18\x17 \x03(\t\x12\x19\n\x11\x61llowed_token_ids\x18\x18 \x03(\x05\x12\x0e\n\x01n\x18\x19 \x01(\x05H\x0f\x88\x01\x01\x12\x14\n\x07\x62\x65st_of\x18\x1a \x01(\x05H\x10\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x1b \x01(\x08\x12 \n\x13skip_special_tokens\x18\x1c \x01(\x08H\x11\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x1d \x01(\x08H\x12\x88\x01\x01\x12#\n\x16truncate_prompt_tokens\x18\x1e \x01(\x05H\x13\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\t\n\x07_promptB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_structured_outputsB\x12\n\x10_prompt_logprobsB\x0b\n\t_priorityB\r\n\x0b_min_tokensB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x04\n\x02_nB\n\n\x08_best_ofB\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokensB\x19\n\x17_truncate_prompt_tokens\"\x8e\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x14.jaxinfer.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x42\x06\n\x04kind\"\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.jaxinfer.v1.TopLogprob\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"c\n\x0eRequestMetrics\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\r\n\x05itl_s\x18\x03 \x03(\x01\x12\x12\n\nitl_mean_s\x18\x04 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x05 \x01(\x01\"\x83\x01\n\x05\x46inal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12!\n\x05usage\x18\x02 \x01(\x0b\x32\x12.jaxinfer.v1.Usage\x12,\n\x07metrics\x18\x03 \x01(\x0b\x32\x1b.jaxinfer.v1.RequestMetrics\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"\xc6\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.jaxinfer.v1.TokenLogprob\x12!\n\x05\x66inal\x18\x04 \x01(\x0b\x32\x12.jaxinfer.v1.Final\x12\x32\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x19.jaxinfer.v1.TokenLogprob\x12\r\n\x05index\x18\x06 \x01(\x05\"\x0e\n\x0cStatsRequest\"\x90\x03\n\rStatsResponse\x12\x13\n\x0bqueue_depth\x18\x01 \x01(\x05\x12\x0f\n\x07running\x18\x02 \x01(\x05\x12\x11\n\tmax_slots\x18\x03 \x01(\x05\x12\x13\n\x0bpages_total\x18\x04 \x01(\x05\x12\x12\n\npages_free\x18\x05 \x01(\x05\x12\x12\n\npages_used\x18\x06 \x01(\x05\x12\x18\n\x10tokens_generated\x18\x07 \x01(\x03\x12:\n\x08requests\x18\x08 \x03(\x0b\x32(.jaxinfer.v1.StatsResponse.RequestsEntry\x12\x0f\n\x07healthy\x18\t \x01(\x08\x12\x11\n\tin_flight\x18\n \x01(\x05\x12\x15\n\rcompile_count\x18\x0b \x01(\x05\x12\x12\n\nvocab_size\x18\x0c \x01(\x05\x12\x15\n\rmax_model_len\x18\r \x01(\x05\x12\r\n\x05model\x18\x0e \x01(\t\x12\r\n\x05steps\x18\x0f \x01(\x03\x1a/\n\rRequestsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\x9b\x01\n\nGeneration\x12K\n\x08Generate\x12\x1c.jaxinfer.v1.GenerateRequest\x1a\x1d.jaxinfer.v1.GenerateResponse\"\x00\x30\x01\x12@\n\x05Stats\x12\x19.jaxinfer.v1.StatsRequest\x1a\x1a.jaxinfer.v1.StatsResponse\"\x00\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'jaxinfer.serve.proto.jaxinfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_STATSRESPONSE_REQUESTSENTRY']._loaded_options = None
   _globals['_STATSRESPONSE_REQUESTSENTRY']._serialized_options = b'8\001'
   _globals['_GENERATEREQUEST']._serialized_start=53
-  _globals['_GENERATEREQUEST']._serialized_end=630
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=633
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=775
-  _globals['_CHOICES']._serialized_start=777
-  _globals['_CHOICES']._serialized_end=802
-  _globals['_TOPLOGPROB']._serialized_start=804
-  _globals['_TOPLOGPROB']._serialized_end=851
-  _globals['_TOKENLOGPROB']._serialized_start=853
-  _globals['_TOKENLOGPROB']._serialized_end=940
-  _globals['_USAGE']._serialized_start=942
-  _globals['_USAGE']._serialized_end=999
-  _globals['_REQUESTMETRICS']._serialized_start=1001
-  _globals['_REQUESTMETRICS']._serialized_end=1100
-  _globals['_FINAL']._serialized_start=1103
-  _globals['_FINAL']._serialized_end=1234
-  _globals['_GENERATERESPONSE']._serialized_start=1237
-  _globals['_GENERATERESPONSE']._serialized_end=1420
-  _globals['_STATSREQUEST']._serialized_start=1422
-  _globals['_STATSREQUEST']._serialized_end=1436
-  _globals['_STATSRESPONSE']._serialized_start=1439
-  _globals['_STATSRESPONSE']._serialized_end=1839
-  _globals['_STATSRESPONSE_REQUESTSENTRY']._serialized_start=1792
-  _globals['_STATSRESPONSE_REQUESTSENTRY']._serialized_end=1839
-  _globals['_GENERATION']._serialized_start=1842
-  _globals['_GENERATION']._serialized_end=1997
+  _globals['_GENERATEREQUEST']._serialized_end=1285
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=903
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=951
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1288
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1430
+  _globals['_CHOICES']._serialized_start=1432
+  _globals['_CHOICES']._serialized_end=1457
+  _globals['_TOPLOGPROB']._serialized_start=1459
+  _globals['_TOPLOGPROB']._serialized_end=1506
+  _globals['_TOKENLOGPROB']._serialized_start=1508
+  _globals['_TOKENLOGPROB']._serialized_end=1595
+  _globals['_USAGE']._serialized_start=1597
+  _globals['_USAGE']._serialized_end=1654
+  _globals['_REQUESTMETRICS']._serialized_start=1656
+  _globals['_REQUESTMETRICS']._serialized_end=1755
+  _globals['_FINAL']._serialized_start=1758
+  _globals['_FINAL']._serialized_end=1889
+  _globals['_GENERATERESPONSE']._serialized_start=1892
+  _globals['_GENERATERESPONSE']._serialized_end=2090
+  _globals['_STATSREQUEST']._serialized_start=2092
+  _globals['_STATSREQUEST']._serialized_end=2106
+  _globals['_STATSRESPONSE']._serialized_start=2109
+  _globals['_STATSRESPONSE']._serialized_end=2509
+  _globals['_STATSRESPONSE_REQUESTSENTRY']._serialized_start=2462
+  _globals['_STATSRESPONSE_REQUESTSENTRY']._serialized_end=2509
+  _globals['_GENERATION']._serialized_start=2512
+  _globals['_GENERATION']._serialized_end=2667
 # @@protoc_insertion_point(module_scope)

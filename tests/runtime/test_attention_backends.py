@@ -23,7 +23,9 @@ from jaxinfer.runtime.device.fused_projections import fuse_projections
 from jaxinfer.runtime.device.kv_cache import init_cache
 from jaxinfer.runtime.device.model import init_params
 from jaxinfer.runtime.plan import STEP_GROUPS, fields_of
+from jaxinfer.runtime.device.processors import init_state
 from jaxinfer.runtime.device.steps import step
+from jaxinfer.runtime.host.processors import Dims
 from tests.aot import cuda_target
 from tests.model_utils import run_sequence
 from tests.pallas_kernels.test_ragged_paged_attention import make_case
@@ -169,13 +171,17 @@ def test_step_exports_with_pallas(platform, model, dtype, shape):
     }[model]
     t, q = (16, 1) if shape == "decode" else (64, 64)
     backend = "pallas_tpu" if platform == "tpu" else "pallas_gpu"
+    # with the logits processors' state (8 slots): they lower for the target too
+    procs = jax.eval_shape(lambda: init_state(8, Dims(cfg.vocab_size).shapes()))
     f = functools.partial(step, cfg=cfg, backend=backend, max_q_len=q, num_logprobs=20,
                           filtered=True)
     with cuda_target() if platform == "cuda" else contextlib.nullcontext():
-        exported = jax.export.export(jax.jit(f), platforms=[platform],
-                                     disabled_checks=TRITON_OK if platform == "cuda" else ())(
-            *_step_args(cfg, dtype, t, s=8, p=8, fused=True))
+        exported = jax.export.export(
+            jax.jit(lambda *args, procs: f(*args, procs=procs)), platforms=[platform],
+            disabled_checks=TRITON_OK if platform == "cuda" else ())(
+            *_step_args(cfg, dtype, t, s=8, p=8, fused=True), procs=procs)
     packed = exported.out_avals[0]
+    assert (8, cfg.vocab_size) in [a.shape for a in exported.out_avals]  # processors' counts
     assert packed.shape == (8, 1 + 1 + 2 * 20) and packed.dtype == jnp.float32
     text = exported.mlir_module()
     hkv, g, d = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.hidden_size

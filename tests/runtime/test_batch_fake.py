@@ -124,6 +124,9 @@ class FakeEngine:
     def lora_adapters(self):
         return None
 
+    def embed(self, prompts, pooling=None, normalize=True):
+        raise RequestError(None, "the fake engine embeds nothing")
+
     def warmup(self):
         return 0
 

@@ -1,12 +1,16 @@
 """The output processor (runtime/host/outputs.py) on hand-worked cases, with a character
 tokenizer (id i is the character "abcdefghijklmnopqrstuvwxyz "[i]) and hand-built logprob
-rows; then LLM.stream's deltas against LLM.generate's result on the tiny model."""
+rows; the text controls (special tokens kept, spaces between them) against transformers'
+decoding of the tiny model's tokenizer; then LLM.stream's deltas against LLM.generate's result
+and truncate_prompt_tokens against the truncated prompt on the tiny model."""
+
+import dataclasses
 
 import numpy as np
 import pytest
 
 from jaxinfer.runtime.host.outputs import OutputProcessor, RequestDelta
-from jaxinfer.runtime.host.requests import SamplingParams
+from jaxinfer.runtime.host.requests import RequestError, SamplingParams
 
 CHARS = "abcdefghijklmnopqrstuvwxyz "
 
@@ -63,6 +67,99 @@ def test_several_tokens_in_one_step_stop_at_the_string():
     d = proc.tokens("r", ids("abcdef"), False, None, row(0, 0, []), 0, now=1.0)
     assert d.finished and d.finish_reason == "stop"
     assert d.token_ids == ids("abcd") and d.text == "ab" and d.output.text == "ab"
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string_and_holds_nothing_back():
+    proc = OutputProcessor(CharTokenizer())
+    proc.add("r", ids("x"), SamplingParams(max_tokens=20, stop=["end"],
+                                           include_stop_str_in_output=True), now=0.0)
+    ds = feed(proc, "r", "an enemy ends")
+    assert [d.text for d in ds] == list("an enemy end")  # every char as it comes
+    assert ds[-1].finish_reason == "stop" and ds[-1].output.text == "an enemy end"
+    # several tokens in one step: cut right after the stop string
+    proc.add("s", ids("x"), SamplingParams(max_tokens=20, stop=["zz", "cd"],
+                                           include_stop_str_in_output=True), now=0.0)
+    d = proc.tokens("s", ids("abcdef"), False, None, row(0, 0, []), 0, now=1.0)
+    assert (d.finish_reason, d.text, d.token_ids, d.output.text) == ("stop", "abcd", ids("abcd"),
+                                                                     "abcd")
+
+
+@pytest.mark.parametrize("min_tokens,include,texts,out", [
+    # "ab" completes at token 2 < 3: not a stop, it streams; the next "ab" ends at token 5
+    (3, False, ["", "ab", "x", "", ""], "abx"),
+    (3, True, ["a", "b", "x", "a", "b"], "abxab"),
+    (2, False, ["", ""], ""),  # ends at token 2 = min_tokens: a stop
+    (0, False, ["", ""], ""),
+])
+def test_a_stop_string_cannot_end_the_output_before_min_tokens(min_tokens, include, texts, out):
+    proc = OutputProcessor(CharTokenizer())
+    sp = SamplingParams(max_tokens=20, stop=["ab"], min_tokens=min_tokens,
+                        include_stop_str_in_output=include)
+    proc.add("r", ids("x"), sp, now=0.0)
+    ds = feed(proc, "r", "abxabq")
+    assert [d.text for d in ds] == texts
+    assert ds[-1].finish_reason == "stop" and ds[-1].output.text == out
+    # the same tokens in one step (speculative decoding): the same cut
+    proc.add("s", ids("x"), sp, now=0.0)
+    d = proc.tokens("s", ids("abxabq"), False, None, row(0, 0, []), 0, now=1.0)
+    assert d.output.text == out and len(d.token_ids) == len(texts)
+
+
+@pytest.fixture(scope="module")
+def sp_pair(tiny_dir):
+    """The tiny model's sentencepiece tokenizer (ours) and transformers' (the oracle)."""
+    transformers = pytest.importorskip("transformers")
+    from jaxinfer.runtime.host.tokenizer import load_tokenizer
+
+    return load_tokenizer(tiny_dir), transformers.LlamaTokenizer.from_pretrained(str(tiny_dir))
+
+
+def _hf_text(hf, ids, skip, spaces):
+    """HF's decode; with special tokens kept and spaces between them, the rule of HF's Python
+    tokenizers (vLLM's): each special token and each run between them apart, joined by " "."""
+    if skip or not spaces:
+        return hf.decode(ids, skip_special_tokens=skip)
+    parts, run = [], []
+    for i in ids:
+        if i in hf.all_special_ids:
+            parts += [hf.decode(run)] if run else []
+            parts.append(hf.convert_ids_to_tokens(i))
+            run = []
+        else:
+            run.append(i)
+    return " ".join(parts + ([hf.decode(run)] if run else []))
+
+
+@pytest.mark.parametrize("skip,spaces", [(True, True), (False, True), (False, False)])
+def test_special_tokens_in_the_text_as_hf_decodes_them(sp_pair, skip, spaces):
+    tok, hf = sp_pair
+    bos, eos = hf.bos_token_id, hf.eos_token_id
+    prompt = tok.encode("Hello world")
+    gen = (tok.encode("the king", add_special_tokens=False) + [eos, bos]
+           + tok.encode(" is dead", add_special_tokens=False) + [eos, eos])
+    proc = OutputProcessor(tok)
+    proc.add("r", prompt, SamplingParams(max_tokens=len(gen), skip_special_tokens=skip,
+                                         spaces_between_special_tokens=spaces), now=0.0)
+    ds = [proc.tokens("r", [t], k + 1 == len(gen), "length" if k + 1 == len(gen) else None,
+                      row(t, 0, []), 0, now=float(k)) for k, t in enumerate(gen)]
+    want = _hf_text(hf, prompt + gen, skip, spaces)[len(_hf_text(hf, prompt, skip, spaces)):]
+    assert ds[-1].output.text == want == "".join(d.text for d in ds)
+    assert ("</s>" in want) == (not skip) and ("</s> <s>" in want) == (not skip and spaces)
+
+
+def test_truncate_prompt_tokens_runs_the_last_k(tiny_llm):
+    ids = tiny_llm.tokenizer.encode("To be, or not to be, that is the question " * 40)
+    assert len(ids) > tiny_llm.engine.limits.max_model_len  # too long unless truncated
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    got = tiny_llm.generate([ids], dataclasses.replace(sp, truncate_prompt_tokens=20))[0]
+    want = tiny_llm.generate([ids[-20:]], sp)[0]
+    assert got.prompt_token_ids == ids[-20:] and got.usage["prompt_tokens"] == 20
+    assert got.token_ids == want.token_ids and got.text == want.text
+    short = tiny_llm.generate([ids[:5]], dataclasses.replace(sp, truncate_prompt_tokens=20))[0]
+    assert short.prompt_token_ids == ids[:5]  # shorter than k: all of it
+    with pytest.raises(RequestError) as e:
+        tiny_llm.generate([ids], sp)
+    assert e.value.field == "prompt"
 
 
 def test_logprob_entries_ride_with_their_tokens_and_prompt_logprobs_come_once():

@@ -1065,7 +1065,8 @@ def test_every_plan_field_has_exactly_one_writer_and_each_writes_only_its_own(mo
         w.write = diffing(type(w).__name__, w.write)
     sampled = SamplingParams(max_tokens=6, temperature=0.5, top_k=3, top_p=0.9, min_p=0.1,
                              seed=7, logprobs=1, structured_outputs={"regex": "[a-z]+"})
-    sched.add_request(Request("A", [1, 2, 3, 4, 5], sampled, lora="x"))
+    sched.add_request(Request("A", [1, 2, 3, 4, 5], sampled, lora="x",
+                              procs="any spec"))  # (ProcessorRows reads only its presence)
     sched.add_request(Request("B", [6, 7, 8], greedy(6, prompt_logprobs=1)))
     first = sched.schedule()
     second = sched.schedule()  # one plan ahead: both decodes read their pending tokens

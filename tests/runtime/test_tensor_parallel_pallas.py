@@ -156,19 +156,19 @@ def _run(cfg, params, cache, step, verify, on_host, drafts=None):
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, cfg.vocab_size, n) for n in (13, 20)]
     statics = dict(num_logprobs=2, filtered=False)
-    packed, cache = step(params, cache, on_host(_arrays(
+    packed, cache, _ = step(params, cache, on_host(_arrays(
         [(prompts[0], 0), (prompts[1], 0)], t=48)), max_q_len=48, **statics)
     out, lens = [np.asarray(packed)], [13, 20]
     for _ in range(2 if drafts is not None else 4):
         last = out[-1][:2, 0].astype(np.int32)
-        packed, cache = step(params, cache, on_host(_arrays(
+        packed, cache, _ = step(params, cache, on_host(_arrays(
             [([last[0]], lens[0]), ([last[1]], lens[1])], t=4)), max_q_len=1, **statics)
         out.append(np.asarray(packed))
         lens = [n + 1 for n in lens]
     if drafts is None:
         return [[int(o[i, 0]) for o in out[-2:]] for i in range(2)]
     last = out[-1][:2, 0].astype(np.int32)
-    packed, cache = verify(params, cache, on_host(_arrays(
+    packed, cache, _ = verify(params, cache, on_host(_arrays(
         [([last[0], *drafts[0]], lens[0]), ([last[1], *drafts[1]], lens[1])], t=8,
         drafts=drafts)), None, on_host(np.zeros(4, np.int32)), max_q_len=3, **statics)
     return out + [np.asarray(packed)], jax.tree.map(np.asarray, cache)

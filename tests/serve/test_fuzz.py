@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import time
 
 import grpc
@@ -40,7 +41,39 @@ JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4)
                     | st.dictionaries(TEXT, inner, max_size=4), max_leaves=12)
 FIELDS = sorted(SAMPLING_FIELDS) + ["n", "stream", "logprobs", "echo", "best_of", "stop",
                                     "stream_options", "frobnicate", "suffix", "logit_bias",
-                                    "presence_penalty", "top_logprobs"]
+                                    "presence_penalty", "top_logprobs", "request_id",
+                                    "add_special_tokens", "guided_regex", "cache_salt"]
+
+
+def _nested(depth: int):
+    v = ["w"]
+    for _ in range(depth):
+        v = [v]
+    return v
+
+
+BIG = 10**5  # entries of the biggest hostile maps and lists
+# the sampling rows added with the logits processors: hostile values of their own kinds
+NEW_ROWS = {
+    **{k: EXTREME_FLOATS | st.floats() | SCALARS
+       for k in ("presence_penalty", "frequency_penalty", "repetition_penalty")},
+    "logit_bias": st.dictionaries(
+        st.integers(-5, 2100).map(str) | st.sampled_from(["", " 7", "-1", "1e3", "٣", "²", "0x5",
+                                                          "9" * 13]),
+        EXTREME_FLOATS | SCALARS, max_size=6)
+    | st.sampled_from([{str(i): 1.0 for i in range(BIG)}, {str(i): 0.5 for i in range(300)},
+                       [[5, 1.0]], [[5]], {"5": float("nan")}]),
+    "bad_words": st.lists(TEXT, max_size=40) | st.integers(1, 900).map(_nested)
+    | st.sampled_from([["a"] * 33, ["x" * 257], [""]]),
+    "allowed_token_ids": st.lists(EXTREME_INTS, max_size=4)
+    | st.sampled_from([list(range(BIG)), [], [1999], [2000], [-1], [2**31], [1.5]]),
+    **{k: EXTREME_INTS | SCALARS for k in ("min_tokens", "truncate_prompt_tokens", "best_of")},
+    **{k: SCALARS for k in ("include_stop_str_in_output", "skip_special_tokens",
+                            "spaces_between_special_tokens")},
+}
+assert set(NEW_ROWS) <= set(SAMPLING_FIELDS)
+NEW_ROW_VALUES = st.sampled_from(sorted(NEW_ROWS)).flatmap(
+    lambda k: NEW_ROWS[k].map(lambda v: {k: v}))
 
 
 GOOD = {  # values a client would send: bodies mix them with hostile ones
@@ -59,7 +92,9 @@ def request_bodies(prompt_key: str):
     good = st.fixed_dictionaries({"model": st.just(MODEL), prompt_key: prompt,
                                   "max_tokens": st.integers(1, 4)}, optional=GOOD)
     hostile = st.dictionaries(st.sampled_from(FIELDS + ["model", prompt_key]), JSON, max_size=2)
-    return st.builds(lambda g, h: {**g, **h}, good, hostile)
+    new = st.lists(NEW_ROW_VALUES, max_size=2)
+    return st.builds(lambda g, h, n: {**g, **h, **{k: v for d in n for k, v in d.items()}},
+                     good, hostile, new)
 
 
 # ---- the door itself ---------------------------------------------------------------------------
@@ -75,8 +110,11 @@ LIMITS = Limits(vocab_size=2048, text_vocab=2000, max_model_len=256, page_size=8
 
 
 @settings(FUZZ, max_examples=400)
-@given(obj=st.dictionaries(st.sampled_from(FIELDS), JSON, max_size=8), prompt=JSON)
-def test_door_raises_only_request_error(obj, prompt):
+@given(obj=st.dictionaries(st.sampled_from(FIELDS), JSON, max_size=8), prompt=JSON,
+       new=st.lists(NEW_ROW_VALUES, max_size=3))
+def test_door_raises_only_request_error(obj, prompt, new):
+    for d in new:
+        obj.update(d)
     try:
         params = sampling_from_json(obj)
         _, ids = parse_prompt(prompt, _Tok(), LIMITS)
@@ -88,6 +126,10 @@ def test_door_raises_only_request_error(obj, prompt):
     assert 1 <= params.max_tokens and len(ids) + params.max_tokens <= LIMITS.max_model_len
     assert 0 <= params.top_k <= LIMITS.vocab_size and 0 < params.top_p <= 1
     assert 0 <= params.temperature <= 2 and all(0 <= t < 2000 for t in ids)
+    assert all(math.isfinite(v) and -100 <= v <= 100 for _, v in params.logit_bias)
+    assert len(params.logit_bias) <= 300 and len(params.bad_words) <= 32
+    for k in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        assert math.isfinite(getattr(params, k)), k
 
 
 # ---- the JSONL line parser ---------------------------------------------------------------------
@@ -165,7 +207,20 @@ GRPC_FIELDS = dict(max_tokens=st.integers(-(2**31), 2**31 - 1),
                    logprobs=st.integers(-(2**31), 2**31 - 1),
                    stop=st.lists(TEXT.filter(lambda t: "\ud800" not in t), max_size=20),
                    stop_token_ids=st.lists(st.integers(-(2**31), 2**31 - 1), max_size=70),
-                   ignore_eos=st.booleans())
+                   ignore_eos=st.booleans(),
+                   **{k: EXTREME_FLOATS | st.floats(width=32)
+                      for k in ("presence_penalty", "frequency_penalty", "repetition_penalty")},
+                   logit_bias=st.dictionaries(st.integers(-(2**31), 2**31 - 1),
+                                              EXTREME_FLOATS | st.floats(width=32), max_size=5)
+                   | st.just({i: 1.0 for i in range(BIG)}),
+                   bad_words=st.lists(TEXT.filter(lambda t: "\ud800" not in t), max_size=40),
+                   allowed_token_ids=st.lists(st.integers(-(2**31), 2**31 - 1), max_size=5)
+                   | st.just(list(range(BIG))),
+                   **{k: st.integers(-(2**31), 2**31 - 1)
+                      for k in ("min_tokens", "truncate_prompt_tokens", "n", "best_of")},
+                   **{k: st.booleans() for k in ("include_stop_str_in_output",
+                                                 "skip_special_tokens",
+                                                 "spaces_between_special_tokens")})
 
 
 @settings(FUZZ, max_examples=80)
@@ -193,6 +248,38 @@ def test_grpc_answers_every_request_with_a_result_or_invalid_argument(server, fi
     CASES["grpc"] += 1
     if CASES["grpc"] % 40 == 0:
         _still_serving(server)
+
+
+HUGE = [("logit_bias", {str(i): 1.0 for i in range(BIG)}), ("allowed_token_ids", list(range(BIG))),
+        ("allowed_token_ids", list(range(1, 2000, 3))), ("bad_words", _nested(900)),
+        ("bad_words", ["w"] * BIG), ("logit_bias", {"5": float("nan")}),
+        ("presence_penalty", float("inf")), ("repetition_penalty", -1.0)]
+
+
+@pytest.mark.parametrize("name,value", HUGE, ids=[f"{n}-{i}" for i, (n, _) in enumerate(HUGE)])
+def test_huge_and_deep_values_through_every_door(server, name, value):
+    """The hostile sizes the strategies above may not draw: every door answers, and serves on."""
+    try:
+        sampling_from_json({name: value})
+    except RequestError as e:
+        assert e.field.split(".")[0].split("[")[0] == name
+    chat = {"messages": [{"role": "user", "content": "a"}]}
+    for path, prompt in (("/v1/completions", {"prompt": "To be"}), ("/v1/chat/completions", chat)):
+        status, resp = _post(server.http_port, path, {"model": MODEL, "max_tokens": 2, **prompt,
+                                                      name: value})
+        assert status in (200, 400, 413), (status, resp)  # 413: over the 1 MiB body limit
+        if status == 400:
+            assert resp["error"]["param"].split(".")[0].split("[")[0] in (name, "messages"), resp
+    wire = {"logit_bias": {int(k): v for k, v in value.items()}} if name == "logit_bias" else \
+        {name: value} if name != "bad_words" or all(isinstance(w, str) for w in value) else {}
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+        try:
+            list(jaxinfer_pb2_grpc.GenerationStub(ch).Generate(
+                jaxinfer_pb2.GenerateRequest(prompt="To be", max_tokens=2, **wire), timeout=60))
+        except grpc.RpcError as e:
+            assert e.code() in (grpc.StatusCode.INVALID_ARGUMENT,
+                                grpc.StatusCode.RESOURCE_EXHAUSTED), e
+    _still_serving(server)
 
 
 def test_fuzzed_server_still_serves(server):

@@ -483,9 +483,13 @@ MALFORMED = [  # (path, body or raw bytes, status, param)
     (C, {**OK_C, "stop": 12}, 400, "stop"),
     (C, {**OK_C, "stop": [""]}, 400, "stop"),
     (C, {**OK_C, "logprobs": 50}, 400, "logprobs"),
-    (C, {**OK_C, "presence_penalty": 0.5}, 400, "presence_penalty"),
-    (C, {**OK_C, "frequency_penalty": 1.0}, 400, "frequency_penalty"),
-    (C, {**OK_C, "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    (C, {**OK_C, "presence_penalty": 2.5}, 400, "presence_penalty"),
+    (C, {**OK_C, "frequency_penalty": "1"}, 400, "frequency_penalty"),
+    (CH, {**OK_CH, "presence_penalty": True}, 400, "presence_penalty"),
+    (C, {**OK_C, "logit_bias": {"5": 101}}, 400, "logit_bias.5"),
+    (CH, {**OK_CH, "logit_bias": {"7": "high"}}, 400, "logit_bias.7"),
+    (C, {**OK_C, "logit_bias": {"five": 1}}, 400, "logit_bias"),
+    (C, {**OK_C, "logit_bias": [5, 1]}, 400, "logit_bias"),
     (C, {**OK_C, "seed": 1.5}, 400, "seed"),
     (C, {**OK_C, "stream": "yes"}, 400, "stream"),
     (C, {**OK_C, "stream_options": {"include_usage": True}}, 400, "stream_options"),
@@ -534,7 +538,7 @@ MALFORMED = [  # (path, body or raw bytes, status, param)
     (C, {**OK_C, "structured_outputs": {"choice": ["a"]}, "response_format": {"type": "text"}},
      400, "structured_outputs"),
     (CH, {**OK_CH, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
-    ("/v1/embeddings", OK_C, 404, None),
+    ("/v1/audio/speech", OK_C, 404, None),
 ]
 
 
@@ -555,7 +559,7 @@ def test_malformed_requests_get_openai_errors(client, server):
     assert grpc_stats(server).requests["invalid"] - invalid_before == n400
     # the client surfaces them as BadRequestError with the field named
     with pytest.raises(openai.BadRequestError) as ei:
-        client.completions.create(model=MODEL, prompt="hi", presence_penalty=1.0)
+        client.completions.create(model=MODEL, prompt="hi", presence_penalty=-2.5)
     assert ei.value.body["param"] == "presence_penalty"
     # ... and the server keeps serving
     wait_idle(server)
@@ -563,6 +567,17 @@ def test_malformed_requests_get_openai_errors(client, server):
     assert r.usage.completion_tokens >= 1
     status, _ = raw(server, "POST", CH, OK_CH)
     assert status == 200
+
+
+def test_penalties_and_logit_bias_in_range_are_accepted(client):
+    """Sampling table rows now: a value in range is served (their effect: tests/runtime)."""
+    r = client.completions.create(model=MODEL, prompt="hi", max_tokens=3, presence_penalty=0.5,
+                                  frequency_penalty=-1.0, logit_bias={"5": 10, "7": -100})
+    assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=3, presence_penalty=2, frequency_penalty=0.25,
+                                       logit_bias={"42": 1.5})
+    assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens >= 1
 
 
 def test_queue_full_is_429(client, server):

@@ -89,6 +89,9 @@ def _sample(name: str, f: Field):
         return ["ab", "c d"], [_flag(name, f), "ab", _flag(name, f), "c d"], ("ab", "c d")
     if f.kind == "ids":
         return [3, 5], [_flag(name, f), "3", _flag(name, f), "5"], (3, 5)
+    if f.kind == "bias":  # JSON keys are decimal strings; kept as (id, value) pairs by id
+        v = {"7": f.lo / 4, "3": f.hi / 2}  # exact in gRPC's float32
+        return v, [_flag(name, f), json.dumps(v)], ((3, f.hi / 2), (7, f.lo / 4))
     assert f.kind == "structured", f.kind
     v = {"choice": ["yes", "no"]}
     return v, [_flag(name, f), json.dumps(v)], StructuredOutputs(choice=("yes", "no"))
@@ -96,22 +99,37 @@ def _sample(name: str, f: Field):
 
 def _bad(name: str, f: Field):
     """A value of the right type outside the row's range: (its JSON, its flag's argv); None for a
-    row without a range (a bool)."""
+    row without a range (a bool; ids, whose range is the served vocabulary: `_too_many`)."""
     if f.kind == "int":
         v = int(f.lo) - 1
     elif f.kind == "float":
         v = f.hi + 1.0
     elif f.kind == "strings":
         return [""], [_flag(name, f), ""]  # a string shorter than 1 character
-    elif f.kind == "ids":
-        v = list(range(requests.MAX_STOP_TOKEN_IDS + 1))  # one id too many
-        return v, [a for t in v for a in (_flag(name, f), str(t))]
+    elif f.kind == "bias":
+        v = {"5": f.hi * 2}  # out of range: the error names the entry, logit_bias.5
+        return v, [_flag(name, f), json.dumps(v)]
     elif f.kind == "structured":
         v = {"regex": ""}
         return v, [_flag(name, f), json.dumps(v)]
     else:
         return None
     return v, [_flag(name, f), str(v)]
+
+
+def _too_many(name: str, f: Field):
+    """One item more than the row's cap (`Field.most`): (its JSON, its flag's argv); None for a
+    row without items."""
+    if f.kind == "strings":
+        v = [f"w{i}" for i in range(f.most + 1)]
+        return v, [a for w in v for a in (_flag(name, f), w)]
+    if f.kind == "ids":
+        v = list(range(f.most + 1))
+        return v, [a for t in v for a in (_flag(name, f), str(t))]
+    if f.kind == "bias":
+        v = {str(i): 1.0 for i in range(f.most + 1)}
+        return v, [_flag(name, f), json.dumps(v)]
+    return None
 
 
 # ---- the doors: each turns one field's value, as it sends it, into SamplingParams -------------
@@ -224,7 +242,27 @@ def test_every_old_flag_keeps_its_spelling_default_and_meaning(cli, command, fla
 # ---- a bad value gets one error, naming the field, in every door -------------------------------
 @pytest.mark.parametrize("name", [n for n, f in SAMPLING_FIELDS.items() if _bad(n, f)])
 def test_an_out_of_range_value_gets_one_error_in_every_door(name, cli):
-    v, argv = _bad(name, SAMPLING_FIELDS[name])
+    _one_error_in_every_door(name, *_bad(name, SAMPLING_FIELDS[name]), cli)
+
+
+@pytest.mark.parametrize("name", [n for n, f in SAMPLING_FIELDS.items() if _too_many(n, f)])
+def test_one_item_past_a_rows_cap_gets_one_error_in_every_door(name, cli, monkeypatch):
+    f = SAMPLING_FIELDS[name]
+    if f.most > 1000:  # the real cap at the door; every door with a smaller one in its row (a
+        #                flag repeated 2**18 times takes argparse most of an hour)
+        with pytest.raises(RequestError, match=f"^{name}: takes at most {f.most} "):
+            SamplingParams(**{name: _too_many(name, f)[0]})
+        monkeypatch.setitem(SAMPLING_FIELDS, name, dataclasses.replace(f, max_items=1000))
+        f = SAMPLING_FIELDS[name]
+    v, argv = _too_many(name, f)
+    assert SamplingParams(**{name: v[:-1] if isinstance(v, list) else
+                             dict(list(v.items())[:-1])})  # the cap itself is taken
+    _one_error_in_every_door(name, v, argv, cli)
+    with pytest.raises(RequestError, match=f"^{name}: takes at most {f.most} "):
+        SamplingParams(**{name: v})
+
+
+def _one_error_in_every_door(name, v, argv, cli):
     with pytest.raises(RequestError) as e:
         SamplingParams(**{name: v})
     want = e.value
@@ -356,14 +394,16 @@ def test_sampling_args_from_a_given_table():
              "warm": Field("bool", True, doc="keep warm"),
              "words": Field("strings", (), 1, 9, doc="words"),
              "ids": Field("ids", (), doc="ids"),
+             "nudge": Field("bias", (), -1, 1, doc="nudges"),
              "shape": Field("structured", None, nullable=True, doc="a shape")}
     p = argparse.ArgumentParser()
     sampling_args(p, table=table, n_best=2)
     assert sampling_kwargs(p.parse_args([]), table) == {"n_best": 2}
     args = p.parse_args(["--n-best", "3", "--no-warm", "--words", "a", "--ids", "4", "--ids", "2",
-                         "--shape", '{"regex": "x"}', "--words", "b"])
+                         "--shape", '{"regex": "x"}', "--words", "b", "--nudge", '{"4": 0.5}'])
     assert sampling_kwargs(args, table) == dict(n_best=3, warm=False, words=("a", "b"),
-                                                ids=(4, 2), shape={"regex": "x"})
+                                                ids=(4, 2), shape={"regex": "x"},
+                                                nudge={"4": 0.5})
     Params = sampling_class("Params", {**SAMPLING_FIELDS, "n_best": table["n_best"]})
     assert Params(n_best=3).n_best == 3
     with pytest.raises(RequestError, match=r"^n_best: must be in \[1, 8\], got 9$"):
