@@ -11,13 +11,13 @@ as of the row's first j proposals, so greedy speculation equals plain decoding.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jaxinfer.runtime.plan import PROMPT_BIT
-
 
 
 class ProcState(NamedTuple):
@@ -39,9 +39,10 @@ def init_state(slots: int, shapes: dict) -> ProcState:
     return ProcState(**{n: jnp.zeros((slots, *s), d) for n, (s, d) in shapes.items()})
 
 
-@jax.jit
+@functools.partial(jax.jit, donate_argnums=0)
 def write_slot(state: ProcState, slot: jax.Array, row: dict) -> ProcState:
-    """The state with slot `slot`'s row replaced by `row` (SLOT_ROW arrays)."""
+    """The state with slot `slot`'s row replaced by `row` (SLOT_ROW arrays); `state` is donated
+    (written in place, not copied per admission)."""
     return ProcState(*(a.at[slot].set(row[n]) for n, a in zip(ProcState._fields, state)))
 
 
