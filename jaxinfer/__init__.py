@@ -18,14 +18,16 @@ if (_os.path.isfile(_os.path.join(_ROOT, "pyproject.toml"))
         and _ROOT not in __path__):
     __path__.append(_ROOT)
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "RequestDelta", "RequestError", "LoRARequest",
-           "EngineConfig", "ModelConfig"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestDelta",
+           "RequestError", "LoRARequest", "BeamSearchParams", "EngineConfig", "ModelConfig"]
 
 _HOMES = {
     "LLM": "jaxinfer.runtime.llm",
     "SamplingParams": "jaxinfer.runtime.host.requests",
     "RequestOutput": "jaxinfer.runtime.host.outputs",
+    "CompletionOutput": "jaxinfer.runtime.host.outputs",
     "RequestDelta": "jaxinfer.runtime.host.outputs",
+    "BeamSearchParams": "jaxinfer.runtime.beam_search",
     "RequestError": "jaxinfer.runtime.host.errors",
     "LoRARequest": "jaxinfer.runtime.host.requests",
     "EngineConfig": "jaxinfer.runtime.config",

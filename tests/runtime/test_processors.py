@@ -268,3 +268,43 @@ def test_verify_positions_see_their_own_proposals():
             row = jax.tree.map(lambda a: a[slots[i]][None], after)
             want = apply(logits[i, j][None], row, positions[i:i + 1] + j, jnp.array([True]))
             np.testing.assert_allclose(got[i, j], np.asarray(want)[0], rtol=1e-6, err_msg=(i, j))
+
+
+def test_processors_under_a_structured_output_constraint(tiny_llm):
+    """Processors, then the grammar's mask: with the choice greedy takes biased away (or left out
+    of allowed_token_ids) the constrained output is the other choice, still a valid one."""
+    choices = ["alpha", "omega"]
+    base = dict(max_tokens=8, temperature=0.0, structured_outputs={"choice": choices})
+    first = tiny_llm.generate(["Pick one:"], SamplingParams(**base))[0]
+    assert first.text in choices
+    other = choices[1 - choices.index(first.text)]
+    for kw in (dict(logit_bias={first.token_ids[0]: -100.0}, repetition_penalty=1.2),
+               dict(allowed_token_ids=[t for t in range(tiny_llm.engine.text_vocab)
+                                       if t != first.token_ids[0]])):
+        out = tiny_llm.generate(["Pick one:"], SamplingParams(**base, **kw))[0]
+        assert out.text == other and out.finish_reason == "stop", kw
+
+
+def test_real_gemma_processors_equal_hf(llm_for, gemma_hf):
+    """The real Gemma 3 270M (262k vocabulary): repetition penalty, sequence bias, bad words and
+    min new tokens together, greedy, through the engine vs HF generate with the same processors
+    (HF applies them in the same order: bias, repetition, then the bans)."""
+    llm = llm_for("gemma3-270m", max_slots=2, page_size=16, max_model_len=128)
+    tok = llm.tokenizer
+    prompts = ["The capital of France is", "Once upon a time"]
+    words = ["France", "city", "little"]
+    banned = [list(t) for w in words for t in dict.fromkeys(
+        (tuple(tok.encode(w, add_special_tokens=False)),
+         tuple(tok.encode(" " + w, add_special_tokens=False))))]
+    bias = {tok.encode(" Paris", add_special_tokens=False)[0]: -3.0,
+            tok.encode(" the", add_special_tokens=False)[0]: 1.5}
+    eos = list(llm.engine.eos_ids)
+    sp = SamplingParams(max_tokens=16, temperature=0.0, repetition_penalty=1.3, logit_bias=bias,
+                        bad_words=words, min_tokens=12)
+    for text, o in zip(prompts, llm.generate(prompts, sp)):
+        ids = tok.encode(text)
+        want = _hf_generate(gemma_hf, ids, 16, repetition_penalty=1.3, bad_words_ids=banned,
+                            sequence_bias={(t,): b for t, b in bias.items()},
+                            min_new_tokens=12, eos_token_id=eos)
+        cut = next((i + 1 for i, t in enumerate(want) if t in eos), len(want))
+        assert o.token_ids == want[:cut], text

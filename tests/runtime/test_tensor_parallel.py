@@ -224,7 +224,7 @@ def _plan(t=16, s=4, p=3, seed=0, w=1):
         top_k=i32(s), top_p=np.array([1.0, 0.5, np.nan, -0.0][:s], np.float32),
         min_p=rng.random(s, dtype=np.float32),
         seeds=np.array([0, 1, 2**32 - 1, 2**31][:s], np.uint32), sample_positions=i32(s),
-        constrained=i32(s), token_bitmask=rng.integers(-2**31, 2**31, (s, w), dtype=np.int32),
+        constrained=i32(s), proc_slots=i32(s), token_bitmask=rng.integers(-2**31, 2**31, (s, w), dtype=np.int32),
     )
 
 
