@@ -5,7 +5,7 @@ in one engine (medians of alternating repeats; the first, compiling, run reporte
     python -m jaxinfer.tools.bench_processors --model DIR --rows 4 --tokens 16 --repeats 2
 
 "All processors" is repetition 1.1, presence 0.3, frequency 0.2, logit_bias on 3 ids, 2 bad
-words and min_tokens 8 on every row, so each step gathers, applies and records all of them.
+words and min_tokens 8 (at most the tokens generated) on every row, so each step gathers, applies and records all of them.
 """
 
 from __future__ import annotations
@@ -18,19 +18,19 @@ import time
 PROMPT = "The history of the city begins with"
 
 
-def variants() -> dict[str, dict]:
+def variants(tokens: int = 64) -> dict[str, dict]:
     return {"none": {},
             "all processors": dict(repetition_penalty=1.1, presence_penalty=0.3,
                                    frequency_penalty=0.2, logit_bias={100: 1.0, 200: -1.0,
                                                                      300: 0.5},
-                                   bad_words=["zebra", "quantum leap"], min_tokens=8)}
+                                   bad_words=["zebra", "quantum leap"], min_tokens=min(8, tokens))}
 
 
 def run(llm, *, rows: int, tokens: int, repeats: int) -> dict:
     from jaxinfer import SamplingParams
 
     params = {name: SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, **kw)
-              for name, kw in variants().items()}
+              for name, kw in variants(tokens).items()}
     prompts = [f"{PROMPT} {i}" for i in range(rows)]
     times: dict[str, list[float]] = {name: [] for name in params}
     first = {}
