@@ -27,7 +27,7 @@ def variants(tokens: int = 64) -> dict[str, dict]:
 
 
 def run(llm, *, rows: int, tokens: int, repeats: int) -> dict:
-    from jaxinfer import SamplingParams
+    from jaxinfer.runtime.host.requests import SamplingParams
 
     params = {name: SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, **kw)
               for name, kw in variants(tokens).items()}
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default=None, help="write the report here")
     a = p.parse_args(argv)
-    from jaxinfer import LLM
+    from jaxinfer.runtime.llm import LLM
 
     llm = LLM(a.model, max_slots=a.rows, max_model_len=256)
     rep = run(llm, rows=a.rows, tokens=a.tokens, repeats=a.repeats)

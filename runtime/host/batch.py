@@ -166,6 +166,10 @@ class _Parser:
             params = (sampling_from_json(obj, self.defaults)
                       if any(k in LINE_SAMPLING for k in obj) else self.default_params)
             check_request(prompt_ids, params, self.limits)
+            for k in ("n", "best_of"):  # a line is one completion (one output record)
+                if getattr(params, k) not in (None, 1):
+                    raise RequestError(k, "must be 1 in a JSONL batch: one line is one "
+                                          "completion (repeat the line with other seeds)")
             lora = obj.get("lora")
             if lora is not None and (not isinstance(lora, str) or not lora):
                 raise RequestError("lora", "must be a LoRA adapter's name (a non-empty string)")

@@ -56,6 +56,8 @@ def test_malformed_lines_become_error_records_and_good_lines_complete(llm, tmp_p
     good.append({"id": 99, "prompt_token_ids": [1, 40, 41, 42], "max_tokens": 3,
                  "temperature": 0, "stop": ["\n"], "seed": 1, "logprobs": 2,
                  "prompt_logprobs": 1})
+    good.append({"id": "pen", "prompt": "Hello", "max_tokens": 4, "repetition_penalty": 1.3,
+                 "logit_bias": {"5": 2.5}, "bad_words": ["the"], "min_tokens": 2})
     good.append({"id": "json", "prompt": "Hello", "max_tokens": 30, "temperature": 0,
                  "ignore_eos": False, "structured_outputs": {"choice": ["Hamlet", "Lear"]}})
     bad = {  # line content -> a word the error must contain
@@ -90,6 +92,10 @@ def test_malformed_lines_become_error_records_and_good_lines_complete(llm, tmp_p
         json.dumps({"id": "sur", "prompt": "\ud800 lone surrogate"}): "prompt",
         b'{"id": "deep", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}": "nested",
         b"[" * 200_000: "nested",
+        json.dumps({"id": "nn", "prompt": "x", "n": 3}): "'n'",
+        json.dumps({"id": "bo", "prompt": "x", "best_of": 2}): "'best_of'",
+        json.dumps({"id": "rp", "prompt": "x", "repetition_penalty": 0}): "repetition_penalty",
+        json.dumps({"id": "lb", "prompt": "x", "logit_bias": {"5": 101}}): "logit_bias",
     }
     rows, expect = [], {}
     for i, g in enumerate(good):
