@@ -10,8 +10,9 @@ Layouts (T query rows, S sequence rows, P pages per sequence, N pages in the poo
   page_indices  i32[S, P]             pages of s; entries past its length point at page 0
   cu_q_lens     i32[S + 1]
   num_seqs      i32[1]                rows >= num_seqs of the three above are ignored
-  k/v_scale     f32[Hkv, N, ps]       optional, with int8 k/v_pages holding round(x / scale):
-                                      x = value * scale, one scale per token per kv head
+  k/v_scale     f32[Hkv, N, ps]       optional, with int8 (round(x / scale)) or float8_e4m3fn
+                                      (x / scale) k/v_pages: x = value * scale, one scale per
+                                      token per kv head
 
 Query i of sequence s sits at position p = kv_len_s - q_len_s + i and attends KV positions j with
 j <= p and, with a sliding window w, p - j < w (the window counts the token itself). Rows owned by
@@ -19,7 +20,7 @@ no live sequence come back 0. GQA: q head h reads kv head h // (Hq // Hkv).
 
 The kernels live beside this file: `ragged_paged_attention_tpu` (Mosaic) and
 `ragged_paged_attention_gpu` (Triton). Both run on CPU with `interpret=True`, and both read int8
-pages: widened to q's dtype in the kernel, the scales applied to the score columns (K) and to the
+and fp8 (e4m3) pages: widened to q's dtype in the kernel, the scales applied to the score columns (K) and to the
 probabilities before p @ V (V); no dequantized copy of the pages is made.
 """
 
@@ -35,6 +36,7 @@ from jax import lax
 from jaxinfer.pallas_kernels.masking import MASK_FLOOR
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+QUANTIZED_KV_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))  # with k/v_scale
 PLATFORMS = ("tpu", "gpu")
 
 
@@ -91,8 +93,9 @@ def validate_static(
     if (k_scale is None) != (v_scale is None):
         raise ValueError("pass both k_scale and v_scale (int8 KV) or neither")
     if k_scale is not None:
-        if jnp.dtype(k_pages.dtype) != jnp.dtype(jnp.int8):
-            raise ValueError(f"k/v_scale given: k/v_pages must be int8, got {k_pages.dtype}")
+        if jnp.dtype(k_pages.dtype) not in QUANTIZED_KV_DTYPES:
+            raise ValueError(f"k/v_scale given: k/v_pages must be int8 or float8_e4m3fn, got "
+                             f"{k_pages.dtype}")
         for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
             if tuple(sc.shape) != tuple(k_pages.shape[:3]):
                 raise ValueError(f"{name} shape {sc.shape} must be {k_pages.shape[:3]} "
@@ -101,7 +104,7 @@ def validate_static(
                 raise ValueError(f"{name} dtype must be float32, got {sc.dtype}")
     elif jnp.dtype(k_pages.dtype) != jnp.dtype(q.dtype):
         raise ValueError(f"k/v_pages dtype {k_pages.dtype} must equal q dtype {q.dtype} "
-                         "(int8 pages need k_scale / v_scale)")
+                         "(int8 / fp8 pages need k_scale / v_scale)")
     if page_indices.ndim != 2:
         raise ValueError(f"page_indices must be [num_seqs, pages_per_seq], got shape {page_indices.shape}")
     max_seqs, _ = page_indices.shape

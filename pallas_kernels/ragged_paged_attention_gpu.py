@@ -10,10 +10,12 @@ output tile as each sequence finishes; the tile is stored once.
 Only page-table entries covering positions the rows may attend are followed (others read the null
 page); V of slots at or past kv_len is zeroed so unused pages (NaN included) never leak.
 
-int8 KV: the int8 pages are gather-loaded (a quarter of f32's bytes, half of bf16's) and widened to
+int8 / fp8 KV: the int8 or float8_e4m3fn pages are gather-loaded (a quarter of f32's bytes, half of
+bf16's) and widened to
 q's dtype in registers; the per-token scales f32[Hkv, N, ps] are gather-loaded with the same page
 ids as a [BK] row and applied as scores[:, l] *= k_scale[l] and p[:, l] *= v_scale[l] before
-p @ V. Scales of slots at or past kv_end (NaN allowed) are replaced by 0 with a select.
+p @ V. Scales of slots at or past kv_end (NaN allowed) are replaced by 0 with a select; so is fp8
+V there (e4m3 has NaN codes, int8 has none).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from jaxinfer.pallas_kernels.masking import MASK_FLOOR
 
 def _kernel(
     q_ref,  # [R, D], R = BQ * Gp
-    k_ref,  # [N, ps, D] (this kv head's pool; int8 when quantized)
+    k_ref,  # [N, ps, D] (this kv head's pool; int8 or float8_e4m3fn when quantized)
     v_ref,  # [N, ps, D]
     kv_lens_ref,  # i32[S]
     page_table_ref,  # i32[S, P_pad]
@@ -107,13 +109,14 @@ def _kernel(
             alpha = jnp.exp(m_prev - m_next)  # [R]
             l_next = alpha * l_prev + jnp.sum(p, axis=1)
             if quantized:
-                # int8 V is always finite and p is 0 past kv_end: only the scales need the guard
                 v_sc = jnp.where(col < kv_end, vs_ref[page_ids].reshape(block_kv), 0.0)  # [BK]
                 p_v = p * v_sc[None, :]
             else:
-                # slots past kv_end were not fetched (null page) or are unused: keep them out of p @ v
-                v = jnp.where((col < kv_end)[:, None], v, jnp.zeros_like(v))
                 p_v = p
+            if not quantized or jnp.issubdtype(v_ref.dtype, jnp.floating):
+                # slots past kv_end were not fetched (null page) or are unused: keep them out of
+                # p @ v (int8 V is always finite and p is 0 there: only float V needs this)
+                v = jnp.where((col < kv_end)[:, None], v, jnp.zeros_like(v))
             pv = plgpu.dot(p_v.astype(v.dtype), v, allow_tf32=False).astype(jnp.float32)  # [R, D]
             return alpha[:, None] * acc + pv, m_next, l_next
 
@@ -156,7 +159,7 @@ def ragged_paged_attention_gpu(
     pages_per_block: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
-    k_scale: jax.Array | None = None,  # f32[Hkv, N, ps] with int8 k/v_pages (x = value * scale)
+    k_scale: jax.Array | None = None,  # f32[Hkv, N, ps] with int8 / fp8 k/v_pages (x = value * scale)
     v_scale: jax.Array | None = None,  # f32[Hkv, N, ps]
 ) -> jax.Array:  # [T, Hq, D]
     """Triton ragged paged attention. Call through `ragged_paged_attention` (validates)."""

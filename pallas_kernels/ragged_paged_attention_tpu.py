@@ -11,13 +11,14 @@ Rows of the block that belong to the sequence are written at the end of that seq
 Only pages holding positions the block's rows may attend are fetched; V of slots at or past
 kv_len is zeroed so unused pages (any contents, NaN included) never reach the output.
 
-int8 KV: the int8 pages and their per-token scales f32[Hkv, N, ps] are DMA'd per page into
+int8 / fp8 KV: the int8 or float8_e4m3fn pages and their per-token scales f32[Hkv, N, ps] are DMA'd per page into
 double-buffered VMEM (the scales as one [1, ps] row per page, on the page's semaphore). K and V are
 widened to q's dtype in VMEM; the scales are applied as rows over the block's KV columns:
 scores[:, l] *= k_scale[l] and p[:, l] *= v_scale[l] before p @ V. The [PB, ps] scale tile is
 turned into that [1, BK] row on the MXU (a 0/1 expand matmul at fp32 precision, then a masked
 sublane sum), which avoids a sublane->lane reshape. Scales of slots past kv_end (unused or not
-fetched: NaN allowed) are replaced by 0 with a select before the expand matmul.
+fetched: NaN allowed) are replaced by 0 with a select before the expand matmul; fp8 V there is
+zeroed like float V (e4m3 has NaN codes, int8 has none).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def _kernel(
     num_seqs_ref,  # i32[1]
     # inputs
     q_ref,  # [G, BQ, D]
-    k_hbm_ref,  # [Hkv, N, ps, D] (HBM; int8 when quantized)
+    k_hbm_ref,  # [Hkv, N, ps, D] (HBM; int8 or float8_e4m3fn when quantized)
     v_hbm_ref,  # [Hkv, N, ps, D] (HBM)
     *refs,  # quantized: k/v_scale (HBM) f32[Hkv, N, ps]; then o_ref and the scratch below
     pages_per_seq: int,
@@ -196,14 +197,12 @@ def _kernel(
             l_ref[...] = jnp.broadcast_to(
                 alpha * l_ref[:, :1] + jnp.sum(p, axis=1, keepdims=True), l_ref.shape)
             m_ref[...] = jnp.broadcast_to(m_next, m_ref.shape)
-            if quantized:
-                # int8 V is always finite and p is 0 past kv_end: only the scales need the guard
-                p_v = p * v_row  # [R, BK]
-            else:
-                # slots past kv_end were not fetched (stale VMEM) or are unused: keep them out of p @ v
+            p_v = p * v_row if quantized else p  # [R, BK]
+            if not quantized or jnp.issubdtype(v_buf.dtype, jnp.floating):
+                # slots past kv_end were not fetched (stale VMEM) or are unused: keep them out of
+                # p @ v (int8 V is always finite and p is 0 there: only float V needs this)
                 stored = kv_base + lax.broadcasted_iota(jnp.int32, (block_kv, 1), 0) < kv_end  # [BK, 1]
                 v = jnp.where(stored, v, jnp.zeros_like(v))
-                p_v = p
             pv = jnp.dot(p_v.astype(v.dtype), v, preferred_element_type=jnp.float32)  # [R, D]
             acc_ref[...] = alpha * acc_ref[...] + pv
             return carry
@@ -255,7 +254,7 @@ def ragged_paged_attention_tpu(
     block_q: int | None = None,
     pages_per_block: int | None = None,
     vmem_limit_bytes: int | None = None,
-    k_scale: jax.Array | None = None,  # f32[Hkv, N, ps] with int8 k/v_pages (x = value * scale)
+    k_scale: jax.Array | None = None,  # f32[Hkv, N, ps] with int8 / fp8 k/v_pages (x = value * scale)
     v_scale: jax.Array | None = None,  # f32[Hkv, N, ps]
 ) -> jax.Array:  # [T, Hq, D]
     """Mosaic-TPU ragged paged attention. Call through `ragged_paged_attention` (validates)."""

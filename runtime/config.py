@@ -31,7 +31,7 @@ FORMATS = ("int8", "fp8", "int4")  # what weights can be quantized to as they lo
 # platform; "dequantize" = every weight in the compute dtype.
 QUANTIZATIONS = (None, *FORMATS, "gguf", "dequantize")
 MODES = ("w8a8", "weight_only")
-KV_CACHE_DTYPES = ("auto", "int8")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # runtime/device/kv_cache.py KV_QUANT
 WEIGHT_LAYOUTS = ("auto", "as_loaded", "output_major")  # runtime/device/weight_layout.py
 TASKS = ("auto", "generate", "embed")  # runtime/embedding.py
 
@@ -322,8 +322,8 @@ ENGINE_OPTIONS = (
            help="quantize embed / lm_head with the layer weights (else they stay in the "
                 "compute dtype)"),
     Option("kv_cache_dtype", str, "auto", choices=KV_CACHE_DTYPES,
-           help="KV pages: auto = the compute dtype; int8 = per-token-per-head scales "
-                "(XLA attention path)"),
+           help="KV pages: auto = the compute dtype; int8 or fp8 (e4m3) = per-token-per-head "
+                "scales"),
     Option("max_slots", int, 8, lo=1, help="sequences the engine runs at once"),
     Option("logprobs_mode", str, "raw_logprobs", choices=("raw_logprobs", "processed_logprobs"),
            help="logprobs of the model's own distribution, or of the one sampled from (after "

@@ -107,7 +107,7 @@ class Engine:
 
             self.adapters = Adapters(cfg, ecfg.max_lora_rank, ecfg.max_cpu_loras)
         dtype = jnp.bfloat16 if ecfg.dtype == "bfloat16" else jnp.float32
-        kv_dtype = "int8" if ecfg.kv_cache_dtype == "int8" else dtype
+        kv_dtype = dtype if ecfg.kv_cache_dtype == "auto" else ecfg.kv_cache_dtype
         make_cache = lambda: init_cache(cfg, ecfg.total_pages, ecfg.page_size, kv_dtype)  # noqa: E731
         if self.mesh is None:
             self._new_cache = make_cache

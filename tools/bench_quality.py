@@ -36,6 +36,7 @@ VARIANTS = {
     "gguf": dict(dtype="float32", quantization="gguf"),
     "f32+kv8": dict(dtype="float32", kv_cache_dtype="int8"),
     "int8+kv8": dict(dtype="float32", quantization="int8", kv_cache_dtype="int8"),
+    "f32+kvfp8": dict(dtype="float32", kv_cache_dtype="fp8"),
 }
 PROMPTS = [
     "The capital of France is", "Once upon a time", "To be, or not to be, that is",
@@ -89,7 +90,7 @@ def teacher_forced(llm, tokens: list[int], page_size: int = 16, bucket: int = 12
     n = len(tokens)
     tokens = list(tokens) + [0] * (-n % bucket)
     md, n_pages = whole_sequence_metadata(len(tokens), page_size, all_logits=True)
-    kv = "int8" if llm.config.kv_cache_dtype == "int8" else (
+    kv = llm.config.kv_cache_dtype if llm.config.kv_cache_dtype != "auto" else (
         jnp.bfloat16 if llm.config.dtype == "bfloat16" else jnp.float32)
     cache = init_cache(e.cfg, n_pages, page_size, kv)
     lp, am = _scorer(e.cfg, e.backend)(e.params, jnp.asarray(tokens, jnp.int32), cache, md)

@@ -5,9 +5,12 @@ the null page: unused page-table entries point at it and padding tokens write in
 never read for a valid position. Sequences own pages through the host page allocator; the device
 side only sees page tables and flat slot indices (`page * page_size + offset`).
 
-int8 KV (`init_cache(..., dtype="int8")`): a layer's pool is a `QuantizedPages` (int8 values plus
-one f32 scale per token per head, `[Hkv, N, ps]`), quantized symmetrically as the tokens are
-written. Model code is the same for both: `write_pages` and `attend` take either.
+Quantized KV (`init_cache(..., dtype="int8" | "fp8")`): a layer's pool is a `QuantizedPages`
+(int8 or float8 e4m3 values plus one f32 scale per token per head, `[Hkv, N, ps]`), quantized
+symmetrically as the tokens are written: x ~= value * scale with scale = max |x| / (127 | 448).
+int8 spaces its 255 levels evenly; e4m3 spends its 8 bits on a 3-bit mantissa at every
+magnitude (relative error <= 1/16 everywhere, where int8's grows for the small values of a
+head). Model code is the same for all: `write_pages` and `attend` take any.
 """
 
 from __future__ import annotations
@@ -19,10 +22,14 @@ from flax import struct
 from jaxinfer.runtime.config import ModelConfig
 
 
+# a quantized KV dtype's name -> (value dtype, largest value)
+KV_QUANT = {"int8": (jnp.int8, 127.0), "fp8": (jnp.float8_e4m3fn, 448.0)}
+
+
 @struct.dataclass
 class QuantizedPages:
-    """One layer's int8 K or V pool: values [Hkv, N, ps, Dh] int8, scales [Hkv, N, ps] f32
-    (x ~= values * scales[..., None]; one scale per token per head)."""
+    """One layer's quantized K or V pool: values [Hkv, N, ps, Dh] (int8 or float8_e4m3fn),
+    scales [Hkv, N, ps] f32 (x ~= values * scales[..., None]; one scale per token per head)."""
 
     values: jax.Array
     scales: jax.Array
@@ -43,19 +50,23 @@ class QuantizedPages:
         return (self.values.astype(jnp.float32) * self.scales[..., None]).astype(dtype)
 
 
-def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Symmetric int8 over the last axis: x [..., Dh] -> (int8 [..., Dh], f32 scales [...])."""
+def quantize_kv(x: jax.Array, dtype=jnp.int8) -> tuple[jax.Array, jax.Array]:
+    """Symmetric over the last axis: x [..., Dh] -> (values [..., Dh] of `dtype` (int8 or
+    float8_e4m3fn), f32 scales [...])."""
+    top = 127.0 if jnp.dtype(dtype) == jnp.dtype(jnp.int8) else 448.0
     xf = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(xf), axis=-1)
-    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
-    q = jnp.clip(jnp.round(xf / scale[..., None]), -127, 127).astype(jnp.int8)
-    return q, scale
+    scale = jnp.where(amax > 0, amax / top, 1.0)
+    y = jnp.clip(xf / scale[..., None], -top, top)
+    if jnp.issubdtype(dtype, jnp.integer):
+        y = jnp.round(y)
+    return y.astype(dtype), scale
 
 
 @struct.dataclass
 class KVCache:
-    k: tuple  # per layer [Hkv, N, ps, Dh] array, or QuantizedPages for int8 KV
-    v: tuple  # per layer [Hkv, N, ps, Dh] array, or QuantizedPages for int8 KV
+    k: tuple  # per layer [Hkv, N, ps, Dh] array, or QuantizedPages for int8 / fp8 KV
+    v: tuple  # per layer [Hkv, N, ps, Dh] array, or QuantizedPages for int8 / fp8 KV
 
     @property
     def num_pages(self) -> int:
@@ -75,11 +86,14 @@ class KVCache:
 
 
 def init_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32) -> KVCache:
-    """dtype: the compute dtype (f32 / bf16 pools) or "int8" (QuantizedPages pools)."""
+    """dtype: the compute dtype (f32 / bf16 pools) or a KV_QUANT name, "int8" / "fp8"
+    (QuantizedPages pools)."""
     shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
-    if isinstance(dtype, str) and dtype == "int8":
+    if isinstance(dtype, str):
+        values = KV_QUANT[dtype][0]
+
         def zeros():
-            return QuantizedPages(values=jnp.zeros(shape, jnp.int8),
+            return QuantizedPages(values=jnp.zeros(shape, values),
                                   scales=jnp.ones(shape[:-1], jnp.float32))
     else:
         zeros = lambda: jnp.zeros(shape, dtype)  # noqa: E731
@@ -100,7 +114,7 @@ def write_pages(
         new = jnp.concatenate([new, new])
         slot_mapping = jnp.concatenate([slot_mapping, jnp.zeros_like(slot_mapping)])
     if isinstance(pages, QuantizedPages):
-        q, scale = quantize_kv(new)  # [T, Hkv, Dh] int8, [T, Hkv]
+        q, scale = quantize_kv(new, pages.dtype)  # [T, Hkv, Dh] int8 / fp8, [T, Hkv]
         hkv, n, ps, _ = pages.shape
         scales = pages.scales.reshape(hkv, n * ps).at[:, slot_mapping].set(scale.T)
         return QuantizedPages(values=write_pages(pages.values, q, slot_mapping),

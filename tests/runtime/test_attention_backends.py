@@ -103,12 +103,12 @@ GEMMA_LIKE = dict(family="gemma3", num_heads=4, num_kv_heads=1, qk_norm=True, sa
 
 
 @pytest.mark.parametrize("kind,kv", [("llama", "f32"), ("gemma_like", "f32"),
-                                     ("gemma_like", "int8")])
+                                     ("gemma_like", "int8"), ("llama", "fp8")])
 def test_model_pallas_interpret_equals_xla(kind, kv):
     cfg = _cfg(**(GEMMA_LIKE if kind == "gemma_like" else {}))
     params = init_params(cfg, jax.random.key(1), scale=0.1)
     prompt = list(np.random.RandomState(0).randint(3, 256, size=21))  # crosses the window
-    cache_dtype = "int8" if kv == "int8" else jnp.float32
+    cache_dtype = jnp.float32 if kv == "f32" else kv
     runs = {b: run_sequence(params, cfg, prompt, page_size=16, backend=b, decode_steps=6,
                             cache_dtype=cache_dtype) for b in ("xla", "pallas_interpret")}
     (pa, ta, da), (pb, tb, db) = runs["xla"], runs["pallas_interpret"]
@@ -145,7 +145,7 @@ def _step_args(cfg, dtype, t, s, p, num_pages=64, page_size=16, fused=False, tp=
                kv_dtype=None):
     """Abstract step arguments; `fused`: Q/K/V and gate/up joined, as engines on TPU/GPU hold
     them (runtime/device/fused_projections.py; for `tp` devices); `kv_dtype`: the pools'
-    (dtype, or "int8"), else `dtype`."""
+    (dtype, or "int8" / "fp8"), else `dtype`."""
     sds = jax.ShapeDtypeStruct
     fuse = (lambda x: fuse_projections(x, tp)) if fused else (lambda x: x)
     params = jax.eval_shape(lambda: fuse(init_params(cfg, jax.random.key(0), dtype=dtype)))
@@ -186,6 +186,24 @@ def test_step_exports_with_pallas(platform, model, dtype, shape):
     text = exported.mlir_module()
     hkv, g, d = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.hidden_size
     assert f"tensor<{d}x{hkv}x{g + 2}x{cfg.head_dim}x" in text  # the fused Q/K/V weight
+    assert ("tpu_custom_call" if platform == "tpu" else "__gpu$xla.gpu.triton") in text
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_step_with_fp8_kv_pages_exports(platform):
+    """The whole decode step over fp8 (e4m3) KV pages lowers for TPU and CUDA: the kernel's
+    call takes the f8E4M3FN pages and their f32 scales as they are (no dequantized copy)."""
+    cfg = GEMMA3_270M
+    backend = "pallas_tpu" if platform == "tpu" else "pallas_gpu"
+    f = functools.partial(step, cfg=cfg, backend=backend, max_q_len=1, num_logprobs=0,
+                          filtered=False)
+    with cuda_target() if platform == "cuda" else contextlib.nullcontext():
+        exported = jax.export.export(jax.jit(f), platforms=[platform],
+                                     disabled_checks=TRITON_OK if platform == "cuda" else ())(
+            *_step_args(cfg, jnp.bfloat16, 16, s=8, p=8, fused=True, kv_dtype="fp8"))
+    text = exported.mlir_module()
+    pages = f"tensor<{cfg.num_kv_heads}x64x16x{cfg.head_dim}xf8E4M3FN>"
+    assert text.count(pages) >= 2 * cfg.num_layers  # K and V pools of every layer, in and out
     assert ("tpu_custom_call" if platform == "tpu" else "__gpu$xla.gpu.triton") in text
 
 

@@ -104,7 +104,7 @@ def test_validators_and_kernels_on_int8_pages():
     q, k, v, kv_lens, pt, cu, n = case.args
     kq, ks = _int8_pages(k)
     vq, vs = _int8_pages(v)
-    with pytest.raises(ValueError, match="int8 pages need k_scale"):
+    with pytest.raises(ValueError, match="int8 / fp8 pages need k_scale"):
         validate_static(q, kq, vq, kv_lens, pt, cu, n)
     with pytest.raises(ValueError, match="both k_scale and v_scale"):
         validate_static(q, kq, vq, kv_lens, pt, cu, n, k_scale=ks)
@@ -161,4 +161,54 @@ def test_engine_int8_kv_generate(tiny_dir, tiny_llm):
     same = sum(a == b for x, y in zip(f, q) for a, b in zip(x.token_ids, y.token_ids))
     assert same >= 0.8 * sum(len(x.token_ids) for x in f)
     with pytest.raises(ValueError, match="kv_cache_dtype must be"):
-        EngineConfig(kv_cache_dtype="fp8")
+        EngineConfig(kv_cache_dtype="fp4")
+
+
+# ------------------------------------------------------------------------------------ fp8 (e4m3)
+
+
+def test_fp8_quantize_error_bound_and_cache():
+    """e4m3 values: relative error <= 2^-4 (3 mantissa bits) for normal values, absolute
+    <= 2^-10 x scale for subnormal ones; the pool is float8_e4m3fn with f32 scales, the same
+    bytes per token as int8."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((5, 2, 32)) * rng.uniform(0.01, 10, (5, 2, 1)), jnp.float32)
+    q, s = quantize_kv(x, jnp.float8_e4m3fn)
+    assert q.dtype == jnp.float8_e4m3fn and s.shape == (5, 2)
+    deq = np.asarray(q.astype(jnp.float32)) * np.asarray(s)[..., None]
+    bound = np.maximum(np.abs(np.asarray(x)) / 16, np.asarray(s)[..., None] * 2.0 ** -10)
+    assert np.all(np.abs(deq - np.asarray(x)) <= bound * (1 + 1e-6))
+    assert np.allclose(np.abs(np.asarray(q.astype(jnp.float32))).max(-1), 448.0)  # full range
+    cfg = ModelConfig(family="llama", vocab_size=8, hidden_size=8, intermediate_size=8,
+                      num_layers=1, num_heads=2, num_kv_heads=2, head_dim=32)
+    f8, i8 = init_cache(cfg, 3, 4, "fp8"), init_cache(cfg, 3, 4, "int8")
+    assert f8.k[0].values.dtype == jnp.float8_e4m3fn and f8.bytes_per_token == i8.bytes_per_token
+    new = write_pages(f8.k[0], x, jnp.asarray([5, 6, 7, 8, 11], jnp.int32))
+    got = np.asarray(new.dequantize()).reshape(2, 12, 32)[:, [5, 6, 7, 8, 11]].transpose(1, 0, 2)
+    np.testing.assert_allclose(got, deq, rtol=1e-6)
+
+
+def test_model_logits_with_fp8_kv_close_to_f32_kv(tiny_llama):
+    from tests.model_utils import run_sequence
+
+    _, cfg, params = tiny_llama
+    toks = list(np.random.default_rng(1).integers(0, cfg.vocab_size, 37))
+    f_pre, _, f_dec = run_sequence(params, cfg, toks, page_size=8, decode_steps=6)
+    q_pre, _, q_dec = run_sequence(params, cfg, toks, page_size=8, decode_steps=6,
+                                   cache_dtype="fp8")
+    scale = np.abs(f_pre).max()
+    assert 0 < np.abs(q_pre - f_pre).max() <= 0.1 * scale
+    assert np.abs(q_dec - f_dec).max() <= 0.1 * scale
+
+
+def test_engine_fp8_kv_generate(tiny_dir, tiny_llm):
+    from jaxinfer import LLM, SamplingParams
+
+    sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = ["To be, or not to be", "Now is the winter of our discontent"]
+    f = tiny_llm.generate(prompts, sp)
+    llm = LLM(str(tiny_dir), max_slots=2, page_size=8, max_model_len=128, kv_cache_dtype="fp8")
+    assert llm.engine.cache.k[0].values.dtype == jnp.float8_e4m3fn
+    q = llm.generate(prompts, sp)
+    same = sum(a == b for x, y in zip(f, q) for a, b in zip(x.token_ids, y.token_ids))
+    assert same >= 0.7 * sum(len(x.token_ids) for x in f)
