@@ -351,6 +351,9 @@ ENGINE_OPTIONS = (
                 "which walk the table)"),
     Option("enable_prefix_caching", bool, True, flag="--no-prefix-caching",
            help="share KV pages of common full-page prompt prefixes"),
+    Option("kv_host_cache_gb", float, 0.0, lo=0,
+           help="GiB of host memory for the prefix cache's second tier: pages the device "
+                "evicts are copied there and copied back on a hit (0: off)"),
     Option("speculative", SpecConfig, None, nullable=True, parse=_parse_speculative, cli="json",
            help='speculative decoding, e.g. {"method": "ngram", "k": 4, "n": 3} or '
                 '{"method": "draft", "model": "PATH", "k": 4}'),

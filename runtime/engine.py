@@ -28,12 +28,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.runtime.build import Prepared
-from jaxinfer.runtime.config import MIN_TOKEN_BUCKET, EngineConfig
+from jaxinfer.runtime.config import MIN_TOKEN_BUCKET, EngineConfig, OptionError
 from jaxinfer.runtime.device.kv_cache import init_cache
+from jaxinfer.runtime.device.kv_offload import HostPages, gather_pages, padded, scatter_pages
 from jaxinfer.runtime.device.processors import init_state, write_slot
 from jaxinfer.runtime.device.steps import make_step, sampled_tokens
 from jaxinfer.runtime.host.admission import admission_policy
 from jaxinfer.runtime.host.errors import AdapterInUse, RequestError, UnknownAdapter
+from jaxinfer.runtime.host.kv_host_tier import HostTier
 from jaxinfer.runtime.host.outputs import OutputProcessor, RequestDelta, RequestOutput
 from jaxinfer.runtime.host.requests import Limits, SamplingParams, check_request, truncate_prompt
 from jaxinfer.runtime.host.plan_rows import LOGPROBS_BUCKET
@@ -116,6 +118,7 @@ class Engine:
 
             self._new_cache = lambda: init_sharded_cache(make_cache, self.mesh)  # noqa: E731
         self.cache = self._new_cache()
+        self.host_kv = self._host_tier_store()  # the host tier's arrays (None: no tier)
         # logits processors (penalties, logit_bias, bans): a state row per slot, on the device
         self.proc_dims = Dims(cfg.vocab_size)
         self.procs = self._new_procs()
@@ -137,6 +140,7 @@ class Engine:
             mask_words=self.grammars.words if self.grammars else 1,
             max_loras=ecfg.max_loras if ecfg.enable_lora else 0,
             admission=admission_policy(ecfg.slo),
+            host_tier=HostTier(self.host_kv.slots) if self.host_kv is not None else None,
         )
         self.outputs = OutputProcessor(tokenizer, speculative=self.spec is not None)
         self.proposer, self._verify = None, None
@@ -174,6 +178,36 @@ class Engine:
     @property
     def processed_logprobs(self) -> bool:
         return self.ecfg.logprobs_mode == "processed_logprobs"
+
+    def _host_tier_store(self):
+        """The host tier's page arrays, sized by kv_host_cache_gb (None when 0 or without
+        prefix caching)."""
+        ecfg = self.ecfg
+        if not ecfg.kv_host_cache_gb or not ecfg.enable_prefix_caching:
+            return None
+        if ecfg.speculative is not None and ecfg.speculative.method == "draft":
+            raise OptionError("kv_host_cache_gb", "not with a draft model yet (its own KV pages "
+                                                  "would not follow the restored ones)")
+        if jax.process_count() > 1:
+            raise OptionError("kv_host_cache_gb", "not with several hosts yet")
+        return HostPages(self.cache, ecfg.kv_host_cache_gb)
+
+    def _move_kv(self, plan) -> None:
+        """The host tier's copies before `plan`'s step: evicted pages to the host (the copy
+        finishes while the step runs, and lands in the host arrays at the next call), then
+        restored pages to the device (read from the host arrays first, so a slot reassigned to
+        an offload in this plan still gives its old page)."""
+        store = self.host_kv
+        t0 = time.perf_counter()
+        store.land()
+        blocks = store.read([s for _, s in plan.kv_restores]) if plan.kv_restores else None
+        if plan.kv_offloads:
+            store.send(gather_pages(self.cache, padded([p for p, _ in plan.kv_offloads])),
+                       [s for _, s in plan.kv_offloads])
+        if blocks is not None:
+            pages = padded([p for p, _ in plan.kv_restores])
+            self.cache = scatter_pages(self.cache, pages, store.pad(blocks, len(pages)))
+            store.restore_s.append(time.perf_counter() - t0)
 
     def _new_procs(self):
         """Zeroed processor state rows, one per slot (replicated on a mesh)."""
@@ -334,6 +368,7 @@ class Engine:
                 "faults": self.faults, "consecutive_faults": self.consecutive_faults,
                 "spec_proposed": self.spec_proposed, "spec_accepted": self.spec_accepted,
                 "processor_state_bytes": sum(x.nbytes for x in jax.tree.leaves(self.procs)),
+                **(self.host_kv.stats(sch.host_tier) if self.host_kv is not None else {}),
                 "ttft_target_s": slo.ttft_s, "itl_target_s": slo.itl_s}
 
     @property
@@ -519,6 +554,8 @@ class Engine:
     def _schedule(self):
         """The next plan, with its constrained rows' token masks filled."""
         plan = self.scheduler.schedule()
+        if plan is not None and (plan.kv_offloads or plan.kv_restores):
+            self._move_kv(plan)
         if plan is not None and plan.lora_loads:
             self._load_lora_slots(plan.lora_loads)
         for slot, seq in plan.proc_loads if plan is not None else ():

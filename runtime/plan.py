@@ -163,6 +163,9 @@ StepPlan = make_dataclass(
         ("spec_k", int),  # K
         ("lora_loads", list),  # [(slot, adapter key)] to copy to the device before this step
         ("proc_loads", list),  # [(slot, sequence)] processor state rows to write before it
+        # the host KV tier (runtime/host/kv_host_tier.py), before it, in this order:
+        ("kv_offloads", list),  # [(device page, host slot)] evicted pages to copy to the host
+        ("kv_restores", list),  # [(device page, host slot)] host pages to copy to the device
     ],
     bases=(_StepPlanViews,),
 )

@@ -81,6 +81,9 @@ class PageAllocator:
         self._hash_of: dict[int, bytes] = {}  # page -> prefix hash (held or cached)
         self._page_of: dict[bytes, int] = {}  # prefix hash -> page
         self.num_evictions = 0
+        # with a host tier: the (page, hash) of each cached page `allocate` evicted, for the
+        # scheduler to offload before the page's new owner writes it (None: not recorded)
+        self.evicted: list[tuple[int, bytes]] | None = None
 
     # ------------------------------------------------------------------ counts and views
 
@@ -130,8 +133,11 @@ class PageAllocator:
                 pages.append(self._free.popleft())
             else:
                 p, _ = self._lru.popitem(last=False)
-                del self._page_of[self._hash_of.pop(p)]
+                h = self._hash_of.pop(p)
+                del self._page_of[h]
                 self.num_evictions += 1
+                if self.evicted is not None:
+                    self.evicted.append((p, h))
                 pages.append(p)
         self._ref[pages] = 1
         return pages

@@ -52,6 +52,11 @@ Prefix caching (`enable_prefix_caching=True`; see runtime/host/page_allocator.py
     of every prompt token (`plan.prompt_targets`); its own pages are registered as usual.
   * Stats: `prefix_cache_stats()`; per request `cached_tokens_of(rid)` = prompt tokens served from
     the cache at its first admission.
+  * With a host tier (`host_tier`, runtime/host/kv_host_tier.py): each cached page the allocator
+    evicts is offloaded under its hash (the plan's `kv_offloads`: copied before the page's new
+    owner writes it), and an admission continues its device prefix with the pages the tier
+    holds: they get fresh pages, registered at once, filled from the host before the step
+    (`kv_restores`), and count as cached tokens (`host_cached_tokens` apart in the stats).
 
 Speculative decoding (`num_spec_tokens=K > 0`):
   * Before `schedule()`, `decode_candidates()` lists the sequences in pure decode (computed up to
@@ -105,6 +110,7 @@ from jaxinfer.runtime.config import SloConfig
 from jaxinfer.runtime.host.admission import FirstComeFirstServed
 from jaxinfer.runtime.host.errors import QueueFull
 from jaxinfer.runtime.host.lora_slots import LoraGate, LoraSlots
+from jaxinfer.runtime.host.kv_host_tier import HostTier
 from jaxinfer.runtime.host.page_allocator import PageAllocator, page_hashes
 from jaxinfer.runtime.host.plan_rows import PlanRows
 from jaxinfer.runtime.host.requests import SamplingParams
@@ -213,6 +219,7 @@ class Scheduler:
         max_loras: int = 0,
         admission: FirstComeFirstServed | None = None,
         step_times: StepTimes | None = None,
+        host_tier: HostTier | None = None,
         decode_times: StepTimes | None = None,
         clock=time.monotonic,
     ):
@@ -228,6 +235,10 @@ class Scheduler:
         self.pages_per_seq = _cdiv(max_model_len, page_size)
         self.allocator = PageAllocator(num_pages)
         self.enable_prefix_caching = bool(enable_prefix_caching)
+        self.host_tier = host_tier if self.enable_prefix_caching else None
+        if self.host_tier is not None:
+            self.allocator.evicted = []
+        self._restores: list[tuple[int, int]] = []  # (device page, host slot) of the next plan
         self.cache_salt = bytes(cache_salt)  # namespace of the prefix hashes (adapter, KV dtype...)
         if num_spec_tokens < 0:
             raise ValueError(f"num_spec_tokens must be >= 0, got {num_spec_tokens}")
@@ -269,7 +280,7 @@ class Scheduler:
         self._inflight: deque[tuple[StepPlan, list[tuple[_Seq, int, int]]]] = deque()
         self.num_preemptions = 0
         self._stats = dict(prompt_tokens=0, cached_tokens=0, recompute_tokens=0,
-                           recompute_cached_tokens=0)
+                           recompute_cached_tokens=0, host_cached_tokens=0)
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -399,7 +410,11 @@ class Scheduler:
         return st
 
     def reset_prefix_cache(self) -> int:
-        """Drop every cached page nobody holds (e.g. after swapping weights). Returns the count."""
+        """Drop every cached page nobody holds, and the host tier's (e.g. after swapping
+        weights). Returns the count of device pages dropped."""
+        if self.host_tier is not None:
+            self.host_tier.reset()
+            self.allocator.evicted.clear()
         return self.allocator.reset_prefix_cache()
 
     def queues(self) -> tuple[list[_Seq], list[_Seq]]:
@@ -648,7 +663,8 @@ class Scheduler:
         """Give a waiting `seq` its cached prefix pages plus pages for its first chunk; return the
         chunk size, or None (and nothing changed) if the pool is short."""
         shared = self._cached_prefix(seq)
-        start = len(shared) * self.page_size
+        hosted = self._hosted_prefix(seq, len(shared))  # host slots of the pages after them
+        start = (len(shared) + len(hosted)) * self.page_size
         n = min(seq.num_tokens - start, budget)
         need = _cdiv(start + n, self.page_size) - len(shared)
         reclaimed = sum(1 for p in shared if self.allocator.ref_count(p) == 0)  # leave the LRU
@@ -659,7 +675,15 @@ class Scheduler:
         assert pages is not None
         seq.pages = shared + pages
         seq.num_computed = start
-        seq.num_registered = len(shared)
+        if hosted:  # their K/V arrive before the step: shareable from now on
+            hashes = self._hashes(seq, len(shared) + len(hosted))
+            for j, slot in enumerate(hosted):
+                page = pages[j]
+                self.allocator.register(page, hashes[len(shared) + j])
+                self._restores.append((page, slot))
+            self.host_tier.stats["restored"] += len(hosted)
+            self._stats["host_cached_tokens"] += len(hosted) * self.page_size
+        seq.num_registered = len(shared) + len(hosted)
         st = self._stats
         if seq.cached_tokens is None:  # first admission: its prompt
             seq.cached_tokens = start
@@ -688,6 +712,28 @@ class Scheduler:
             return []
         k = (seq.num_tokens - 1) // self.page_size
         return self.allocator.lookup(self._hashes(seq, k)) if k else []
+
+    def _hosted_prefix(self, seq: _Seq, j: int) -> list[int]:
+        """Host-tier slots of `seq`'s full pages from page j on, as far as the tier holds them
+        (never covering the last token, as `_cached_prefix`)."""
+        if self.host_tier is None or seq.req.params.prompt_logprobs is not None:
+            return []
+        k = (seq.num_tokens - 1) // self.page_size
+        return self.host_tier.lookup(self._hashes(seq, k)[j:]) if k > j else []
+
+    def _kv_moves(self) -> dict:
+        """The host tier's copies before this plan's step: the pages evicted since the last
+        plan (each given a host slot, unless the tier has its hash) and the planned restores."""
+        if self.host_tier is None:
+            return {"kv_offloads": [], "kv_restores": []}
+        offloads = []
+        for page, h in self.allocator.evicted:
+            slot = self.host_tier.put(h)
+            if slot is not None:
+                offloads.append((page, slot))
+        self.allocator.evicted.clear()
+        restores, self._restores = self._restores, []
+        return {"kv_offloads": offloads, "kv_restores": restores}
 
     def _awaits_prefix(self, seq: _Seq) -> bool:
         """Whether the first full page `seq` would not find cached is being computed by a
@@ -763,7 +809,8 @@ class Scheduler:
                            W=self.mask_words, num_seqs=len(rows))
         statics = self._rows.write(a, rows)
         return StepPlan(**a, max_q_len=max_q_len,
-                        request_ids=[seq.req.request_id for seq, _ in rows], **statics)
+                        request_ids=[seq.req.request_id for seq, _ in rows], **statics,
+                        **self._kv_moves())
 
     def update(self, plan: StepPlan, sampled: np.ndarray,
                num_accepted: np.ndarray | None = None) -> list[StepOutput]:

@@ -1,0 +1,88 @@
+"""Copies of whole KV pages between the device pools and the host tier's arrays (the tier's
+index: runtime/host/kv_host_tier.py; who copies what and when: runtime/engine.py).
+
+A page's content is, for every leaf of the KVCache (per layer K and V, and their scales with
+int8 / fp8 KV), the leaf's [Hkv, 1, ps, ...] slice at that page; `gather_pages` takes n pages'
+slices of every leaf at once, `scatter_pages` writes them back (the cache donated). Page lists
+are padded to a power of two with the null page (padding writes only the null page, which no
+valid position reads), so a few programs serve every count.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+
+from jaxinfer.runtime.device.kv_cache import KVCache
+
+
+def padded(pages) -> np.ndarray:
+    """int32 pages padded with the null page 0 to the next power of two (at least 1)."""
+    n = max(1, len(pages))
+    out = np.zeros(1 << (n - 1).bit_length(), np.int32)
+    out[:len(pages)] = pages
+    return out
+
+
+@jax.jit
+def gather_pages(cache: KVCache, pages: jax.Array) -> list[jax.Array]:
+    """Every leaf's slices at pages [n]: a list of [Hkv, n, ps, ...] arrays, leaf order."""
+    return [leaf[:, pages] for leaf in jax.tree.leaves(cache)]
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def scatter_pages(cache: KVCache, pages: jax.Array, blocks: list[jax.Array]) -> KVCache:
+    """The cache with pages [n] of every leaf set to blocks (gather_pages' layout)."""
+    leaves, tree = jax.tree.flatten(cache)
+    return jax.tree.unflatten(tree, [a.at[:, pages].set(b) for a, b in zip(leaves, blocks)])
+
+
+class HostPages:
+    """The host tier's page contents: per cache leaf a host array [Hkv, slots, ps, ...] of the
+    leaf's dtype, slots = gib of memory over one page's bytes (every leaf's slice). Offloads
+    arrive asynchronously: `send` starts the device-to-host copy of gathered pages and queues
+    it; `land` writes every queued copy into its slots, in order (a slot written twice keeps
+    the later page)."""
+
+    def __init__(self, cache: KVCache, gib: float):
+        leaves = jax.tree.leaves(cache)
+        num_pages = leaves[0].shape[1]
+        self.page_bytes = sum(a.nbytes for a in leaves) // num_pages
+        self.slots = int(gib * 2 ** 30 // self.page_bytes)
+        if self.slots < 1:
+            raise ValueError(f"kv_host_cache_gb {gib} holds no page ({self.page_bytes} bytes)")
+        self.arrays = [np.zeros((a.shape[0], self.slots, *a.shape[2:]), a.dtype) for a in leaves]
+        self._queued: list[tuple[list[jax.Array], list[int]]] = []
+        self.restore_s: list[float] = []  # host time of each restore (read + copy launched)
+
+    def send(self, blocks: list[jax.Array], slots: list[int]) -> None:
+        for b in blocks:
+            b.copy_to_host_async()
+        self._queued.append((blocks, slots))
+
+    def land(self) -> None:
+        for blocks, slots in self._queued:
+            for host, b in zip(self.arrays, blocks):
+                host[:, slots] = np.asarray(b)[:, :len(slots)]
+        self._queued.clear()
+
+    def read(self, slots: list[int]) -> list[np.ndarray]:
+        """Copies of the slots' pages, every leaf: [Hkv, n, ps, ...]."""
+        return [host[:, slots] for host in self.arrays]
+
+    @staticmethod
+    def pad(blocks: list[np.ndarray], n: int) -> list[np.ndarray]:
+        """blocks padded along the page axis to n (the padded page list's length)."""
+        return [np.pad(b, [(0, 0), (0, n - b.shape[1])] + [(0, 0)] * (b.ndim - 2))
+                for b in blocks]
+
+    def stats(self, tier) -> dict:
+        """The tier's counters (its index `tier`: runtime/host/kv_host_tier.py)."""
+        r = sorted(self.restore_s)
+        return {"kv_host_slots": self.slots, "kv_host_bytes_used": tier.num_used * self.page_bytes,
+                "kv_host_pages_offloaded": tier.stats["offloaded"],
+                "kv_host_pages_restored": tier.stats["restored"],
+                "kv_host_pages_evicted": tier.stats["evicted"],
+                "kv_host_restore_p50_s": r[len(r) // 2] if r else None}
