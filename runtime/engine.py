@@ -207,7 +207,7 @@ class Engine:
         if blocks is not None:
             pages = padded([p for p, _ in plan.kv_restores])
             self.cache = scatter_pages(self.cache, pages, store.pad(blocks, len(pages)))
-            store.restore_s.append(time.perf_counter() - t0)
+            store.restore_s.append((time.perf_counter() - t0) / len(plan.kv_restores))
 
     def _new_procs(self):
         """Zeroed processor state rows, one per slot (replicated on a mesh)."""

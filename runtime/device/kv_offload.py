@@ -55,7 +55,7 @@ class HostPages:
             raise ValueError(f"kv_host_cache_gb {gib} holds no page ({self.page_bytes} bytes)")
         self.arrays = [np.zeros((a.shape[0], self.slots, *a.shape[2:]), a.dtype) for a in leaves]
         self._queued: list[tuple[list[jax.Array], list[int]]] = []
-        self.restore_s: list[float] = []  # host time of each restore (read + copy launched)
+        self.restore_s: list[float] = []  # per restore: host time (read + copy launched) / pages
 
     def send(self, blocks: list[jax.Array], slots: list[int]) -> None:
         for b in blocks:
@@ -85,4 +85,4 @@ class HostPages:
                 "kv_host_pages_offloaded": tier.stats["offloaded"],
                 "kv_host_pages_restored": tier.stats["restored"],
                 "kv_host_pages_evicted": tier.stats["evicted"],
-                "kv_host_restore_p50_s": r[len(r) // 2] if r else None}
+                "kv_host_restore_s_per_page_p50": r[len(r) // 2] if r else None}

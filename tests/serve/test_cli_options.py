@@ -188,7 +188,7 @@ def test_bad_flags_name_the_option(capsys):
     for argv, flag in [(["--dtype", "float16"], "--dtype"), (["--max-slots", "x"], "--max-slots"),
                        (["--speculative", "{bad"], "--speculative"),
                        (["--speculative", "[" * 5000 + "]" * 5000], "--speculative"),  # deep
-                       (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype"),
+                       (["--kv-cache-dtype", "fp4"], "--kv-cache-dtype"),
                        (["--itl-slo-ms", "nan"], None)]:
         p = argparse.ArgumentParser()
         engine_args(p)
