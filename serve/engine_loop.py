@@ -299,6 +299,7 @@ class EngineLoop:
             "max_model_len": self.limits.max_model_len, "model": self.model_name,
             "engine_faults": e["faults"], "spec_proposed": e["spec_proposed"],
             "spec_accepted": e["spec_accepted"],
+            **{k: v for k, v in e.items() if k.startswith("kv_host_")},  # the host KV tier's
         }
 
     def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:

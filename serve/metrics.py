@@ -55,6 +55,19 @@ class _StatsCollector:
         yield CounterMetricFamily("jaxinfer_generated_tokens", "Generated tokens",
                                   value=s["tokens_generated"])
         yield CounterMetricFamily("jaxinfer_engine_steps", "Engine steps", value=s["steps"])
+        if "kv_host_slots" in s:  # the prefix cache's host tier (kv_host_cache_gb)
+            yield GaugeMetricFamily("jaxinfer_kv_host_bytes_used", "Host tier bytes holding "
+                                    "pages", value=s["kv_host_bytes_used"])
+            yield GaugeMetricFamily("jaxinfer_kv_host_slots", "Host tier page slots",
+                                    value=s["kv_host_slots"])
+            for what in ("offloaded", "restored", "evicted"):
+                yield CounterMetricFamily(f"jaxinfer_kv_host_pages_{what}",
+                                          f"Pages {what} by the host tier",
+                                          value=s[f"kv_host_pages_{what}"])
+            p50 = s["kv_host_restore_s_per_page_p50"]
+            yield GaugeMetricFamily("jaxinfer_kv_host_restore_seconds_per_page_p50",
+                                    "Median host time of a restore, per page (NaN: none yet)",
+                                    value=math.nan if p50 is None else p50)
         c = CounterMetricFamily("jaxinfer_requests", "Requests by outcome", labels=["outcome"])
         for outcome, n in sorted(s["requests"].items()):
             c.add_metric([outcome], n)

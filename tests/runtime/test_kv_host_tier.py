@@ -91,3 +91,23 @@ def test_recycled_host_slots_are_never_read(tiny_dir):
     got, st = _conversations(llm)
     assert got == want
     assert st["kv_host_pages_evicted"] > 0 and st["kv_host_pages_restored"] > 0
+
+
+def test_host_tier_metrics_are_exported():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from jaxinfer.serve.metrics import _StatsCollector
+
+    stats = {"queue_depth": 0, "running": 0, "max_slots": 2, "pages_used": 1, "pages_free": 22,
+             "pages_total": 23, "in_flight": 0, "compile_count": 3, "healthy": True,
+             "spec_proposed": 0, "spec_accepted": 0, "tokens_generated": 5, "steps": 2,
+             "requests": {}, "kv_host_slots": 12, "kv_host_bytes_used": 4096,
+             "kv_host_pages_offloaded": 7, "kv_host_pages_restored": 3,
+             "kv_host_pages_evicted": 1, "kv_host_restore_s_per_page_p50": 0.002}
+    reg = CollectorRegistry()
+    reg.register(_StatsCollector(type("Loop", (), {"stats": lambda self: stats})()))
+    text = generate_latest(reg).decode()
+    for line in ("jaxinfer_kv_host_bytes_used 4096.0", "jaxinfer_kv_host_pages_offloaded_total 7.0",
+                 "jaxinfer_kv_host_pages_restored_total 3.0",
+                 "jaxinfer_kv_host_restore_seconds_per_page_p50 0.002"):
+        assert line in text, line
