@@ -194,12 +194,12 @@ class Engine:
 
     def _move_kv(self, plan) -> None:
         """The host tier's copies before `plan`'s step: evicted pages to the host (the copy
-        finishes while the step runs, and lands in the host arrays at the next call), then
-        restored pages to the device (read from the host arrays first, so a slot reassigned to
-        an offload in this plan still gives its old page)."""
+        runs beside the step and lands in the host arrays at a later call, once done or once a
+        restore needs it), then restored pages to the device (read from the host arrays first,
+        so a slot reassigned to an offload in this plan still gives its old page)."""
         store = self.host_kv
+        store.land(needed=[s for _, s in plan.kv_restores])
         t0 = time.perf_counter()
-        store.land()
         blocks = store.read([s for _, s in plan.kv_restores]) if plan.kv_restores else None
         if plan.kv_offloads:
             store.send(gather_pages(self.cache, padded([p for p, _ in plan.kv_offloads])),

@@ -33,8 +33,9 @@ def run(llm, *, conversations: int, turns: int, output_len: int, opening_repeats
     from jaxinfer.runtime.host.requests import SamplingParams
 
     tok = llm.tokenizer
-    chats = [tok.encode(OPENING * opening_repeats + f"Traveller {i} asks: where do I start?")
-             for i in range(conversations)]
+    # each conversation its own from its first token: nothing is shared between them
+    chats = [tok.encode(f"Traveller {i} writes. " + OPENING * opening_repeats + "Where do I "
+                        "start?") for i in range(conversations)]
     sp = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     phases: dict[str, dict] = {"turn1": {"ttft": [], "tokens": 0, "s": 0.0},
                                "later": {"ttft": [], "tokens": 0, "s": 0.0}}
@@ -75,8 +76,7 @@ def main(argv=None) -> int:
                   max_model_len=2048)
     out = {}
     for name, gb in (("tier off", 0.0), ("tier on", a.host_gb)):
-        llm = LLM(a.model, kv_host_cache_gb=gb, **common)
-        llm.generate(["warm up"], None)  # the first programs compile outside the timings
+        llm = LLM(a.model, kv_host_cache_gb=gb, warmup=True, **common)  # no compile timed
         out[name] = run(llm, conversations=a.conversations, turns=a.turns,
                         output_len=a.output_len, opening_repeats=a.opening_repeats)
         del llm

@@ -43,8 +43,8 @@ class HostPages:
     """The host tier's page contents: per cache leaf a host array [Hkv, slots, ps, ...] of the
     leaf's dtype, slots = gib of memory over one page's bytes (every leaf's slice). Offloads
     arrive asynchronously: `send` starts the device-to-host copy of gathered pages and queues
-    it; `land` writes every queued copy into its slots, in order (a slot written twice keeps
-    the later page)."""
+    it; `land` writes queued copies into their slots, in order (a slot written twice keeps the
+    later page), without waiting unless a restore needs one."""
 
     def __init__(self, cache: KVCache, gib: float):
         leaves = jax.tree.leaves(cache)
@@ -62,11 +62,20 @@ class HostPages:
             b.copy_to_host_async()
         self._queued.append((blocks, slots))
 
-    def land(self) -> None:
-        for blocks, slots in self._queued:
+    def land(self, needed=()) -> None:
+        """Write queued copies into their slots, oldest first: every one up to the last that
+        writes a slot in `needed` (waiting for it), then more while their copies are done."""
+        needed = set(needed)
+        last = max((i for i, (_, slots) in enumerate(self._queued) if needed & set(slots)),
+                   default=-1)
+        n = 0
+        for i, (blocks, slots) in enumerate(self._queued):
+            if i > last and not all(b.is_ready() for b in blocks):
+                break
             for host, b in zip(self.arrays, blocks):
                 host[:, slots] = np.asarray(b)[:, :len(slots)]
-        self._queued.clear()
+            n += 1
+        del self._queued[:n]
 
     def read(self, slots: list[int]) -> list[np.ndarray]:
         """Copies of the slots' pages, every leaf: [Hkv, n, ps, ...]."""

@@ -81,7 +81,7 @@ def test_recycled_host_slots_are_never_read(tiny_dir):
 
     def poisoning():
         plan = real_schedule()
-        eng.host_kv.land()
+        eng.host_kv.land(needed=range(eng.host_kv.slots))  # every queued copy
         free = eng.scheduler.host_tier.free_slots()
         for host in eng.host_kv.arrays:
             host[:, free] = np.nan
