@@ -1,7 +1,7 @@
 """Multi-turn chat with more conversations than the device's KV pages hold: TTFT and throughput
 with the prefix cache's host tier on and off, side by side in one process.
 
-    python -m jaxinfer.tools.bench_multiturn                       # Gemma 3 270M, 16 x 4 turns
+    jaxinfer bench multiturn                                       # Gemma 3 270M, 16 x 4 turns
     python -m jaxinfer.tools.bench_multiturn --model DIR --conversations 4 --turns 2 --pages 24
 
 C conversations take T turns; each turn's prompt is the whole conversation so far (its first
@@ -57,8 +57,7 @@ def run(llm, *, conversations: int, turns: int, output_len: int, opening_repeats
     return report
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="gemma3-270m")
     p.add_argument("--conversations", type=int, default=16)
     p.add_argument("--turns", type=int, default=4)
@@ -69,7 +68,21 @@ def main(argv=None) -> int:
     p.add_argument("--max-slots", type=int, default=8)
     p.add_argument("--host-gb", type=float, default=1.0, help="kv_host_cache_gb when on")
     p.add_argument("--json", default=None)
-    a = p.parse_args(argv)
+
+
+def register(bench) -> None:
+    p = bench.add_parser("multiturn", help="multi-turn chat: the prefix cache's host tier on/off")
+    add_args(p)
+    p.set_defaults(fn=cmd)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_args(p)
+    return cmd(p.parse_args(argv))
+
+
+def cmd(a) -> int:
     from jaxinfer.runtime.llm import LLM
 
     common = dict(max_slots=a.max_slots, page_size=a.page_size, num_pages=a.pages,
