@@ -190,7 +190,15 @@ class Engine:
                                                   "would not follow the restored ones)")
         if jax.process_count() > 1:
             raise OptionError("kv_host_cache_gb", "not with several hosts yet")
-        return HostPages(self.cache, ecfg.kv_host_cache_gb)
+        gib, page = ecfg.kv_host_cache_gb, self.cache.page_bytes
+        slots = int(gib * 2 ** 30 // page)
+        if slots < 1:
+            raise OptionError("kv_host_cache_gb", f"{gib} GiB holds no KV page ({page} bytes)")
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if slots * page > ram // 2:
+            raise OptionError("kv_host_cache_gb", f"{gib} GiB is more than half of this host's "
+                                                  f"{ram / 2 ** 30:.1f} GiB of memory")
+        return HostPages(self.cache, slots)
 
     def _move_kv(self, plan) -> None:
         """The host tier's copies before `plan`'s step: evicted pages to the host (the copy

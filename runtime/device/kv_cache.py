@@ -81,6 +81,11 @@ class KVCache:
         return sum(a.nbytes for a in self.k + self.v)
 
     @property
+    def page_bytes(self) -> int:
+        """One page's bytes across every layer's K and V (and their scales)."""
+        return self.nbytes // self.num_pages
+
+    @property
     def bytes_per_token(self) -> float:
         return self.nbytes / (self.num_pages * self.page_size)
 

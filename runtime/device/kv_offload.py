@@ -41,19 +41,15 @@ def scatter_pages(cache: KVCache, pages: jax.Array, blocks: list[jax.Array]) -> 
 
 class HostPages:
     """The host tier's page contents: per cache leaf a host array [Hkv, slots, ps, ...] of the
-    leaf's dtype, slots = gib of memory over one page's bytes (every leaf's slice). Offloads
+    leaf's dtype. Offloads
     arrive asynchronously: `send` starts the device-to-host copy of gathered pages and queues
     it; `land` writes queued copies into their slots, in order (a slot written twice keeps the
     later page), without waiting unless a restore needs one."""
 
-    def __init__(self, cache: KVCache, gib: float):
-        leaves = jax.tree.leaves(cache)
-        num_pages = leaves[0].shape[1]
-        self.page_bytes = sum(a.nbytes for a in leaves) // num_pages
-        self.slots = int(gib * 2 ** 30 // self.page_bytes)
-        if self.slots < 1:
-            raise ValueError(f"kv_host_cache_gb {gib} holds no page ({self.page_bytes} bytes)")
-        self.arrays = [np.zeros((a.shape[0], self.slots, *a.shape[2:]), a.dtype) for a in leaves]
+    def __init__(self, cache: KVCache, slots: int):
+        self.slots, self.page_bytes = slots, cache.page_bytes
+        self.arrays = [np.zeros((a.shape[0], slots, *a.shape[2:]), a.dtype)
+                       for a in jax.tree.leaves(cache)]
         self._queued: list[tuple[list[jax.Array], list[int]]] = []
         self.restore_s: list[float] = []  # per restore: host time (read + copy launched) / pages
 

@@ -73,7 +73,7 @@ def test_recycled_host_slots_are_never_read(tiny_dir):
     and change its tokens."""
     plain = LLM(str(tiny_dir), **ENGINE)
     want, _ = _conversations(plain)
-    page_bytes = plain.engine.cache.nbytes // plain.engine.cache.num_pages
+    page_bytes = plain.engine.cache.page_bytes
     llm = LLM(str(tiny_dir), kv_host_cache_gb=12.5 * page_bytes / 2 ** 30, **ENGINE)
     eng = llm.engine
     assert eng.host_kv.slots == 12
@@ -111,3 +111,12 @@ def test_host_tier_metrics_are_exported():
                  "jaxinfer_kv_host_pages_restored_total 3.0",
                  "jaxinfer_kv_host_restore_seconds_per_page_p50 0.002"):
         assert line in text, line
+
+
+@pytest.mark.parametrize("gib, why", [(1e-9, "holds no KV page"),
+                                      (1e7, "more than half of this host's")])
+def test_host_tier_sizes_that_cannot_work_name_the_option(tiny_dir, gib, why):
+    from jaxinfer.runtime.config import OptionError
+
+    with pytest.raises(OptionError, match=f"^kv_host_cache_gb .*{why}"):
+        LLM(str(tiny_dir), kv_host_cache_gb=gib, **ENGINE)
