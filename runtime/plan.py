@@ -83,6 +83,7 @@ PLAN_FIELDS = (
 # draft_bitmask[s, j]: the mask of verify row j + 1, after the row's first j + 1 proposals.
 # proc_slots (logits processors: penalties, logit_bias, bans): the slot whose processor state
 # row applies to the row's sampled token, and takes it (-1: none; runtime/device/processors.py).
+PROMPT_BIT = 1 << 24  # processor state counts: the id is in the prompt (runtime/host/processors.py)
 
 GROUPS = tuple(dict.fromkeys(f.group for f in PLAN_FIELDS))  # every field
 STEP_GROUPS = ("tokens", "sequences", "sampling")  # the jitted step's inputs (and the codec's)
@@ -174,9 +175,6 @@ StepPlan.__doc__ = "One step: an array per PLAN_FIELDS row (plan.token_ids, ...)
 
 
 # ------------------------------------------------------------------------------- buckets
-
-
-PROMPT_BIT = 1 << 24  # processor state counts: the id is in the prompt (runtime/host/processors.py)
 
 
 def pow_buckets(lo: int, hi: int, factor: int = 2, *, cap: bool = False) -> tuple[int, ...]:

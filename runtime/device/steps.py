@@ -173,10 +173,9 @@ def verify(
     md = _metadata(arrays, max_q_len)
     logits, cache = forward(params, arrays["token_ids"], cache, md, cfg, backend,
                             arrays["lora_ids"])  # [S*(K+1), V]
-    logits = mask_vocab(logits, vocab_limit)  # [S*(K+1), V]
-    raw = logits.reshape(S, K + 1, -1)[:, 0]  # logprobs are the model's own (before any constraint)
+    logits = mask_vocab(logits, vocab_limit).reshape(S, K + 1, -1)  # [S, K+1, V]
+    raw = logits[:, 0]  # logprobs are the model's own (before any processor or constraint)
     slots = arrays["proc_slots"]
-    logits = logits.reshape(S, K + 1, -1)
     if procs is not None:
         logits = process_verify(logits, procs, slots, arrays["sample_positions"],
                                 arrays["draft_ids"], arrays["num_draft"])

@@ -705,21 +705,23 @@ class Scheduler:
             seq.hashes += page_hashes(toks, ps, salt, parent=parent)
         return seq.hashes[:n_pages]
 
-    def _cached_prefix(self, seq: _Seq) -> list[int]:
-        """Cached pages matching `seq`'s leading full pages, never covering its last token; none
-        for a request that wants prompt logprobs (every prompt token's logits are computed)."""
+    def _prefix_hashes(self, seq: _Seq) -> list[bytes]:
+        """The hashes of the full pages `seq` may take from the prefix cache: those ending
+        before its last token; none without prefix caching or for a request that wants prompt
+        logprobs (every prompt token's logits are computed)."""
         if not self.enable_prefix_caching or seq.req.params.prompt_logprobs is not None:
             return []
-        k = (seq.num_tokens - 1) // self.page_size
-        return self.allocator.lookup(self._hashes(seq, k)) if k else []
+        return self._hashes(seq, (seq.num_tokens - 1) // self.page_size)
+
+    def _cached_prefix(self, seq: _Seq) -> list[int]:
+        """Cached pages matching `seq`'s leading full pages (`_prefix_hashes`)."""
+        return self.allocator.lookup(self._prefix_hashes(seq))
 
     def _hosted_prefix(self, seq: _Seq, j: int) -> list[int]:
-        """Host-tier slots of `seq`'s full pages from page j on, as far as the tier holds them
-        (never covering the last token, as `_cached_prefix`)."""
-        if self.host_tier is None or seq.req.params.prompt_logprobs is not None:
-            return []
-        k = (seq.num_tokens - 1) // self.page_size
-        return self.host_tier.lookup(self._hashes(seq, k)[j:]) if k > j else []
+        """Host-tier slots of `seq`'s prefix pages from page j on, as far as the tier holds
+        them."""
+        hashes = self._prefix_hashes(seq)[j:]
+        return self.host_tier.lookup(hashes) if self.host_tier is not None and hashes else []
 
     def _kv_moves(self) -> dict:
         """The host tier's copies before this plan's step: the pages evicted since the last
@@ -739,12 +741,9 @@ class Scheduler:
         """Whether the first full page `seq` would not find cached is being computed by a
         running sequence (same prefix hash, not registered yet: a sibling sample of the same
         prompt admitted a step earlier): `seq` then waits until it is registered and shares it."""
-        if not self.enable_prefix_caching or seq.req.params.prompt_logprobs is not None:
-            return False
-        k = (seq.num_tokens - 1) // self.page_size
-        hashes = self._hashes(seq, k)
+        hashes = self._prefix_hashes(seq)
         j = len(self.allocator.lookup(hashes))
-        return j < k and any(
+        return j < len(hashes) and any(
             r.num_registered <= j < r.num_known // self.page_size
             and self._hashes(r, j + 1)[j] == hashes[j] for r in self._running)
 

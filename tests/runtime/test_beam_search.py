@@ -4,8 +4,6 @@ in the same order, `sequences_scores` within 1e-4, through `LLM.beam_search` and
 
 from __future__ import annotations
 
-import http.client
-import json
 import math
 import shutil
 
@@ -14,6 +12,7 @@ import torch
 
 from jaxinfer.runtime.beam_search import BeamSearchParams
 from jaxinfer.runtime.host.errors import RequestError
+from tests.http_helpers import http_server, post_json
 
 ENGINE = dict(max_slots=8, page_size=8, max_model_len=128)
 EOS = 2  # the tiny tokenizer's EOS, and the HF config's
@@ -108,22 +107,12 @@ def test_beam_search_params_refused_naming_the_field(beam_model, llm_for):
 
 @pytest.fixture(scope="module")
 def server(beam_model, llm_for):
-    from jaxinfer.serve.grpc_server import ServerConfig, ServerThread
-
-    s = ServerThread(llm_for(beam_model[0], tag="server", **ENGINE),
-                     ServerConfig(port=0, http_port=0, max_queue=64, model_name="m"))
-    yield s
-    s.stop()
+    with http_server(llm_for(beam_model[0], tag="server", **ENGINE), max_queue=64, model_name="m") as s:
+        yield s
 
 
 def post(server, body):
-    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=120)
-    conn.request("POST", "/v1/completions", json.dumps({"model": "m", **body}),
-                 {"Content-Type": "application/json"})
-    r = conn.getresponse()
-    out = json.loads(r.read())
-    conn.close()
-    return r.status, out
+    return post_json(server, "/v1/completions", {"model": "m", **body})
 
 
 def test_http_use_beam_search_equals_hf(beam_model, server):

@@ -1,5 +1,6 @@
 """int8 KV cache: per-token-per-head quantization, the cache update, the XLA attention path and
-the jnp kernel reference on int8 pages, the model and the engine with kv_cache_dtype="int8".
+the jnp kernel reference on int8 pages, the model and the engine with kv_cache_dtype="int8";
+the model and the engine with fp8 (e4m3) pages beside it, and fp8's quantization at the end.
 
 Tolerances: attention on int8 K/V vs f32 K/V of the same data: atol 0.05 (K/V ~ N(0, 1): the
 per-element error is <= scale/2 ~ 1.3% of the head's max |x|; measured ~0.01). The XLA path vs
@@ -134,32 +135,40 @@ def tiny_llama(tmp_path_factory):
     return d, *load_hf(d)
 
 
-def test_model_logits_with_int8_kv_close_to_f32_kv(tiny_llama):
+# (the 8-bit format, the bound on |logits - f32 KV logits| as a fraction of the logits' max)
+@pytest.mark.parametrize("kv, tol", [("int8", 0.05), ("fp8", 0.1)])
+def test_model_logits_with_quantized_kv_close_to_f32_kv(tiny_llama, kv, tol):
     from tests.model_utils import run_sequence
 
     _, cfg, params = tiny_llama
     toks = list(np.random.default_rng(1).integers(0, cfg.vocab_size, 37))
     f_pre, f_ids, f_dec = run_sequence(params, cfg, toks, page_size=8, decode_steps=6)
     q_pre, q_ids, q_dec = run_sequence(params, cfg, toks, page_size=8, decode_steps=6,
-                                       cache_dtype="int8")
+                                       cache_dtype=kv)
     scale = np.abs(f_pre).max()
-    assert np.abs(q_pre - f_pre).max() <= 0.05 * scale
-    assert np.abs(q_dec - f_dec).max() <= 0.05 * scale
-    assert np.abs(q_pre - f_pre).max() > 0  # the int8 cache was really used
+    assert np.abs(q_pre - f_pre).max() <= tol * scale
+    assert np.abs(q_dec - f_dec).max() <= tol * scale
+    assert np.abs(q_pre - f_pre).max() > 0  # the quantized cache was really used
 
 
-def test_engine_int8_kv_generate(tiny_dir, tiny_llm):
+# (the 8-bit format, its values' dtype, the least share of greedy tokens equal to f32 KV's)
+@pytest.mark.parametrize("kv, values, agree", [("int8", jnp.int8, 0.8),
+                                               ("fp8", jnp.float8_e4m3fn, 0.7)])
+def test_engine_quantized_kv_generate(tiny_dir, tiny_llm, kv, values, agree):
     from jaxinfer import LLM, SamplingParams
 
-    d = tiny_dir
     sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     prompts = ["To be, or not to be", "Now is the winter of our discontent"]
     f = tiny_llm.generate(prompts, sp)  # the f32 cache's tokens (slots and length change none)
-    llm8 = LLM(str(d), max_slots=2, page_size=8, max_model_len=128, kv_cache_dtype="int8")
-    assert isinstance(llm8.engine.cache.k[0], QuantizedPages)
-    q = llm8.generate(prompts, sp)
+    llm = LLM(str(tiny_dir), max_slots=2, page_size=8, max_model_len=128, kv_cache_dtype=kv)
+    assert isinstance(llm.engine.cache.k[0], QuantizedPages)
+    assert llm.engine.cache.k[0].values.dtype == values
+    q = llm.generate(prompts, sp)
     same = sum(a == b for x, y in zip(f, q) for a, b in zip(x.token_ids, y.token_ids))
-    assert same >= 0.8 * sum(len(x.token_ids) for x in f)
+    assert same >= agree * sum(len(x.token_ids) for x in f)
+
+
+def test_unknown_kv_cache_dtype_names_the_option():
     with pytest.raises(ValueError, match="kv_cache_dtype must be"):
         EngineConfig(kv_cache_dtype="fp4")
 
@@ -186,29 +195,3 @@ def test_fp8_quantize_error_bound_and_cache():
     new = write_pages(f8.k[0], x, jnp.asarray([5, 6, 7, 8, 11], jnp.int32))
     got = np.asarray(new.dequantize()).reshape(2, 12, 32)[:, [5, 6, 7, 8, 11]].transpose(1, 0, 2)
     np.testing.assert_allclose(got, deq, rtol=1e-6)
-
-
-def test_model_logits_with_fp8_kv_close_to_f32_kv(tiny_llama):
-    from tests.model_utils import run_sequence
-
-    _, cfg, params = tiny_llama
-    toks = list(np.random.default_rng(1).integers(0, cfg.vocab_size, 37))
-    f_pre, _, f_dec = run_sequence(params, cfg, toks, page_size=8, decode_steps=6)
-    q_pre, _, q_dec = run_sequence(params, cfg, toks, page_size=8, decode_steps=6,
-                                   cache_dtype="fp8")
-    scale = np.abs(f_pre).max()
-    assert 0 < np.abs(q_pre - f_pre).max() <= 0.1 * scale
-    assert np.abs(q_dec - f_dec).max() <= 0.1 * scale
-
-
-def test_engine_fp8_kv_generate(tiny_dir, tiny_llm):
-    from jaxinfer import LLM, SamplingParams
-
-    sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    prompts = ["To be, or not to be", "Now is the winter of our discontent"]
-    f = tiny_llm.generate(prompts, sp)
-    llm = LLM(str(tiny_dir), max_slots=2, page_size=8, max_model_len=128, kv_cache_dtype="fp8")
-    assert llm.engine.cache.k[0].values.dtype == jnp.float8_e4m3fn
-    q = llm.generate(prompts, sp)
-    same = sum(a == b for x, y in zip(f, q) for a, b in zip(x.token_ids, y.token_ids))
-    assert same >= 0.7 * sum(len(x.token_ids) for x in f)

@@ -5,9 +5,6 @@ pages; the serving loop and the HTTP API (`best_of`) do the same."""
 
 from __future__ import annotations
 
-import http.client
-import json
-
 import numpy as np
 import pytest
 import torch
@@ -15,6 +12,7 @@ import torch
 from jaxinfer import SamplingParams
 from jaxinfer.runtime.host.errors import RequestError
 from tests.engines import TINY
+from tests.http_helpers import http_server, post_json
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
 
@@ -99,22 +97,12 @@ def test_stream_refuses_several_completions(tiny_llm):
 # ---- the serving loop and HTTP -------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tiny_dir, llm_for):
-    from jaxinfer.serve.grpc_server import ServerConfig, ServerThread
-
-    s = ServerThread(llm_for(tiny_dir, tag="server", **TINY),
-                     ServerConfig(port=0, http_port=0, max_queue=64, model_name="m"))
-    yield s
-    s.stop()
+    with http_server(llm_for(tiny_dir, tag="server", **TINY), max_queue=64, model_name="m") as s:
+        yield s
 
 
 def post(server, body):
-    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=120)
-    conn.request("POST", "/v1/completions", json.dumps({"model": "m", **body}),
-                 {"Content-Type": "application/json"})
-    r = conn.getresponse()
-    out = json.loads(r.read())
-    conn.close()
-    return r.status, out
+    return post_json(server, "/v1/completions", {"model": "m", **body})
 
 
 def test_loop_submit_seeds_each_sample(server, tiny_llm):

@@ -5,8 +5,6 @@ field is a 400 naming it while the server serves on, generation included."""
 from __future__ import annotations
 
 import base64
-import http.client
-import json
 import threading
 
 import numpy as np
@@ -14,8 +12,8 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from jaxinfer.serve.grpc_server import ServerConfig, ServerThread  # noqa: E402
 from tests.engines import TINY  # noqa: E402
+from tests.http_helpers import http_server, post_json  # noqa: E402
 
 MODEL = "tiny-embed"
 TEXTS = ["To be, or not to be, that is the question", "Hello", "Once more unto the breach"]
@@ -23,10 +21,8 @@ TEXTS = ["To be, or not to be, that is the question", "Hello", "Once more unto t
 
 @pytest.fixture(scope="module")
 def server(tiny_dir, llm_for):
-    s = ServerThread(llm_for(tiny_dir, tag="embed-server", **TINY),
-                     ServerConfig(port=0, http_port=0, model_name=MODEL))
-    yield s
-    s.stop()
+    with http_server(llm_for(tiny_dir, tag="embed-server", **TINY), model_name=MODEL) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
@@ -36,13 +32,7 @@ def client(server):
 
 
 def post(server, body) -> tuple[int, dict]:
-    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
-    conn.request("POST", "/v1/embeddings", body=json.dumps(body).encode(),
-                 headers={"Content-Type": "application/json"})
-    r = conn.getresponse()
-    out = json.loads(r.read())
-    conn.close()
-    return r.status, out
+    return post_json(server, "/v1/embeddings", body, timeout=60)
 
 
 def test_vectors_equal_llm_embed_in_both_encodings(client, tiny_llm):
