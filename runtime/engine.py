@@ -21,6 +21,7 @@ import itertools
 import logging
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import jax
@@ -32,6 +33,7 @@ from jaxinfer.runtime.config import MIN_TOKEN_BUCKET, EngineConfig, OptionError
 from jaxinfer.runtime.device.kv_cache import init_cache
 from jaxinfer.runtime.device.kv_offload import HostPages, gather_pages, padded, scatter_pages
 from jaxinfer.runtime.device.processors import init_state, write_slot
+from jaxinfer.runtime.device.programs import StepPrograms
 from jaxinfer.runtime.device.steps import make_step, sampled_tokens
 from jaxinfer.runtime.host.admission import admission_policy
 from jaxinfer.runtime.host.errors import AdapterInUse, RequestError, UnknownAdapter
@@ -111,8 +113,8 @@ class Engine:
         dtype = jnp.bfloat16 if ecfg.dtype == "bfloat16" else jnp.float32
         kv_dtype = dtype if ecfg.kv_cache_dtype == "auto" else ecfg.kv_cache_dtype
         make_cache = lambda: init_cache(cfg, ecfg.total_pages, ecfg.page_size, kv_dtype)  # noqa: E731
-        if self.mesh is None:
-            self._new_cache = make_cache
+        if self.mesh is None:  # committed, as every step's outputs are: one program for both
+            self._new_cache = lambda: jax.device_put(make_cache(), jax.devices()[0])  # noqa: E731
         else:
             from jaxinfer.runtime.device.sharding import init_sharded_cache
 
@@ -158,9 +160,15 @@ class Engine:
                 self.plan_channel = PlanChannel(PlanCodec(
                     shapes.tokens[-1], ecfg.max_slots, shapes.pages[-1],
                     self.scheduler.mask_words))
-        self._step = make_step(cfg, self.backend, shardings, vocab_limit=self.text_vocab,
-                               processed_logprobs=self.processed_logprobs)
+        if self.mesh is None:  # body and head programs, layer by layer until compiled
+            self._step = StepPrograms(cfg, self.backend, self.params, self.cache,
+                                      mode=ecfg.compile_mode, vocab_limit=self.text_vocab,
+                                      processed_logprobs=self.processed_logprobs)
+        else:  # one program a step, sharded
+            self._step = make_step(cfg, self.backend, shardings, vocab_limit=self.text_vocab,
+                                   processed_logprobs=self.processed_logprobs)
         self._inflight = None  # (plan, packed, sampled tokens) of the launched, unapplied step
+        self._held = None  # (plan, arrays, prev): scheduled, launched by the next step() call
         self._no_prev = None  # zeros [S]: `prev` of a step launched with nothing in flight
         # step(): calls, seconds inside, seconds of those blocked on the device's results
         # (step_s - wait_s = host time the device did not hide)
@@ -223,8 +231,8 @@ class Engine:
         if self.mesh is not None:
             from jaxinfer.runtime.device.sharding import replicated
 
-            procs = jax.device_put(procs, replicated(self.mesh))
-        return procs
+            return jax.device_put(procs, replicated(self.mesh))
+        return jax.device_put(procs, jax.devices()[0])  # committed, as a step's output
 
     @property
     def async_scheduling(self) -> bool:
@@ -387,30 +395,50 @@ class Engine:
         n = self._step.count + (self._verify.count if self._verify is not None else 0)
         return n + (self.proposer.compile_count if self.proposer is not None else 0)
 
-    def warmup(self, logprobs: bool = False, filtered: bool = False) -> int:
+    def warmup(self, logprobs: bool = False, filtered: bool = False, wait: bool = True) -> int:
         """Compile every step shape the scheduler can emit (token x page x q_len buckets; q_len
         1 only for steps small enough to be decode-only) with all-padding plans; under
         speculation also the verify step (no proposer distributions: greedy, n-gram) and the
-        draft model's steps. Returns the number of new compilations."""
+        draft model's steps. Returns the number of new compilations. `wait=False` with
+        compile_mode "background" (one device): queue the programs on the background compiler
+        and return at once (0); steps run layer by layer until theirs are ready."""
+        if not wait and self._background:
+            prev, procs = self._prev(), self.procs
+            self._step.warmup([(self.params, self.cache, self._device_masks(plan), prev, q, procs)
+                               for plan, q in self._warmup_plans()])
+            return 0
         before = self.compile_count
-        sh, s = self.shapes, self.ecfg.max_slots
-        decode_t = min(b for b in sh.tokens if b >= s)
+        s, w = self.ecfg.max_slots, self.scheduler.mask_words
         n_lp = LOGPROBS_BUCKET if logprobs else 0
-        groups = STEP_GROUPS + ("feed",) if self.async_scheduling else STEP_GROUPS
-        w = self.scheduler.mask_words
-        for t in sh.tokens:
-            qs = {min(b, t) for b in sh.q_lens if b > 1} | ({1} if t <= decode_t else set())
-            for p in sh.pages:
-                plan = padding_arrays(groups, T=t, S=s, P=p, W=w)
-                for q in sorted(qs):
-                    self._run(plan, q, logprobs, filtered, prev=self._prev())
-                    if self._verify is not None and q > 1:  # a verify row has 1 + d > 1 tokens
-                        arrays = verify_inputs(padding_arrays(
-                            STEP_GROUPS + ("speculative",), T=t, S=s, P=p, K=self.spec.k, W=w))
-                        self._run_verify(arrays, None, np.zeros(s, np.int32), q, n_lp, filtered)
+        with self._step.waiting() if isinstance(self._step, StepPrograms) else nullcontext():
+            self._warmup_steps(logprobs, filtered, s, w, n_lp)
         if self.proposer is not None:
             self.proposer.warmup()
         return self.compile_count - before
+
+    def _warmup_steps(self, logprobs, filtered, s, w, n_lp) -> None:
+        for plan, q in self._warmup_plans():
+            self._run(plan, q, logprobs, filtered, prev=self._prev())
+            if self._verify is not None and q > 1:  # a verify row has 1 + d > 1 tokens
+                t, p = plan["token_ids"].shape[0], plan["page_indices"].shape[1]
+                arrays = verify_inputs(padding_arrays(
+                    STEP_GROUPS + ("speculative",), T=t, S=s, P=p, K=self.spec.k, W=w))
+                self._run_verify(arrays, None, np.zeros(s, np.int32), q, n_lp, filtered)
+
+    @property
+    def _background(self) -> bool:
+        return isinstance(self._step, StepPrograms) and self._step.mode == "background"
+
+    def _warmup_plans(self):
+        """(all-padding plan arrays, q_len) of every step shape, smallest first."""
+        sh, s = self.shapes, self.ecfg.max_slots
+        decode_t = min(b for b in sh.tokens if b >= s)
+        groups = STEP_GROUPS + ("feed",) if self.async_scheduling else STEP_GROUPS
+        for t in sh.tokens:
+            qs = {min(b, t) for b in sh.q_lens if b > 1} | ({1} if t <= decode_t else set())
+            for p in sh.pages:
+                for q in sorted(qs):
+                    yield padding_arrays(groups, T=t, S=s, P=p, W=self.scheduler.mask_words), q
 
     # ---- several hosts -----------------------------------------------------------------------
     def release_followers(self) -> None:
@@ -439,7 +467,8 @@ class Engine:
         if self._inflight is not None:
             return self._inflight[2]
         if self._no_prev is None:
-            self._no_prev = jnp.zeros(self.ecfg.max_slots, jnp.int32)
+            self._no_prev = jax.device_put(np.zeros(self.ecfg.max_slots, np.int32),
+                                           jax.devices()[0])  # committed, as a step's tokens
             if self.mesh is not None:
                 from jaxinfer.runtime.device.sharding import replicated
 
@@ -521,7 +550,7 @@ class Engine:
         log.error("engine step failed; failing the running requests", exc_info=exc)
         self.faults += 1
         self.consecutive_faults += 1
-        self._inflight = None
+        self._inflight = self._held = None
         failed = self.scheduler.fail_running()
         if self.constraints is not None:  # held requests may be what failed: fail them too
             failed += list(self.constraints.held)
@@ -607,18 +636,40 @@ class Engine:
         if self._inflight is not None and self.constraints and self.constraints.any_in(self._inflight[0]):
             done, self._inflight = self._inflight, None
             return self._apply_launched(done)
-        plan = self._schedule()
+        if self._held is not None:  # planned last call, held back from a compile
+            plan, arrays, prev = self._held
+            self._held = None
+        else:
+            plan = self._schedule()
+            arrays = plan.device_arrays(feed=True) if plan is not None else None
+            prev = self._prev()
         launched = None
         if plan is not None:
-            arrays = plan.device_arrays(feed=True)
+            if self._inflight is not None and self._would_compile(plan, arrays, prev):
+                # hand out the tokens in flight before a compile, not after it (a first token
+                # does not wait for the decode step's programs); launch this plan next call
+                self._held = (plan, arrays, prev)
+                done, self._inflight = self._inflight, None
+                return self._apply_launched(done)
             packed = self._run(arrays, plan.max_q_len, plan.num_logprobs > 0, _filtered(plan),
-                               prev=self._prev())
+                               prev=prev)
             for x in jax.tree.leaves(packed):
                 x.copy_to_host_async()
             launched = (plan, packed, sampled_tokens(packed))
             self._mark_scheduled(plan)
         done, self._inflight = self._inflight, launched
         return [] if done is None else self._apply_launched(done)
+
+    def _would_compile(self, plan, arrays, prev) -> bool:
+        step = self._step
+        if not isinstance(step, StepPrograms):
+            return False
+        return step.compiles(self.params, self.cache, self._device_masks(arrays),
+                             max_q_len=plan.max_q_len,
+                             num_logprobs=LOGPROBS_BUCKET if plan.num_logprobs > 0 else 0,
+                             filtered=_filtered(plan), prompt_logprobs=bool(
+                                 (np.asarray(arrays["prompt_targets"]) >= 0).any()),
+                             prev=prev, procs=self.procs)
 
     def _apply_launched(self, done) -> list[RequestDelta]:
         plan, packed, _ = done

@@ -33,21 +33,24 @@ class LLM:
         self.task = auto if self.config.task == "auto" else self.config.task
         embedder(self.engine, pooling)
         self.warmup_stats: dict | None = None  # {"programs", "seconds"} of warmup()
-        if self.config.warmup:
-            self.warmup()
+        if self.config.warmup:  # compile_mode "background": queued, not waited for
+            self.warmup(wait=self.config.compile_mode == "blocking")
 
-    def warmup(self) -> dict:
+    def warmup(self, wait: bool = True) -> dict:
         """Compile every step shape the engine can run (Engine.warmup: token x page x q-length
         buckets, the verify and draft steps), up front, so no request waits on a compile.
         Returns {"programs": step programs launched for the first time by this engine,
         "seconds": wall time}; programs compiled earlier (the persistent cache, another engine
         of the same model in this process) load instead of compiling. Under task "embed":
-        the embedding programs (runtime/embedding.py), not the steps."""
+        the embedding programs (runtime/embedding.py), not the steps. `wait=False` (compile
+        mode "background"): the step programs are queued on the background compiler and this
+        returns at once ("programs": 0); requests meanwhile run layer by layer."""
         import logging
         import time
 
         t0 = time.perf_counter()
-        n = embedder(self.engine).warmup() if self.task == "embed" else self.engine.warmup()
+        n = (embedder(self.engine).warmup() if self.task == "embed"
+             else self.engine.warmup(wait=wait))
         self.warmup_stats = {"programs": n, "seconds": time.perf_counter() - t0}
         logging.getLogger(__name__).info("warm-up: %d step programs ready in %.1f s", n,
                                          self.warmup_stats["seconds"])
@@ -207,8 +210,9 @@ def _group(outs: list[RequestOutput], sp: SamplingParams) -> RequestOutput:
 def enable_compilation_cache() -> None:
     """Persist compiled steps across processes (first run compiles, later runs load) unless the
     caller configured a cache already. JAXINFER_COMPILATION_CACHE=DIR overrides, =0 disables.
-    Programs that compiled in under a second are not kept, unless jax's own
-    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS says otherwise."""
+    Programs that compiled in under 0.1 s are not kept (loading them costs about as much),
+    unless jax's own JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS says otherwise: the programs
+    that start an engine quickly (runtime/device/programs.py) take 0.1-1 s each."""
     import os
 
     import jax
@@ -219,7 +223,7 @@ def enable_compilation_cache() -> None:
         return
     jax.config.update("jax_compilation_cache_dir", where)
     if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
 
 
 class _NoBar:

@@ -52,17 +52,13 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from jaxinfer.pallas_kernels.ragged_paged_attention import (
-    ragged_paged_attention,
-    ragged_paged_attention_reference,
-)
-from jaxinfer.runtime.host.tokenizer import Tokenizer
-from jaxinfer.tools.bench_attention import copy_bandwidth, make_step, median_seconds
 
-DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
+from jaxinfer.runtime.host.tokenizer import Tokenizer
+
+# JAX and the kernels are imported where they run: `jaxinfer --help` registers this command
+# without starting JAX
+DTYPES = {"bf16": "bfloat16", "f32": "float32"}
 TOL = {"bf16": 3e-2, "f32": 1e-2}  # max |kernel - reference| / max(1, max |reference|)
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
                  num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0)
@@ -250,6 +246,8 @@ def _cell(v) -> str:
 
 
 def env_section(rep: Report) -> None:
+    import jax
+
     import jaxlib
 
     dev = jax.devices()[0]
@@ -265,6 +263,8 @@ def env_section(rep: Report) -> None:
 
 def make_case(q_lens, kv_lens, *, num_kv_heads, gqa, head_dim, page_size, dtype, int8=False,
               nan_fill=False, seed=0):
+    import jax.numpy as jnp
+
     """Step inputs for sequences (q_len, kv_len): pages in shuffled order plus two spare pages.
     nan_fill: every page slot no valid position reads (page 0, the tail of each sequence's last
     page, the spare pages) holds NaN (or, for int8 pages, a NaN scale)."""
@@ -341,6 +341,12 @@ def kernel_cases(smoke: bool) -> list[dict]:
 
 
 def kernels_section(rep: Report, shapes: Shapes, platform: str) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer.pallas_kernels.ragged_paged_attention import (
+        ragged_paged_attention, ragged_paged_attention_reference)
+
     interpret = shapes.smoke or jax.default_backend() == "cpu"
     rep.section("kernels", platform=platform, interpret=interpret,
                 tolerance="max|kernel - reference| / max(1, max|reference|) <= "
@@ -356,7 +362,7 @@ def kernels_section(rep: Report, shapes: Shapes, platform: str) -> None:
         try:
             args, scales = make_case(q_lens, kv_lens, num_kv_heads=hkv, gqa=c["gqa"],
                                      head_dim=c["head_dim"], page_size=c["page_size"],
-                                     dtype=DTYPES[c["dtype"]], int8=c["int8"],
+                                     dtype=getattr(jnp, DTYPES[c["dtype"]]), int8=c["int8"],
                                      nan_fill=c["nan_fill"])
             opts = dict(sm_scale=c["head_dim"] ** -0.5, sliding_window=c["window"], **scales)
             t0 = time.perf_counter()
@@ -384,6 +390,12 @@ def _csv(xs) -> str:
 
 
 def bandwidth_section(rep: Report, shapes: Shapes, platform: str, mem_bytes: int) -> float:
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer.pallas_kernels.ragged_paged_attention import ragged_paged_attention
+    from jaxinfer.tools.bench_attention import copy_bandwidth, make_step, median_seconds
+
     from jaxinfer.runtime.device.attention import xla_ragged_paged_attention
 
     repeats = shapes.repeats
@@ -473,6 +485,9 @@ def moe_section(rep: Report, shapes: Shapes, bw: float) -> None:
 
 def _engine_rows(rep: Report, section: str, shapes: Shapes, full: dict, tiny: dict, model: str,
                  bw: float, formats: tuple[str, ...], mixed: bool = False) -> None:
+    import jax
+    import jax.numpy as jnp
+
     """Decode rates of a random-init model at each batch (first run, then steady state), the
     mixed workload continuous against static batches (`mixed`), then decode of its weights in
     each of `formats` at batch 1."""
@@ -639,6 +654,10 @@ def main(argv=None) -> int:
 
 
 def cmd(args) -> int:
+    import jax
+
+    from jaxinfer.tools.bench_attention import copy_bandwidth
+
     backend = jax.default_backend()
     platform = args.platform or ("gpu" if backend in ("gpu", "cuda", "rocm") else "tpu")
     scale = getattr(args, "cpu_scale", None)

@@ -244,11 +244,12 @@ def register(sub, engine_args) -> None:
     t = bench.add_parser("throughput", help="engine throughput / latency (vs HF, vs static)")
     add_args(t)
     t.set_defaults(fn=cmd)
-    from jaxinfer.tools import bench_device, bench_multiturn, bench_sweep
+    from jaxinfer.tools import bench_device, bench_multiturn, bench_startup, bench_sweep
 
     bench_device.register(bench)
     bench_sweep.register(bench)
     bench_multiturn.register(bench)
+    bench_startup.register(bench)
 
 
 def main(argv=None) -> int:

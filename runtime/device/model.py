@@ -106,7 +106,15 @@ def _activation(name: str):
     return {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}[name]
 
 
-def _layer(
+def layer_kind(cfg: ModelConfig, i: int) -> int:
+    """The first layer index whose static behaviour (window, RoPE) equals layer i's: `layer`
+    traced with either index builds the same program, so a layer-by-layer run compiles one
+    program per kind (Gemma 3: sliding and global), not one per layer."""
+    key = lambda j: (cfg.layer_window(j), cfg.layer_rope_theta(j), cfg.layer_rope_scaling(j))  # noqa: E731
+    return next(j for j in range(i + 1) if key(j) == key(i))
+
+
+def layer(
     lp: LayerParams,
     x: jax.Array,  # [T, D]
     k_pages: jax.Array,
@@ -190,19 +198,30 @@ def forward_hidden(params: Params, tokens: jax.Array, cache: KVCache, md: Attent
                    cfg: ModelConfig, backend: str = "xla", lora_ids: jax.Array | None = None
                    ) -> tuple[jax.Array, KVCache]:
     """The transformer body: final-normed hidden states [N, D] of the md.logits_indices rows."""
+    x, mask = embed_tokens(params, tokens, cfg, lora_ids)  # [T, D]
+    ks, vs = list(cache.k), list(cache.v)
+    for i, lp in enumerate(params.layers):
+        x, ks[i], vs[i] = layer(lp, x, ks[i], vs[i], md, cfg, i, backend,
+                                None if mask is None else params.lora[i], mask)
+    return final_rows(params, x, md.logits_indices, cfg), KVCache(k=tuple(ks), v=tuple(vs))
+
+
+def embed_tokens(params: Params, tokens: jax.Array, cfg: ModelConfig,
+                 lora_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
+    """tokens [T] -> (x [T, D] scaled embeddings, the rows' one-hot adapter mask [T, L] or None
+    when the params carry no adapters or lora_ids is None)."""
     x = take_rows(params.embed, tokens)  # [T, D]
     if cfg.embed_scale != 1.0:
         x = x * jnp.asarray(cfg.embed_scale, dtype=x.dtype)
-    ks, vs = list(cache.k), list(cache.v)
-    adapters = params.lora if lora_ids is not None else None
     mask = None
-    if adapters is not None:
-        mask = lora_ops.slot_mask(lora_ids, adapters[0].a["q"].shape[0], x.dtype)  # [T, L]
-    for i, lp in enumerate(params.layers):
-        x, ks[i], vs[i] = _layer(lp, x, ks[i], vs[i], md, cfg, i, backend,
-                                 None if adapters is None else adapters[i], mask)
-    x = x[md.logits_indices]  # [N, D]
-    return rms_norm(x, params.final_norm, cfg.rms_norm_eps), KVCache(k=tuple(ks), v=tuple(vs))
+    if params.lora is not None and lora_ids is not None:
+        mask = lora_ops.slot_mask(lora_ids, params.lora[0].a["q"].shape[0], x.dtype)  # [T, L]
+    return x, mask
+
+
+def final_rows(params: Params, x: jax.Array, rows: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """x [T, D] after the last layer -> the final-normed rows [N, D] (rows [N] int32)."""
+    return rms_norm(x[rows], params.final_norm, cfg.rms_norm_eps)
 
 
 # Up to this many rows the head's product is taken as [V, N]; above it as [N, V]. Gemma 3 270M

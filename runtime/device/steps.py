@@ -20,7 +20,8 @@ import jax.numpy as jnp
 from jaxinfer.runtime.device.attention import AttentionMetadata
 from jaxinfer.runtime.config import ModelConfig
 from jaxinfer.runtime.device.kv_cache import KVCache
-from jaxinfer.runtime.device.model import Params, compute_logits, forward, forward_hidden
+from jaxinfer.runtime.device.model import (LayerParams, Params, compute_logits, embed_tokens,
+                                           final_rows, forward, forward_hidden, layer)
 from jaxinfer.runtime.plan import SAMPLING_FIELDS
 from jaxinfer.runtime.device.processors import ProcState, process_rows, process_verify, record
 from jaxinfer.runtime.device.sampling import accept, allow_tokens, mask_vocab, sample, top_logprobs
@@ -65,23 +66,53 @@ def step(
     before temperature and top-k/p/min-p).
     `prev` int32 [S]: the previous step's sampled tokens, read by the rows that
     arrays["feed_rows"] [T] points at (asynchronous scheduling; None: every id is in token_ids)."""
-    md = _metadata(arrays, max_q_len)
-    token_ids = arrays["token_ids"]
-    if prev is not None:
-        feed = arrays["feed_rows"]
-        token_ids = jnp.where(feed >= 0, prev[jnp.maximum(feed, 0)], token_ids)
-    prompt = None
     if prompt_logprobs:  # every row's hidden state: [T, D]
-        t = token_ids.shape[0]
-        h_all, cache = forward_hidden(params, token_ids, cache,
-                                      md.replace(logits_indices=jnp.arange(t)), cfg, backend,
-                                      arrays["lora_ids"])
-        h = h_all[md.logits_indices]  # [S, D]
+        h_all, cache = body(params, cache, arrays, cfg=cfg, backend=backend,
+                            max_q_len=max_q_len, prev=prev, all_rows=True)
+        h = h_all[arrays["logits_indices"]]  # [S, D]
         prompt = prompt_logprob_rows(params, h_all, arrays["prompt_targets"], cfg,
                                      num_logprobs, vocab_limit)
     else:
-        h, cache = forward_hidden(params, token_ids, cache, md, cfg, backend,
-                                  arrays["lora_ids"])  # [S, D]
+        h, cache = body(params, cache, arrays, cfg=cfg, backend=backend, max_q_len=max_q_len,
+                        prev=prev)  # [S, D]
+        prompt = None
+    packed, procs = head(params, h, arrays, procs, cfg=cfg, num_logprobs=num_logprobs,
+                         filtered=filtered, vocab_limit=vocab_limit,
+                         processed_logprobs=processed_logprobs)
+    return (packed if prompt is None else (packed, prompt)), cache, procs
+
+
+def fed_tokens(arrays: dict[str, jax.Array], prev: jax.Array | None) -> jax.Array:
+    """[T] the step's input ids: token_ids, with the rows arrays["feed_rows"] points at read
+    from the previous step's sampled tokens `prev` [S] (asynchronous scheduling)."""
+    token_ids = arrays["token_ids"]
+    if prev is None:
+        return token_ids
+    feed = arrays["feed_rows"]
+    return jnp.where(feed >= 0, prev[jnp.maximum(feed, 0)], token_ids)
+
+
+def body(params: Params, cache: KVCache, arrays: dict[str, jax.Array], *, cfg: ModelConfig,
+         backend: str, max_q_len: int, prev: jax.Array | None = None, all_rows: bool = False
+         ) -> tuple[jax.Array, KVCache]:
+    """The model over a step's token rows -> (final-normed hidden states [S, D] of its
+    logits_indices rows, or of all T rows with `all_rows`; the cache with their K/V)."""
+    md = _metadata(arrays, max_q_len)
+    if all_rows:
+        md = md.replace(logits_indices=jnp.arange(arrays["token_ids"].shape[0]))
+    return forward_hidden(params, fed_tokens(arrays, prev), cache, md, cfg, backend,
+                          arrays["lora_ids"])
+
+
+def head(params: Params, h: jax.Array, arrays: dict[str, jax.Array], procs: ProcState | None,
+         *, cfg: ModelConfig, num_logprobs: int, filtered: bool, vocab_limit: int | None = None,
+         processed_logprobs: bool = False, rows: int | None = None
+         ) -> tuple[jax.Array, ProcState | None]:
+    """h [S, D] -> (packed [S, 1 (+ 1 + 2n)], procs): the vocabulary projection, logits
+    processors, structured-output masks, sampling and logprobs of a step's rows; the processor
+    state takes the sampled tokens. Its program depends on S and the statics only, never on
+    the token or page bucket. `rows` (static): project and sample the first `rows` rows only
+    (the live sequences come first), one smaller program per value; None: see below."""
     s = h.shape[0]
 
     def head_and_sample(rows: int) -> jax.Array:  # the first `rows` rows, padded back to S
@@ -99,8 +130,8 @@ def step(
             cols += [chosen[:, None], vals, ids.astype(jnp.float32)]
         return jnp.pad(jnp.concatenate(cols, axis=1), ((0, s - rows), (0, 0)))
 
-    if s == 1 or cfg.vocab_size * cfg.hidden_size < ONE_ROW_HEAD_MIN:
-        packed = head_and_sample(s)
+    if rows is not None or s == 1 or cfg.vocab_size * cfg.hidden_size < ONE_ROW_HEAD_MIN:
+        packed = head_and_sample(s if rows is None else rows)
     else:
         # The vocabulary projection, the largest matmul of a small model, runs on the live
         # sequences' rows only (they come first), padded to 1, S/2 or S rows: a batch-1 decode
@@ -113,7 +144,36 @@ def step(
         slots = arrays["proc_slots"]
         procs = record(procs, slots, packed[:, :1].astype(jnp.int32),
                        (slots >= 0).astype(jnp.int32))
-    return (packed if prompt is None else (packed, prompt)), cache, procs
+    return packed, procs
+
+
+# ---- the body layer by layer (runtime/device/programs.py): small programs that compile fast ----
+# The plan arrays a layer reads (AttentionMetadata's), put on the device once per step.
+# ... and the ones the head reads (none of them [T]-shaped: one head program serves every bucket)
+HEAD_FIELDS = SAMPLING_FIELDS + ("num_seqs",)
+METADATA_FIELDS = ("positions", "slot_mapping", "cu_q_lens", "kv_lens", "page_indices",
+                   "num_seqs", "logits_indices")
+
+
+def embed_rows(params: Params, arrays: dict[str, jax.Array], prev: jax.Array | None, *,
+               cfg: ModelConfig) -> tuple[jax.Array, jax.Array | None]:
+    """body's first part: (x [T, D], the adapter mask [T, L] or None)."""
+    return embed_tokens(params, fed_tokens(arrays, prev), cfg, arrays["lora_ids"])
+
+
+def layer_rows(lp: LayerParams, x: jax.Array, k_pages, v_pages, md: dict[str, jax.Array],
+               adapter, mask: jax.Array | None, *, cfg: ModelConfig, i: int, backend: str,
+               max_q_len: int):
+    """body's layer i (static; model.layer_kind(cfg, i) shares one program among the layers
+    that behave alike): -> (x, k_pages, v_pages)."""
+    return layer(lp, x, k_pages, v_pages, _metadata(md, max_q_len), cfg, i, backend, adapter,
+                 mask)
+
+
+def last_rows(params: Params, x: jax.Array, md: dict[str, jax.Array], *, cfg: ModelConfig
+              ) -> jax.Array:
+    """body's last part: the final-normed logits rows [S, D]."""
+    return final_rows(params, x, md["logits_indices"], cfg)
 
 
 # Token rows whose [rows, V] f32 logits exist at once when scoring a prompt: Gemma's 262k
@@ -210,10 +270,17 @@ class Launches:
         self.jitted, self._seen = jitted, set()
 
     def __call__(self, params, cache, *args, **kwargs):
-        leaves, tree = jax.tree.flatten((args, kwargs))
-        self._seen.add((tree, tuple((x.shape, x.dtype) if hasattr(x, "shape") else x
-                                    for x in leaves)))
+        self._seen.add(self._key(args, kwargs))
         return self.jitted(params, cache, *args, **kwargs)
+
+    def launched(self, params, cache, *args, **kwargs) -> bool:
+        """Whether a call with these arguments was launched before (its program exists)."""
+        return self._key(args, kwargs) in self._seen
+
+    @staticmethod
+    def _key(args, kwargs) -> tuple:
+        leaves, tree = jax.tree.flatten((args, kwargs))
+        return tree, tuple((x.shape, x.dtype) if hasattr(x, "shape") else x for x in leaves)
 
     @property
     def count(self) -> int:

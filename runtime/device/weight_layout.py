@@ -105,6 +105,13 @@ def output_major_layers(params, pieces: int = 1):
             return w
         return OutputMajor.of(w, CONTRACTED_AXES[name], pieces)
 
-    layers = tuple(lp.replace(**{f: one(f, getattr(lp, f)) for f in CONTRACTED_AXES
-                                 if getattr(lp, f) is not None}) for lp in params.layers)
+    @jax.jit
+    def layer(weights: dict):  # one program for every layer of the same shapes (not one
+        return {f: one(f, w) for f, w in weights.items()}  # eager transpose/split per weight)
+
+    def dense(lp) -> dict:
+        return {f: w for f in CONTRACTED_AXES if isinstance(w := getattr(lp, f), jax.Array)
+                and jnp.issubdtype(w.dtype, jnp.floating)}
+
+    layers = tuple(lp.replace(**layer(dense(lp))) for lp in params.layers)
     return params.replace(layers=layers)

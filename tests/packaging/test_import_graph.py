@@ -172,3 +172,22 @@ def test_the_host_room_and_the_schemas_never_import_jax():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "[]", r.stdout
+
+
+def test_import_jaxinfer_and_the_command_line_help_never_start_jax():
+    """`import jaxinfer` is lazy and `jaxinfer --help` (every command registered) and a
+    command's own --help answer without importing jax (seconds saved on each)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, contextlib, io\n"
+            "import jaxinfer\n"
+            "from jaxinfer.serve.cli import build_parser\n"
+            "p = build_parser()\n"
+            "for argv in (['--help'], ['serve', '--help'], ['bench', 'startup', '--help']):\n"
+            "    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+            "        p.parse_args(argv)\n"
+            "print(sorted(k for k in sys.modules if k.split('.')[0] in ('jax', 'jaxlib')))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "[]", r.stdout

@@ -175,7 +175,7 @@ def test_logprobs(llm):
 
 def test_no_new_compilations_after_warmup(tiny_dir):
     llm = LLM(str(tiny_dir), max_slots=4, page_size=8, max_model_len=128, prefill_chunk=32,
-              warmup=True)
+              warmup=True, compile_mode="blocking")  # (background: tests/runtime/test_programs)
     rng = np.random.RandomState(0)
 
     def workload(n):

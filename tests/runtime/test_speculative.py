@@ -185,7 +185,8 @@ def test_no_new_compilations_after_warmup(dirs):
     every page-table width (1, 4; the draft's shadows 1, 4, 5)."""
     llm = LLM(str(dirs[0]), max_slots=2, speculative={"method": "draft", "model": str(dirs[0]),
                                                       "k": 3},
-              page_size=16, max_model_len=64, prefill_chunk=16, min_page_bucket=1)
+              page_size=16, max_model_len=64, prefill_chunk=16, min_page_bucket=1,
+              compile_mode="blocking")  # (background warm-up: tests/runtime/test_programs.py)
     assert llm.engine.proposer.page_buckets == (1, 4, 5)
     compiled = llm.engine.warmup()
     assert compiled == llm.engine.compile_count > 0

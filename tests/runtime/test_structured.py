@@ -147,7 +147,7 @@ def test_constrained_rows_match_and_the_others_are_untouched(llm, tiny_dir, llm_
              for i, t in enumerate((0.0, 1.0, 0.0, 1.0))]
     alone = [llm.generate([PROMPTS[4 + i]], sp)[0].token_ids for i, sp in enumerate(plain)]
     llm.engine.warmup()
-    warm = llm.engine.compile_count, llm.engine._step.jitted._cache_size()
+    warm = llm.engine.compile_count, llm.engine._step.compiled()
     for temperature in (0.0, 1.0):
         sps = [SamplingParams(max_tokens=48, temperature=temperature, seed=i, structured_outputs=so)
                for i, (so, _) in enumerate(CONSTRAINTS)]
@@ -155,7 +155,7 @@ def test_constrained_rows_match_and_the_others_are_untouched(llm, tiny_dir, llm_
         for (so, check), o in zip(CONSTRAINTS, outs[:4]):
             assert o.finish_reason == "stop" and check(o.text), (so, o.text, o.finish_reason)
         assert [o.token_ids for o in outs[4:]] == alone
-    assert (llm.engine.compile_count, llm.engine._step.jitted._cache_size()) == warm
+    assert (llm.engine.compile_count, llm.engine._step.compiled()) == warm
 
     sync = llm_for(tiny_dir, max_slots=4, page_size=8, max_model_len=256, async_scheduling=False)
     again = sync.generate(PROMPTS[:4], sps)

@@ -1,0 +1,226 @@
+"""The step in tiers (runtime/device/programs.py): the layer-by-layer body and the fast head give
+the tokens and logprobs of the whole programs; the background compiler takes over; a first token
+does not wait for the decode step's programs; warm-up in the background; exit with a compile
+under way."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jaxinfer.runtime.device import programs
+from jaxinfer.runtime.host.requests import SamplingParams
+from jaxinfer.runtime.llm import LLM
+from tests.engines import TINY
+
+PROMPTS = [[5, 17, 300, 41, 9, 77, 1200, 8, 3], [9, 4, 250], list(range(40, 75))]
+SP = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+
+
+class Stalled(programs.Compiler):
+    """A background compiler that never gets to its queue: every body stays layer by layer."""
+
+    def submit(self, job, priority, owner=None):
+        pass
+
+
+@pytest.fixture
+def stalled(monkeypatch):
+    """No program compiled ahead of time: the process's tables emptied (engines of one model
+    share them), the compiler stalled."""
+    programs._table.cache_clear()
+    monkeypatch.setattr(programs, "compiler", lambda: Stalled())
+    yield
+    programs._table.cache_clear()
+
+
+def _tokens_and_logprobs(llm, prompts=PROMPTS, sp=SP):
+    outs = llm.generate(prompts, sp)
+    toks = [o.outputs[0].token_ids for o in outs]
+    lps = [[e["logprob"] for e in o.outputs[0].logprobs] + [t for e in o.outputs[0].logprobs
+                                                            for _, t in e["top"]]
+           for o in outs]
+    return toks, np.array(lps)
+
+
+@pytest.fixture(scope="module")
+def blocking(tiny_dir):
+    llm = LLM(str(tiny_dir), compile_mode="blocking", **TINY)
+    return llm, _tokens_and_logprobs(llm)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_layer_by_layer_equals_the_whole_programs(tiny_dir, blocking, stalled,
+                                                  async_scheduling):
+    llm = LLM(str(tiny_dir), compile_mode="background", async_scheduling=async_scheduling,
+              **TINY)
+    toks, lps = _tokens_and_logprobs(llm)
+    step = llm.engine._step
+    assert step.layerwise_steps > 0 and not step.body.launched  # no whole body ever ran
+    assert step.fast_head_steps == step.layerwise_steps  # ... nor the optimized head
+    assert toks == blocking[1][0]
+    np.testing.assert_allclose(lps, blocking[1][1], atol=1e-5)
+    assert blocking[0].engine._step.layerwise_steps == 0  # blocking mode never splits
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma(tmp_path_factory):
+    from jaxinfer.checkpoints.hf import load_hf
+    from tests.gemma_fixtures import tiny_gemma3_hf
+
+    path = tmp_path_factory.mktemp("tiny_gemma3_programs")
+    tiny_gemma3_hf(path)
+    return load_hf(path)
+
+
+def test_layer_by_layer_gemma_kinds_share_programs(tiny_gemma, tiny_dir):
+    """Gemma 3's sliding and global layers: one program per kind (2), not per layer (6); the
+    layer-by-layer tokens equal the whole body's."""
+    from jaxinfer.runtime.build import prepare
+    from jaxinfer.runtime.config import EngineConfig
+    from jaxinfer.runtime.device.model import layer_kind
+    from jaxinfer.runtime.engine import Engine
+    from jaxinfer.runtime.host.tokenizer import load_tokenizer
+
+    cfg, params = tiny_gemma
+    assert sorted({layer_kind(cfg, i) for i in range(cfg.num_layers)}) == [0, 2]
+    tok = load_tokenizer(str(tiny_dir))
+    out = {}
+    for mode in ("blocking", "background"):
+        eng = Engine(prepare(cfg, params, tok, EngineConfig(compile_mode=mode, **TINY)))
+        if mode == "background":  # no compiler thread: bodies stay layer by layer
+            eng._step.body.call = lambda *a, **k: None
+        rid = eng.add_request([3, 9, 40, 7, 100, 2, 55, 31, 8, 19, 4, 60],
+                              SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+        toks = []
+        while eng.has_work:
+            toks += [t for d in eng.step() if d.request_id == rid for t in d.token_ids]
+        out[mode] = toks
+    assert eng._step.layerwise_steps > 0
+    assert out["background"] == out["blocking"] and len(out["blocking"]) == 10
+
+
+def test_background_compiles_take_over(tiny_dir, blocking):
+    programs._table.cache_clear()
+    # no prefix cache: the second run plans the same step shapes as the first
+    llm = LLM(str(tiny_dir), compile_mode="background", enable_prefix_caching=False, **TINY)
+    toks, lps = _tokens_and_logprobs(llm)
+    step = llm.engine._step
+    assert step.settle(timeout=300)  # every program it asked for is compiled
+    before = step.layerwise_steps
+    toks2, lps2 = _tokens_and_logprobs(llm)
+    assert step.layerwise_steps == before  # the same shapes now run the whole programs
+    assert step.body.launched
+    assert toks == toks2 == blocking[1][0]
+    np.testing.assert_allclose(lps2, blocking[1][1], atol=1e-5)
+
+
+class Failing(programs.Compiler):
+    """A background compiler whose every compile raises (out of memory, an XLA error)."""
+
+    def submit(self, job, priority, owner=None):
+        if job.claim():
+            job.future.set_exception(RuntimeError("injected compile failure"))
+        return True
+
+
+def test_a_failed_background_compile_leaves_the_shape_layer_by_layer(tiny_dir, blocking,
+                                                                     monkeypatch):
+    programs._table.cache_clear()
+    monkeypatch.setattr(programs, "compiler", lambda: Failing())
+    llm = LLM(str(tiny_dir), compile_mode="background", **TINY)
+    toks, lps = _tokens_and_logprobs(llm)
+    step = llm.engine._step
+    assert step.body.failed and not step.body.launched and llm.engine.faults == 0
+    assert toks == blocking[1][0]
+    np.testing.assert_allclose(lps, blocking[1][1], atol=1e-5)
+    programs._table.cache_clear()
+
+
+def test_first_token_is_handed_out_before_the_decode_steps_compile(tiny_dir, stalled):
+    llm = LLM(str(tiny_dir), compile_mode="background", async_scheduling=True, **TINY)
+    eng = llm.engine
+    rid = eng.add_request(PROMPTS[0], SamplingParams(max_tokens=4, temperature=0,
+                                                     ignore_eos=True))
+    first = None
+    while first is None:
+        first = next((d for d in eng.step() if d.request_id == rid and d.token_ids), None)
+    # only the prefill step's body has run: the decode step (q_len 1, a new signature) is
+    # planned and held, launched by the next call
+    assert len(eng._step.layerwise) == 1 and eng._held is not None
+    while eng.has_work:
+        eng.step()
+    assert len(eng._step.layerwise) == 2 and eng._held is None
+
+
+def test_warmup_in_the_background_returns_at_once(tiny_dir):
+    programs._table.cache_clear()
+    llm = LLM(str(tiny_dir), compile_mode="background", warmup=True, **TINY)
+    assert llm.warmup_stats["programs"] == 0  # queued, not waited for
+    step = llm.engine._step
+    assert step.settle(timeout=600)
+    prompts = [list(np.random.RandomState(i).randint(3, 2000, size=n)) for i, n in
+               enumerate((1, 5, 30, 70))]
+    llm.generate(prompts, SamplingParams(max_tokens=9, temperature=0, ignore_eos=True))
+    assert step.layerwise_steps == 0 and step.fast_head_steps == 0  # all were ready
+
+
+def test_warmup_that_waits_in_background_mode_compiles_the_whole_programs(tiny_dir):
+    programs._table.cache_clear()
+    llm = LLM(str(tiny_dir), compile_mode="background", **TINY)
+    stats = llm.warmup()  # wait=True
+    step = llm.engine._step
+    assert stats["programs"] > 0 and step.layerwise_steps == 0 and step.mode == "background"
+    prompts = [list(np.random.RandomState(i).randint(3, 2000, size=n)) for i, n in
+               enumerate((1, 5, 30, 70))]
+    llm.generate(prompts, SamplingParams(max_tokens=9, temperature=0, ignore_eos=True))
+    assert step.layerwise_steps == 0 and step.fast_head_steps == 0
+
+
+def test_blocking_warmup_still_compiles_everything(tiny_dir):
+    llm = LLM(str(tiny_dir), compile_mode="blocking", warmup=True, **TINY)
+    assert llm.warmup_stats["programs"] == llm.engine.compile_count > 0
+
+
+def test_exit_with_a_background_compile_under_way(tiny_dir):
+    """The process ends cleanly while the compiler thread holds a program (the interpreter
+    waits for it; without that, XLA aborts the process)."""
+    code = ("from jaxinfer.runtime.llm import LLM; import sys;"
+            f"llm = LLM({str(tiny_dir)!r}, compile_mode='background', warmup=True,"
+            " max_slots=4, page_size=8, max_model_len=256); print('ok')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "ok"
+
+
+def test_unknown_compile_mode_is_an_option_error():
+    from jaxinfer.runtime.config import EngineConfig, OptionError
+
+    with pytest.raises(OptionError, match="compile_mode"):
+        EngineConfig(compile_mode="eager")
+
+
+def test_the_compiler_skips_programs_no_engine_wants_any_more():
+    import gc
+
+    class Owner:
+        pass
+
+    c = programs.Compiler()
+    ran = []
+    gone, kept = programs._Job(lambda: ran.append("gone")), programs._Job(lambda: ran.append("kept"))
+    owner = Owner()
+    with c.foreground():  # the thread holds off meanwhile
+        c.submit(gone, programs.WARMUP, Owner())  # its owner is dropped at once
+        gc.collect()
+        c.submit(kept, programs.WARMUP, owner)
+    kept.future.result(timeout=60)
+    assert ran == ["kept"] and not gone.future.done() and gone.priority is None
+    assert c.submit(gone, programs.NEEDED, owner)  # wanted again: queued again, and compiled
+    gone.future.result(timeout=60)
+    assert ran == ["kept", "gone"]
+    c.stop()
