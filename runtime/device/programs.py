@@ -25,6 +25,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -168,6 +169,8 @@ class Compiler:
         return True
 
     def _work(self) -> None:
+        with contextlib.suppress(AttributeError, OSError):  # Linux: this thread only, nice 19:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # steps run first
         while True:
             _, _, job = self._queue.get()
             if job is None or self._stopping:
