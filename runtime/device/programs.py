@@ -6,13 +6,13 @@ norm of the sampling rows; one per token x page x q-length bucket) and the **hea
 projection, logits processors, masks, sampling, logprobs; one per slot count and statics, shared
 by every bucket). Split this way the head compiles once, not once per bucket.
 
-`compile_mode="background"`: a body whose program is not ready runs **layer by layer** (an embed
-program, one program per layer kind (model.layer_kind: Gemma 3 has two), a last-rows program;
-each compiles in a fraction of a second) while its whole program compiles in a background
-thread; the first step after that uses it. `"blocking"`: a step compiles its body's program
-first (what every step did before). A head program is always waited for (compiled in this
-thread, or the background compile already under way is awaited). Prompt-logprob steps run
-steps.step whole and wait for it.
+`compile_mode="background"`: a body whose program is not ready runs **layer by layer** (an
+embed program, one program per layer kind (model.layer_kind: Gemma 3 has two), a last-rows
+program) and a head not ready runs a **fast head** of 1, S/2 or S rows (as many as the step has
+sequences); those small programs compile in a fraction of a second (FAST_OPTIONS on CPU) while
+the whole programs compile in the background `Compiler` thread; the first step after that uses
+them. `"blocking"`: a step compiles its whole programs first (what every step did before).
+Prompt-logprob steps run steps.step whole and wait for it.
 
 Programs are keyed by their argument signature (tree, shapes, dtypes, statics) and shared by
 the engines of one model in the process (a table per jitted function, dropped with it).
