@@ -381,11 +381,12 @@ ENGINE_OPTIONS = (
            help="compile every step shape before the first request (the command line's default: "
                 "on for `serve`, off for one-off commands; the compilation cache makes later "
                 "starts load them)"),
-    Option("compile_mode", str, "background", choices=COMPILE_MODES,
+    Option("compile_mode", str, None, choices=COMPILE_MODES, nullable=True,
            help="background = a step whose program is not compiled yet runs layer by layer on "
                 "small programs (compiled in well under a second) while its own program compiles "
                 "in a background thread, and warm-up queues every program there (the server "
-                "listens at once); blocking = each new step shape waits for its program"),
+                "listens at once); blocking = each new step shape waits for its program "
+                "(default: env JAXINFER_COMPILE_MODE, else background)"),
     Option("enable_lora", bool, False, help="serve LoRA adapters (implied by --lora-modules)"),
     Option("max_loras", int, 4, lo=1, help="LoRA adapters on the device at once"),
     Option("max_lora_rank", int, 16, lo=1, help="largest LoRA adapter rank served"),

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.runtime.build import Prepared
-from jaxinfer.runtime.config import MIN_TOKEN_BUCKET, EngineConfig, OptionError
+from jaxinfer.runtime.config import COMPILE_MODES, MIN_TOKEN_BUCKET, EngineConfig, OptionError
 from jaxinfer.runtime.device.kv_cache import init_cache
 from jaxinfer.runtime.device.kv_offload import HostPages, gather_pages, padded, scatter_pages
 from jaxinfer.runtime.device.processors import init_state, write_slot
@@ -59,6 +59,14 @@ def _floor(value: int | None, env: str, default: int) -> int:
             raise ValueError(f"{env} must be an integer >= 1, got {raw!r}")
         return int(raw)
     return default
+
+
+def compile_mode(ecfg: EngineConfig) -> str:
+    """ecfg.compile_mode, else env JAXINFER_COMPILE_MODE, else "background"."""
+    mode = ecfg.compile_mode or os.environ.get("JAXINFER_COMPILE_MODE") or "background"
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"JAXINFER_COMPILE_MODE must be one of {COMPILE_MODES}, got {mode!r}")
+    return mode
 
 
 def min_token_bucket(ecfg: EngineConfig) -> int:
@@ -162,7 +170,7 @@ class Engine:
                     self.scheduler.mask_words))
         if self.mesh is None:  # body and head programs, layer by layer until compiled
             self._step = StepPrograms(cfg, self.backend, self.params, self.cache,
-                                      mode=ecfg.compile_mode, vocab_limit=self.text_vocab,
+                                      mode=compile_mode(ecfg), vocab_limit=self.text_vocab,
                                       processed_logprobs=self.processed_logprobs)
         else:  # one program a step, sharded
             self._step = make_step(cfg, self.backend, shardings, vocab_limit=self.text_vocab,
@@ -402,7 +410,7 @@ class Engine:
         draft model's steps. Returns the number of new compilations. `wait=False` with
         compile_mode "background" (one device): queue the programs on the background compiler
         and return at once (0); steps run layer by layer until theirs are ready."""
-        if not wait and self._background:
+        if not wait and self.background_compiles:
             prev, procs = self._prev(), self.procs
             self._step.warmup([(self.params, self.cache, self._device_masks(plan), prev, q, procs)
                                for plan, q in self._warmup_plans()])
@@ -426,7 +434,9 @@ class Engine:
                 self._run_verify(arrays, None, np.zeros(s, np.int32), q, n_lp, filtered)
 
     @property
-    def _background(self) -> bool:
+    def background_compiles(self) -> bool:
+        """Steps run layer by layer while their programs compile in the background (compile
+        mode "background", one device)."""
         return isinstance(self._step, StepPrograms) and self._step.mode == "background"
 
     def _warmup_plans(self):

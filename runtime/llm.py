@@ -33,8 +33,8 @@ class LLM:
         self.task = auto if self.config.task == "auto" else self.config.task
         embedder(self.engine, pooling)
         self.warmup_stats: dict | None = None  # {"programs", "seconds"} of warmup()
-        if self.config.warmup:  # compile_mode "background": queued, not waited for
-            self.warmup(wait=self.config.compile_mode == "blocking")
+        if self.config.warmup:  # compile mode "background": queued, not waited for
+            self.warmup(wait=not self.engine.background_compiles)
 
     def warmup(self, wait: bool = True) -> dict:
         """Compile every step shape the engine can run (Engine.warmup: token x page x q-length

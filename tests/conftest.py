@@ -46,6 +46,11 @@ os.environ.setdefault("JAXINFER_MIN_PAGE_BUCKET", "4096")
 # ask for one device per core (runtime/device/host_devices.py) in whichever process starts JAX's
 # backends first. Tests of the split set their own device counts.
 os.environ.setdefault("JAXINFER_HOST_DEVICES", "1")
+# Engines compile each step shape's whole program before it runs, as before background
+# compiles: the suite's engines would otherwise also compile the layer-by-layer programs and
+# keep a core busy compiling whole programs their tests never reach.
+# tests/runtime/test_programs.py and the start-up bench's test run the default (background).
+os.environ.setdefault("JAXINFER_COMPILE_MODE", "blocking")
 
 import jax
 

@@ -224,3 +224,17 @@ def test_the_compiler_skips_programs_no_engine_wants_any_more():
     gone.future.result(timeout=60)
     assert ran == ["kept", "gone"]
     c.stop()
+
+
+def test_the_default_mode_comes_from_the_environment(monkeypatch):
+    from jaxinfer.runtime.config import EngineConfig
+    from jaxinfer.runtime.engine import compile_mode
+
+    monkeypatch.delenv("JAXINFER_COMPILE_MODE", raising=False)
+    assert compile_mode(EngineConfig()) == "background"
+    monkeypatch.setenv("JAXINFER_COMPILE_MODE", "blocking")
+    assert compile_mode(EngineConfig()) == "blocking"
+    assert compile_mode(EngineConfig(compile_mode="background")) == "background"
+    monkeypatch.setenv("JAXINFER_COMPILE_MODE", "lazy")
+    with pytest.raises(ValueError, match="JAXINFER_COMPILE_MODE"):
+        compile_mode(EngineConfig())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
 
 import jax
 import jax.numpy as jnp
@@ -23,8 +24,10 @@ def test_the_compile_log_is_read_per_program(tmp_path):
         lg.propagate = False
     jax.config.update("jax_log_compiles", True)
     try:
+        salt = float(time.time_ns() % 1_000_003)  # a program no cache has seen
+
         def startup_probe(x):
-            return jnp.tanh(x) * 3.0
+            return jnp.tanh(x) * salt
 
         jax.jit(startup_probe)(jnp.ones(7)).block_until_ready()
     finally:
