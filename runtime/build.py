@@ -6,9 +6,9 @@ Everything decided once, before the engine exists, happens here and nowhere else
     own quantization and its mode, the options the model sets when the caller did not
     (`max_model_len`, `tensor_parallel` over the host's cores on CPU), the draft model;
   * `prepare(cfg, params, tokenizer, config)`: the mesh, the attention backend, the LoRA stack,
-    fused Q/K/V and gate/up projections (runtime/device/fused_projections.py), sharding
-    (runtime/device/sharding.py) and the CPU's output-major layout
-    (runtime/device/weight_layout.py).
+    and the weights' engine form (runtime/weights.py: fused Q/K/V and gate/up projections,
+    sharding, the CPU's output-major layout; `update_weights` builds a new version the same
+    way).
 
     model = load("gemma3-270m", {"max_slots": 16})
     engine = Engine(model)                  # runtime/engine.py: takes the params as they are
@@ -155,9 +155,7 @@ def prepare(cfg: ModelConfig, params, tokenizer, config: EngineConfig, *, mesh=N
     import jax
 
     from jaxinfer.runtime.device.attention import resolve_backend
-    from jaxinfer.runtime.device.fused_projections import fuse_projections
-    from jaxinfer.runtime.device.weight_layout import (cpu_pieces, output_major_layers,
-                                                       use_output_major)
+    from jaxinfer.runtime.weights import engine_form
 
     loaded = params
     backend = resolve_backend(config.attention_backend)
@@ -171,20 +169,7 @@ def prepare(cfg: ModelConfig, params, tokenizer, config: EngineConfig, *, mesh=N
         if jax.process_count() > 1:
             raise ValueError("LoRA adapters with several hosts are not supported yet")
         params = params.replace(lora=init_lora(cfg, config.max_loras, config.max_lora_rank))
-    output_major = mesh is None and use_output_major(config.weight_layout, jax.default_backend())
-    fuse = config.fuse_projections
-    if fuse or (fuse is None and not output_major):
-        # one QKV and one gate/up weight (runtime/device/fused_projections.py)
-        params = fuse_projections(params, 1 if mesh is None else mesh.shape["model"])
-    if mesh is not None:
-        from jaxinfer.runtime.device.sharding import shard_params
-
-        # (the Pallas kernels run per device on their heads: runtime/device/attention.py)
-        params = shard_params(params, mesh)
-    if output_major:
-        # layer weights stored [out, in], a piece per core (runtime/device/weight_layout.py).
-        # Not when split over host devices: the mixed workload measured 282 vs 288 tok/s there
-        params = output_major_layers(params, cpu_pieces())
+    params = engine_form(params, config, mesh)
     if draft is not None and draft[1] is loaded:  # the target drafts itself
         draft = (draft[0], params)
     return Prepared(cfg=cfg, params=params, tokenizer=tokenizer, config=config, mesh=mesh,

@@ -36,7 +36,7 @@ from jaxinfer.runtime.device.processors import init_state, write_slot
 from jaxinfer.runtime.device.programs import StepPrograms
 from jaxinfer.runtime.device.steps import make_step, sampled_tokens
 from jaxinfer.runtime.host.admission import admission_policy
-from jaxinfer.runtime.host.errors import AdapterInUse, RequestError, UnknownAdapter
+from jaxinfer.runtime.host.errors import AdapterInUse, EngineAsleep, RequestError, UnknownAdapter
 from jaxinfer.runtime.host.kv_host_tier import HostTier
 from jaxinfer.runtime.host.outputs import OutputProcessor, RequestDelta, RequestOutput
 from jaxinfer.runtime.host.requests import Limits, SamplingParams, check_request, truncate_prompt
@@ -45,6 +45,8 @@ from jaxinfer.runtime.host.processors import Dims, ProcessorSpec, processor_fiel
 from jaxinfer.runtime.host.scheduler import Request, Scheduler
 from jaxinfer.runtime.host.structured import Constraints, Grammars
 from jaxinfer.runtime.plan import STEP_GROUPS, padding_arrays, pow_buckets, verify_inputs
+from jaxinfer.runtime.weights import (UPDATE_POLICIES, delete, device_bytes, from_host,
+                                      loaded_form, rebuild, to_host)
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +192,13 @@ class Engine:
         self.consecutive_faults = 0  # ... since the last step that did not
         self.spec_proposed = 0  # proposals verified, all requests since start
         self.spec_accepted = 0  # of those, accepted
+        # the weights' version (update_weights); every RequestOutput carries the one it ran on
+        self.weight_version: int | str = 0
+        self._staged = None  # (params, version, requests to drain first): update under "drain"
+        self._after_swap: list = []  # (Request, structured) added while an update drains
+        self._pending: list[RequestDelta] = []  # deltas of requests ended between steps
+        self.sleep_level = 0  # 0 awake; 1 KV cache freed; 2 weights too (runtime/weights.py)
+        self._host_params = None  # level 2: (host copies, shardings) of the weights
 
     @property
     def processed_logprobs(self) -> bool:
@@ -326,6 +335,107 @@ class Engine:
             stack = jax.tree.map(lambda new, o: jax.device_put(new, o.sharding), stack, old)
         self.params = self.params.replace(lora=stack)
 
+    # ---- weights: in-place updates, sleep / wake (runtime/weights.py) -----------------------
+    def get_weights(self):
+        """The weights in the model's own layout (runtime/weights.py): a Params tree of device
+        arrays, fresh arrays where the engine's form differs (fused, output-major)."""
+        self._awake_weights("get_weights")
+        return loaded_form(self.params)
+
+    def update_weights(self, weights, *, version: int | str | None = None,
+                       policy: str = "drain") -> int | str:
+        """Serve `weights` (a Params tree in get_weights()'s layout, or a checkpoint of this
+        model) from the next step on, with the step programs already compiled. Checked and
+        built whole first: any failure raises (WeightError naming the tensor) and the current
+        version keeps serving, bit for bit. Unfinished requests: "drain" (default) finishes them
+        on the current weights while requests added meanwhile wait for the new ones; "abort"
+        ends them now (finish reason "abort", their deltas come with the next step). The
+        prefix cache is dropped at the swap. Returns the new version (default: the last + 1)."""
+        if policy not in UPDATE_POLICIES:
+            raise ValueError(f"policy must be one of {UPDATE_POLICIES}, got {policy!r}")
+        new = rebuild(weights, self)  # (asleep at level 2: checked against the deleted arrays'
+        # shapes, dtypes and shardings; the new ones go on the device)
+        if version is None:
+            last = self._staged[1] if self._staged is not None else self.weight_version
+            version = last + 1 if isinstance(last, int) else 1
+        if self._staged is not None:  # a newer version replaces the one still draining
+            self._staged = (new, version, self._staged[2])
+        elif policy == "abort" or not self.outputs.ids():
+            for rid in self.outputs.ids():
+                self._pending.append(self._abort_delta(rid))
+            self._staged = (new, version, ())
+            self._swap_when_drained()
+        else:
+            self._staged = (new, version, tuple(self.outputs.ids()))
+        return version
+
+    @property
+    def weights_pending(self) -> bool:
+        """An update waits for unfinished requests to drain."""
+        return self._staged is not None
+
+    def _swap_when_drained(self) -> None:
+        params, version, draining = self._staged
+        if any(rid in self.outputs for rid in draining):
+            return
+        old, self.params = self.params, params
+        if self.proposer is not None and getattr(self.proposer, "params", None) is old:
+            self.proposer.params = params  # the target drafts itself
+        self.weight_version, self._staged, self._host_params = version, None, None
+        self.scheduler.reset_prefix_cache()
+        log.info("serving weight version %s", version)
+        waiting, self._after_swap = self._after_swap, []
+        for req in waiting:
+            self._admit(req)
+
+    def _abort_delta(self, rid: str) -> RequestDelta:
+        if self.constraints is None or rid not in self.constraints.held:
+            self.scheduler.abort(rid)
+        self._release(rid)
+        return self.outputs.finish(rid, "abort", time.monotonic())
+
+    def sleep(self, level: int = 1) -> dict:
+        """Give the device memory back to a colocated trainer: level 1 frees the KV cache (and
+        drops the prefix cache), level 2 also the weights (kept on the host for wake_up, or
+        replaced by an update_weights while asleep). Requests are refused while asleep
+        (EngineAsleep, a QueueFull: retry later); refused with unfinished requests. Returns
+        {"device_bytes_before", "device_bytes_after"} (runtime/weights.device_bytes)."""
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2, got {level!r}")
+        if self.outputs.ids() or self._staged is not None:
+            raise RuntimeError(f"cannot sleep with {len(self.outputs.ids())} unfinished "
+                               "requests: let them finish or abort them first")
+        if self.proposer is not None and getattr(self.proposer, "cache", None) is not None:
+            raise RuntimeError("sleep with a draft model is not supported yet")
+        while self._inflight is not None or self._held is not None:
+            self.step()  # a step planned past every request's end: its results are nobody's
+        before = device_bytes()
+        if self.sleep_level == 0:
+            delete((self.cache, self.procs))
+            self.cache = self.procs = None
+            self.scheduler.reset_prefix_cache()
+        if level == 2 and self.sleep_level < 2:
+            self._host_params = to_host(self.params)
+            delete(self.params)
+        self.sleep_level = max(self.sleep_level, level)
+        return {"device_bytes_before": before, "device_bytes_after": device_bytes()}
+
+    def wake_up(self) -> dict:
+        """Take the device memory back (weights first, then a fresh KV cache); outputs equal
+        those before sleep. Returns {"device_bytes_before", "device_bytes_after"}."""
+        before = device_bytes()
+        if self._host_params is not None:
+            self.params = from_host(*self._host_params)
+            self._host_params = None
+        if self.cache is None:
+            self.cache, self.procs = self._new_cache(), self._new_procs()
+        self.sleep_level = 0
+        return {"device_bytes_before": before, "device_bytes_after": device_bytes()}
+
+    def _awake_weights(self, what: str) -> None:
+        if self._host_params is not None:
+            raise EngineAsleep(f"{what}: the weights are asleep (level 2): wake_up() first")
+
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, prompt_ids, params: SamplingParams, request_id: str | None = None, *,
                     lora: str | None = None, refuse_late: bool = True,
@@ -347,22 +457,36 @@ class Engine:
         if procs is not None and self.plan_channel is not None:
             raise RequestError(processor_fields(params)[0], "not supported with several hosts "
                                                             "yet (the state rows are not sent)")
+        if self.sleep_level:
+            raise EngineAsleep(f"the engine is asleep (level {self.sleep_level}): wake_up() "
+                               "before adding requests")
         if refuse_late:
             self.scheduler.check_overload(rid, len(prompt_ids), params.priority)
         now = time.monotonic()
         req = Request(request_id=rid, prompt_ids=prompt_ids, params=params, eos_ids=self.eos_ids,
                       arrival_time=now, lora=key, procs=procs)
-        if params.structured_outputs is not None:  # scheduled once its matcher is built
-            self.constraints.hold(req, params.structured_outputs)
+        if self._staged is not None:  # an update drains: this one runs on the new weights
+            self._after_swap.append(req)
+        else:
+            self._admit(req)
+        version = self.weight_version if self._staged is None else self._staged[1]
+        self.outputs.add(rid, prompt_ids, params, now=now, lora=lora, prompt=prompt,
+                         weight_version=version)
+        return rid
+
+    def _admit(self, req: Request) -> None:
+        if req.params.structured_outputs is not None:  # scheduled once its matcher is built
+            self.constraints.hold(req, req.params.structured_outputs)
         else:
             self.scheduler.add_request(req)
-        self.outputs.add(rid, prompt_ids, params, now=now, lora=lora, prompt=prompt)
-        return rid
 
     def abort(self, request_id: str) -> RequestOutput | None:
         if request_id not in self.outputs:
             return None
-        if self.constraints is None or request_id not in self.constraints.held:
+        staged = [r for r in self._after_swap if r.request_id == request_id]
+        if staged:
+            self._after_swap.remove(staged[0])
+        elif self.constraints is None or request_id not in self.constraints.held:
             self.scheduler.abort(request_id)
         self._release(request_id)
         return self.outputs.finish(request_id, "abort", time.monotonic()).output
@@ -370,12 +494,14 @@ class Engine:
     @property
     def has_work(self) -> bool:
         """Something for step() to do: scheduled work, or requests whose grammar is compiling."""
-        return self.scheduler.has_work or bool(self.constraints and self.constraints.held)
+        return (self.scheduler.has_work or bool(self.constraints and self.constraints.held)
+                or bool(self._pending) or self._staged is not None)
 
     @property
     def num_waiting(self) -> int:
         """Requests not yet running: the scheduler's queue and those whose grammar compiles."""
-        return self.scheduler.num_waiting + (len(self.constraints.held) if self.constraints else 0)
+        held = len(self.constraints.held) if self.constraints else 0
+        return self.scheduler.num_waiting + held + len(self._after_swap)
 
     @property
     def num_unfinished(self) -> int:
@@ -536,9 +662,13 @@ class Engine:
             self.scheduler.record_step_time(plan, t0 - start)
         self._period = None
         self._timed = None  # the plan this call waits for (async: the one launched before)
+        deltas, self._pending = self._pending, []
         try:
+            if self._staged is not None:
+                self._swap_when_drained()
             programs = self.compile_count
-            deltas = self._admit_constrained() if self.constraints and self.constraints.held else []
+            if self.constraints and self.constraints.held:
+                deltas += self._admit_constrained()
             deltas += self._step_async() if self.async_scheduling else self._step_sync()
             self.consecutive_faults = 0
             if self._timed is not None and self.compile_count == programs:  # (no compile)
@@ -547,7 +677,7 @@ class Engine:
                 else:
                     self.scheduler.record_step_time(self._timed, time.perf_counter() - t0)
         except Exception as exc:  # noqa: BLE001 - a request may fail; the engine may not
-            deltas = self._recover(exc)
+            deltas += self._recover(exc)
         st = self.step_stats
         st["steps"] += 1
         st["step_s"] += time.perf_counter() - t0

@@ -25,9 +25,11 @@ class LLM:
 
     def __init__(self, model: str = "gemma3-270m", **options):
         enable_compilation_cache()
-        self.model = load(model, options)
-        self.config, self.tokenizer = self.model.config, self.model.tokenizer
-        self.engine = Engine(self.model)
+        prepared = load(model, options)
+        self.config, self.tokenizer = prepared.config, prepared.tokenizer
+        self.engine = Engine(prepared)
+        # the weights live in the engine alone (update_weights replaces them; sleep frees them)
+        self._model = replace(prepared, params=None, draft=None)
         # "generate" or "embed" (EngineConfig.task resolved) and the default embedding pooling
         auto, pooling = checkpoint_defaults(self.model.source, self.model.cfg.architecture)
         self.task = auto if self.config.task == "auto" else self.config.task
@@ -35,6 +37,12 @@ class LLM:
         self.warmup_stats: dict | None = None  # {"programs", "seconds"} of warmup()
         if self.config.warmup:  # compile mode "background": queued, not waited for
             self.warmup(wait=not self.engine.background_compiles)
+
+    @property
+    def model(self):
+        """The model as the engine runs it: runtime/build.py's Prepared, with the engine's
+        current weights."""
+        return replace(self._model, params=self.engine.params)
 
     def warmup(self, wait: bool = True) -> dict:
         """Compile every step shape the engine can run (Engine.warmup: token x page x q-length
@@ -167,6 +175,61 @@ class LLM:
         from jaxinfer.runtime.host.batch import run_batch
 
         return run_batch(self.engine, self.tokenizer, str(in_path), str(out_path), **kw)
+
+    # ---- weights (RL rollouts: runtime/weights.py) -----------------------------------------
+    def get_weights(self):
+        """The weights in the model's own layout (runtime/weights.py's module doc): the Params
+        tree `update_weights` takes and `runtime.device.scoring.sequence_logprobs` runs."""
+        return self.engine.get_weights()
+
+    def update_weights(self, weights, *, version: int | str | None = None,
+                       policy: str = "drain") -> int | str:
+        """Serve new weights in place, with no recompile: a Params tree in get_weights()'s
+        layout (trainer arrays on the engine's devices are used without a copy), or a checkpoint
+        dir / file of this model. Atomic: a missing or mis-shaped tensor (named in the
+        WeightError), a NaN, a failure while building leaves the current version serving.
+        Quantized engines (int8 / fp8 / int4) quantize the new weights as at load; kept GGUF
+        blocks cannot be rebuilt (WeightError). `policy` for unfinished requests: "drain" (their
+        tokens all come from the old weights) or "abort". Returns the new version, which every
+        RequestOutput after it carries as `weight_version`."""
+        return self.engine.update_weights(weights, version=version, policy=policy)
+
+    @property
+    def weight_version(self) -> int | str:
+        return self.engine.weight_version
+
+    def sleep(self, level: int = 1) -> dict:
+        """Free the KV cache (level 1) and the weights too (level 2, kept on the host) for a
+        colocated trainer; requests are refused until wake_up(). Device bytes before / after."""
+        return self.engine.sleep(level)
+
+    def wake_up(self) -> dict:
+        return self.engine.wake_up()
+
+    def score(self, prompts, completions, *, lora_request: LoRARequest | None = None
+              ) -> list[list[float]]:
+        """Teacher-forced logprobs: for each (prompt, completion) pair (text or token ids), the
+        logprob of each completion token given the prompt and the completion tokens before it,
+        under the serving weights, computed by the engine's own steps (a prompt-logprob
+        prefill). Text completions are tokenized without special tokens. One list per pair."""
+        prompts, completions = _prompt_list(prompts), _prompt_list(completions)
+        if len(prompts) != len(completions):
+            raise RequestError("completions", f"needs one completion per prompt "
+                                              f"({len(prompts)}), got {len(completions)}")
+        limits = self.engine.limits
+        seqs, cuts = [], []
+        for i, (p, c) in enumerate(zip(prompts, completions)):
+            pids = parse_prompt(p, self.tokenizer, limits)[1]
+            cids = (self.tokenizer.encode(c, add_special_tokens=False) if isinstance(c, str)
+                    else [int(t) for t in c])
+            if not cids:
+                raise RequestError(f"completions[{i}]", "is empty")
+            seqs.append(pids + cids)
+            cuts.append(len(pids))
+        outs = self.generate(seqs, SamplingParams(max_tokens=1, temperature=0,
+                                                  prompt_logprobs=0),
+                             lora_request=lora_request)
+        return [[e["logprob"] for e in o.prompt_logprobs[cut:]] for o, cut in zip(outs, cuts)]
 
     def embed(self, prompts, pooling: str | None = None, normalize: bool = True) -> np.ndarray:
         """Embeddings of one prompt or a list (text or token ids): f32 [n, D], the final-normed

@@ -95,8 +95,9 @@ def attend(
         kw.update(k_scale=k_pages.scales, v_scale=v_pages.scales)
         k_pages, v_pages = k_pages.values, v_pages.values
     args = (q, k_pages, v_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs)
-    if backend == "xla":  # XLA SPMD partitions it on a mesh like any other op
-        return xla_ragged_paged_attention(*args, **kw, max_q_len=md.max_q_len)
+    if backend in ("xla", "xla_every_chunk"):  # XLA SPMD partitions it on a mesh like any op
+        return xla_ragged_paged_attention(*args, **kw, max_q_len=md.max_q_len,
+                                          every_chunk=backend == "xla_every_chunk")
     from jaxinfer.pallas_kernels.ragged_paged_attention import ragged_paged_attention
     from jaxinfer.runtime.device.sharding import shard_kv_heads
 
@@ -131,6 +132,7 @@ def xla_ragged_paged_attention(
     max_q_len: int,
     k_scale=None,  # [Hkv, N, ps] f32 with int8 k/v_pages (x = value * scale)
     v_scale=None,
+    every_chunk: bool = False,
 ):
     """Query tiles: each sequence's queries are cut into tiles of B rows (B = 1 on decode-only
     steps, else min(max_q_len, 32)); a tile reads only the pages its queries can see (with a
@@ -140,7 +142,10 @@ def xla_ragged_paged_attention(
     (a decode of 32 sequences of ~250 tokens in a 512-position table reads ~4 chunks, not 8),
     and a group with no live tile reads none. Rows of no sequence come back 0.
     int8 pages: the gathered int8 K/V are widened to q's dtype; the per-token scales multiply the
-    scores (K) and the probabilities (V), so no dequantized page copy is made."""
+    scores (K) and the probabilities (V), so no dequantized page copy is made.
+    every_chunk (backend "xla_every_chunk"): every group reads every chunk, a loop of static
+    length, so reverse-mode differentiation goes through it (runtime/device/scoring.py); the
+    chunks past a tile's last position are fully masked and change nothing."""
     t, hq, dh = q.shape
     hkv, _, ps, _ = k_pages.shape
     s, p = page_indices.shape
@@ -241,13 +246,18 @@ def xla_ragged_paged_attention(
     c = nt if nt <= _GROUPED_FROM else -(-nt // _TILE_GROUPS)
     c = max(1, min(c, _GATHER_BYTES // per_tile))
     groups = -(-nt // c)
+    if every_chunk:
+        chunks = jnp.full_like(chunks, nch)
     if groups == 1:
-        o = run_group(xs, jnp.max(chunks)).astype(q.dtype)
+        o = run_group(xs, nch if every_chunk else jnp.max(chunks)).astype(q.dtype)
     else:
         pad = lambda a: jnp.pad(a, [(0, groups * c - nt)] + [(0, 0)] * (a.ndim - 1))  # noqa: E731
         xs = jax.tree.map(lambda a: pad(a).reshape(groups, c, *a.shape[1:]), xs)
         need = jnp.max(pad(chunks).reshape(groups, c), axis=1)  # [groups]
-        o = jax.lax.map(lambda a: run_group(*a).astype(q.dtype), (xs, need))
+        if every_chunk:
+            o = jax.lax.map(lambda x: run_group(x, nch).astype(q.dtype), xs)
+        else:
+            o = jax.lax.map(lambda a: run_group(*a).astype(q.dtype), (xs, need))
         o = o.reshape(groups * c, b, hq, dh)[:nt]
     dest = jnp.where(row_ok, rows, t).reshape(-1)  # rows of no tile query dropped
     return jnp.zeros_like(q).at[dest].set(o.reshape(nt * b, hq, dh), mode="drop")

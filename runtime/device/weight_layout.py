@@ -15,6 +15,7 @@ shape. Only dense, unsharded weights take this form (`output_major_layers`, on C
 
 from __future__ import annotations
 
+import functools
 import os
 
 import jax
@@ -100,18 +101,16 @@ def output_major_layers(params, pieces: int = 1):
     """Params with each dense float layer weight in CONTRACTED_AXES as an `OutputMajor` (same
     values, stored transposed, in `pieces` parts); other leaves (quantized weights, norms,
     embeddings) as they are. For an unsharded model on CPU."""
-    def one(name: str, w):
-        if not isinstance(w, jax.Array) or not jnp.issubdtype(w.dtype, jnp.floating):
-            return w
-        return OutputMajor.of(w, CONTRACTED_AXES[name], pieces)
-
-    @jax.jit
-    def layer(weights: dict):  # one program for every layer of the same shapes (not one
-        return {f: one(f, w) for f, w in weights.items()}  # eager transpose/split per weight)
-
     def dense(lp) -> dict:
         return {f: w for f in CONTRACTED_AXES if isinstance(w := getattr(lp, f), jax.Array)
                 and jnp.issubdtype(w.dtype, jnp.floating)}
 
-    layers = tuple(lp.replace(**layer(dense(lp))) for lp in params.layers)
+    layers = tuple(lp.replace(**_output_major(dense(lp), pieces)) for lp in params.layers)
     return params.replace(layers=layers)
+
+
+@functools.partial(jax.jit, static_argnames=("pieces",))
+def _output_major(weights: dict, pieces: int) -> dict:
+    """One layer's dense weights -> OutputMajor: one program for every layer of the same shapes
+    (and every later version of them: runtime/weights.py), not an eager transpose per weight."""
+    return {f: OutputMajor.of(w, CONTRACTED_AXES[f], pieces) for f, w in weights.items()}

@@ -7,6 +7,8 @@
                 RESOURCE_EXHAUSTED; JSONL batch holds the line and retries after a step.
   Overloaded    a QueueFull: with latency targets and refuse_late, the queue ahead would make it
                 miss its TTFT target; `retry_after_s` says when to try again.
+  EngineAsleep  a QueueFull: the engine gave its device memory back (sleep): HTTP 503, retry
+                after it wakes.
   UnknownAdapter / AdapterInUse   unloading a LoRA adapter that is not loaded (HTTP 404) or that
                 an unfinished request still uses (HTTP 409).
 """
@@ -33,6 +35,10 @@ class Overloaded(QueueFull):
     def __init__(self, message: str, retry_after_s: float):
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class EngineAsleep(QueueFull):
+    """The engine is asleep (Engine.sleep): no request runs until wake_up."""
 
 
 class UnknownAdapter(ValueError):

@@ -103,6 +103,8 @@ class RequestOutput:
     lora_name: str | None = None  # the LoRA adapter that served it (None: the base model)
     cumulative_logprob: float | None = None  # its tokens' logprobs summed, when computed
     completions: list[CompletionOutput] | None = None  # grouped samples (None: this one)
+    # the engine's weight version that produced every token of it (Engine.update_weights)
+    weight_version: int | str = 0
 
     @property
     def outputs(self) -> list[CompletionOutput]:
@@ -150,6 +152,7 @@ class _State:
     detok: IncrementalDetokenizer
     metrics: RequestMetrics
     lora: str | None
+    weight_version: int | str = 0
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)
     prompt_logprobs: list[dict | None] = field(default_factory=list)
@@ -182,7 +185,8 @@ class OutputProcessor:
         return sum(1 for st in self._live.values() if st.lora == lora_name)
 
     def add(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *,
-            now: float, lora: str | None = None, prompt: str | None = None) -> None:
+            now: float, lora: str | None = None, prompt: str | None = None,
+            weight_version: int | str = 0) -> None:
         if request_id in self._live:
             raise ValueError(f"duplicate request_id {request_id!r}")
         ids = list(prompt_ids)
@@ -191,6 +195,7 @@ class OutputProcessor:
             detok=IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
                                          params.spaces_between_special_tokens),
             metrics=RequestMetrics(arrival=now, speculative=self.speculative), lora=lora,
+            weight_version=weight_version,
             prompt_logprobs=[None] * len(ids) if params.prompt_logprobs is not None else [])
 
     # ---- what a step reports ------------------------------------------------------------------
@@ -298,7 +303,7 @@ class OutputProcessor:
             metrics=st.metrics.summary(),
             logprobs=st.logprobs if p.logprobs is not None else None, error=error,
             prompt_logprobs=st.prompt_logprobs if p.prompt_logprobs is not None else None,
-            lora_name=st.lora, cumulative_logprob=sum(e["logprob"] for e in st.logprobs)
+            lora_name=st.lora, weight_version=st.weight_version, cumulative_logprob=sum(e["logprob"] for e in st.logprobs)
             if p.logprobs is not None else None)
         del self._live[st.request_id]
 

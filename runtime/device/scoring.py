@@ -1,0 +1,64 @@
+"""Teacher-forced logprobs as a pure function a trainer can call and differentiate.
+
+    lp = sequence_logprobs(params, cfg, tokens)     # tokens [B, L] -> lp [B, L - 1] f32
+    lp[b, t] = log p(tokens[b, t + 1] | tokens[b, :t + 1])
+
+`params` in the model's own layout (LLM.get_weights(), runtime/weights.py) or the engine's form;
+the same `model.forward` the engine's steps run, over a scratch paged cache of its own (B
+sequences of L tokens, each in its own pages after the null page 0), on the XLA attention path
+with a loop of static length (backend "xla_every_chunk": differentiable, jax.grad of a loss over
+`lp` gives the params' gradients). Padding tokens past a
+sequence's end are the caller's to mask: position t only sees tokens 0..t.
+
+`LLM.score` computes the same logprobs through the engine's steps (a prompt-logprob prefill):
+equal within float tolerance (tests/runtime/test_weights.py states it).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.runtime.config import ModelConfig
+from jaxinfer.runtime.device.attention import AttentionMetadata
+from jaxinfer.runtime.device.kv_cache import init_cache
+from jaxinfer.runtime.device.model import forward
+
+
+def batch_metadata(batch: int, length: int, page_size: int) -> tuple[AttentionMetadata, int]:
+    """B sequences of L tokens each computed whole in one step, sequence b in pages
+    1 + b * P .. (b + 1) * P (P = ceil(L / page_size)), every row's logits; and the pages a
+    cache for them needs (B * P + 1)."""
+    p = -(-length // page_size)
+    pos = jnp.tile(jnp.arange(length, dtype=jnp.int32), batch)  # [B * L]
+    seq = jnp.repeat(jnp.arange(batch, dtype=jnp.int32), length)  # [B * L]
+    pages = 1 + jnp.arange(batch * p, dtype=jnp.int32).reshape(batch, p)  # [B, P]
+    md = AttentionMetadata(
+        positions=pos,
+        slot_mapping=pages[seq, pos // page_size] * page_size + pos % page_size,
+        cu_q_lens=jnp.arange(batch + 1, dtype=jnp.int32) * length,
+        kv_lens=jnp.full((batch,), length, jnp.int32),
+        page_indices=pages,
+        num_seqs=jnp.asarray([batch], jnp.int32),
+        logits_indices=jnp.arange(batch * length, dtype=jnp.int32),
+        max_q_len=length,
+    )
+    return md, batch * p + 1
+
+
+def sequence_logprobs(params, cfg: ModelConfig, tokens: jax.Array, *, page_size: int = 16,
+                      vocab_limit: int | None = None) -> jax.Array:
+    """tokens [B, L] int32 -> [B, L - 1] f32: each next token's logprob (see the module doc).
+    `vocab_limit`: ids at or past it are never sampled (the engine's text vocabulary, when the
+    model's is padded past the tokenizer's): left out of the softmax, as the engine does."""
+    b, length = tokens.shape
+    md, num_pages = batch_metadata(b, length, page_size)
+    dtype = params.final_norm.dtype
+    cache = init_cache(cfg, num_pages, page_size, dtype)
+    logits, _ = forward(params, tokens.reshape(-1).astype(jnp.int32), cache, md, cfg,
+                        "xla_every_chunk")
+    logits = logits.reshape(b, length, -1)[:, :-1]  # [B, L - 1, V]
+    if vocab_limit is not None and vocab_limit < logits.shape[-1]:
+        logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits, -jnp.inf)
+    lp = jax.nn.log_softmax(logits, axis=-1)
+    return jnp.take_along_axis(lp, tokens[:, 1:, None].astype(jnp.int32), axis=-1)[..., 0]
