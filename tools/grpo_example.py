@@ -65,7 +65,8 @@ def run(model: str | None = None, steps: int = 60, samples: int = 16,
     import numpy as np
     import optax
 
-    from jaxinfer import LLM, SamplingParams
+    from jaxinfer.runtime.host.requests import SamplingParams
+    from jaxinfer.runtime.llm import LLM
     from jaxinfer.runtime.device.scoring import sequence_logprobs
 
     if model is None:
