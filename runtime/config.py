@@ -193,6 +193,8 @@ MIN_TOKEN_BUCKET = {"cpu": 1, "tpu": 16, "gpu": 16}
 
 SPEC_METHODS = ("draft", "ngram")
 COMPILE_MODES = ("background", "blocking")  # runtime/device/programs.py
+# what Engine.update_weights does with unfinished requests (runtime/weights.py)
+UPDATE_POLICIES = ("drain", "abort")
 
 
 @dataclass(frozen=True)

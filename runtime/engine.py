@@ -29,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.runtime.build import Prepared
-from jaxinfer.runtime.config import COMPILE_MODES, MIN_TOKEN_BUCKET, EngineConfig, OptionError
+from jaxinfer.runtime.config import (COMPILE_MODES, MIN_TOKEN_BUCKET, UPDATE_POLICIES, EngineConfig,
+                                     OptionError)
 from jaxinfer.runtime.device.kv_cache import init_cache
 from jaxinfer.runtime.device.kv_offload import HostPages, gather_pages, padded, scatter_pages
 from jaxinfer.runtime.device.processors import init_state, write_slot
@@ -45,8 +46,8 @@ from jaxinfer.runtime.host.processors import Dims, ProcessorSpec, processor_fiel
 from jaxinfer.runtime.host.scheduler import Request, Scheduler
 from jaxinfer.runtime.host.structured import Constraints, Grammars
 from jaxinfer.runtime.plan import STEP_GROUPS, padding_arrays, pow_buckets, verify_inputs
-from jaxinfer.runtime.weights import (UPDATE_POLICIES, delete, device_bytes, from_host,
-                                      loaded_form, rebuild, to_host)
+from jaxinfer.runtime.weights import (delete, device_bytes, from_host, loaded_form, rebuild,
+                                      to_host)
 
 log = logging.getLogger(__name__)
 
@@ -193,11 +194,11 @@ class Engine:
         self.spec_proposed = 0  # proposals verified, all requests since start
         self.spec_accepted = 0  # of those, accepted
         # the weights' version (update_weights); every RequestOutput carries the one it ran on
-        self.weight_version: int | str = 0
+        self._weight_version: int | str = 0
         self._staged = None  # (params, version, requests to drain first): update under "drain"
         self._after_swap: list = []  # (Request, structured) added while an update drains
         self._pending: list[RequestDelta] = []  # deltas of requests ended between steps
-        self.sleep_level = 0  # 0 awake; 1 KV cache freed; 2 weights too (runtime/weights.py)
+        self._sleep_level = 0  # 0 awake; 1 KV cache freed; 2 weights too (runtime/weights.py)
         self._host_params = None  # level 2: (host copies, shardings) of the weights
 
     @property
@@ -370,6 +371,16 @@ class Engine:
         return version
 
     @property
+    def weight_version(self) -> int | str:
+        """The version serving now (0: the weights loaded at start)."""
+        return self._weight_version
+
+    @property
+    def sleep_level(self) -> int:
+        """0 awake; 1 the KV cache freed; 2 the weights too."""
+        return self._sleep_level
+
+    @property
     def weights_pending(self) -> bool:
         """An update waits for unfinished requests to drain."""
         return self._staged is not None
@@ -381,7 +392,7 @@ class Engine:
         old, self.params = self.params, params
         if self.proposer is not None and getattr(self.proposer, "params", None) is old:
             self.proposer.params = params  # the target drafts itself
-        self.weight_version, self._staged, self._host_params = version, None, None
+        self._weight_version, self._staged, self._host_params = version, None, None
         self.scheduler.reset_prefix_cache()
         log.info("serving weight version %s", version)
         waiting, self._after_swap = self._after_swap, []
@@ -417,7 +428,7 @@ class Engine:
         if level == 2 and self.sleep_level < 2:
             self._host_params = to_host(self.params)
             delete(self.params)
-        self.sleep_level = max(self.sleep_level, level)
+        self._sleep_level = max(self._sleep_level, level)
         return {"device_bytes_before": before, "device_bytes_after": device_bytes()}
 
     def wake_up(self) -> dict:
@@ -429,7 +440,7 @@ class Engine:
             self._host_params = None
         if self.cache is None:
             self.cache, self.procs = self._new_cache(), self._new_procs()
-        self.sleep_level = 0
+        self._sleep_level = 0
         return {"device_bytes_before": before, "device_bytes_after": device_bytes()}
 
     def _awake_weights(self, what: str) -> None:

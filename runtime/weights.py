@@ -28,9 +28,6 @@ from jaxinfer.runtime.device.quantization import QuantizedArray
 from jaxinfer.runtime.device.tree_paths import path_str
 from jaxinfer.runtime.device.weight_layout import OutputMajor
 
-# what Engine.update_weights does with unfinished requests
-UPDATE_POLICIES = ("drain", "abort")
-
 
 class WeightError(ValueError):
     """Weights the engine cannot take in place (missing, unexpected or mis-shaped tensors, a

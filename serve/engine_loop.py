@@ -42,7 +42,7 @@ from concurrent.futures import Future
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from jaxinfer.runtime.host.errors import QueueFull, RequestError
+from jaxinfer.runtime.host.errors import EngineAsleep, QueueFull, RequestError
 from jaxinfer.runtime.host.interface import EngineInterface
 from jaxinfer.runtime.host.outputs import RequestDelta, RequestOutput
 from jaxinfer.runtime.host.requests import (SamplingParams, check_request, sample_params,
@@ -154,6 +154,7 @@ class EngineLoop:
         self._waiting = 0  # guarded by _cv: sequences waiting in the engine (refreshed each turn)
         self._cancels: set[str] = set()  # guarded by _cv
         self._calls: deque[tuple[Callable, Future]] = deque()  # guarded by _cv: call()
+        self._swaps: list[tuple[object, Future]] = []  # loop thread: updates not serving yet
         self._handles: dict[str, _Pending] = {}  # loop thread only
         self._in_flight = 0  # guarded by _cv: handles submitted and not yet ended
         self._closing = False
@@ -222,6 +223,10 @@ class EngineLoop:
                 raise EngineFault(f"engine is down: {self._fault!r}")
             if self._closing or self._stopped.is_set():
                 raise ShuttingDown("server is shutting down")
+            if self.engine.sleep_level:
+                self._outcomes["rejected"] += 1
+                raise EngineAsleep(f"the engine is asleep (level {self.engine.sleep_level}): "
+                                   "POST /wake_up first")
             depth = self._inbox_seqs + self._waiting
             try:  # latency targets: a request predicted to miss its TTFT budget is refused now
                 for prompt_ids, plist in pending:
@@ -259,6 +264,40 @@ class EngineLoop:
     def lora_adapters(self) -> dict[str, str] | None:
         """{name: path} of the loaded adapters (None: the engine serves none); any thread."""
         return self.engine.lora_adapters()
+
+    def update_weights(self, weights, version=None, policy: str = "drain") -> Future:
+        """Engine.update_weights between two steps (the checkpoint is read and the new version
+        built on the loop thread: serving pauses meanwhile); the Future holds the new version
+        once it serves (after the drain), or the error (WeightError names the tensor)."""
+        done: Future = Future()
+
+        def start():
+            version_ = self.engine.update_weights(weights, version=version, policy=policy)
+            self._swaps.append((version_, done))
+
+        started = self.call(start)
+        started.add_done_callback(lambda f: f.exception() and done.set_exception(f.exception()))
+        return done
+
+    def _settle_swaps(self) -> None:
+        """Resolve update_weights Futures whose version serves now (loop thread)."""
+        if self._swaps and not self.engine.weights_pending:
+            swaps, self._swaps = self._swaps, []
+            for version, fut in swaps:
+                fut.set_result(version)
+
+    def sleep(self, level: int = 1) -> Future:
+        """Engine.sleep between two steps: refused (RuntimeError) while requests are
+        unfinished; new requests are refused (EngineAsleep) until wake_up."""
+        return self.call(lambda: self.engine.sleep(level))
+
+    def wake_up(self) -> Future:
+        return self.call(self.engine.wake_up)
+
+    @property
+    def sleep_level(self) -> int:
+        """The engine's (0: awake); any thread."""
+        return self.engine.sleep_level
 
     def call(self, fn: Callable[[], object]) -> Future:
         """Run `fn` on the loop thread between two steps; its result or exception in the
@@ -325,11 +364,13 @@ class EngineLoop:
                 for hid in cancels:
                     self._cancel_now(hid)
                 self._refresh_depth()
+                self._settle_swaps()
                 if stop:
                     break
                 if self.engine.has_work:
                     self._step()
                     self._refresh_depth()
+                    self._settle_swaps()
                     faults = self.engine.stats()["consecutive_faults"]
                     if faults >= MAX_CONSECUTIVE_FAULTS:
                         raise EngineFault(f"{faults} engine steps failed in a row")
@@ -478,6 +519,9 @@ class EngineLoop:
             self._in_flight = 0
         for p in pending:
             p.handle._put(err)
+        swaps, self._swaps = self._swaps, []
+        for _, fut in swaps:
+            fut.set_exception(err)
         for fn in self.on_fault:
             try:
                 fn(exc)

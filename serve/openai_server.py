@@ -69,6 +69,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from jaxinfer.runtime.beam_search import BeamSearch, BeamSearchParams, rounds
+from jaxinfer.runtime.config import UPDATE_POLICIES
 from jaxinfer.runtime.host.requests import (MAX_LOGPROBS, SAMPLING_FIELDS, RequestError, SamplingParams,
                                             check_field, check_ids, check_samples,
                                             check_structured, parse_prompt,
@@ -77,7 +78,8 @@ from jaxinfer.runtime.host.structured import StructuredOutputs
 from jaxinfer.serve.tool_calls import (ToolPlan, check_tool_calls, parse_tools, plain_turns,
                                        tool_result, with_tools)
 from jaxinfer.serve.chat_template import ChatTemplate, ChatTemplateError
-from jaxinfer.runtime.host.errors import AdapterInUse, Overloaded, QueueFull, UnknownAdapter
+from jaxinfer.runtime.host.errors import (AdapterInUse, EngineAsleep, Overloaded, QueueFull,
+                                          UnknownAdapter)
 from jaxinfer.runtime.host.outputs import RequestOutput, best_of
 from jaxinfer.serve.engine_loop import EngineFault, EngineLoop, ShuttingDown
 from jaxinfer.serve.offload import Offload
@@ -498,6 +500,10 @@ class OpenAIApp:
             Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/v1/load_lora_adapter", self.load_lora, methods=["POST"]),
             Route("/v1/unload_lora_adapter", self.unload_lora, methods=["POST"]),
+            Route("/v1/update_weights", self.update_weights, methods=["POST"]),
+            Route("/sleep", self.sleep, methods=["POST"]),
+            Route("/wake_up", self.wake_up, methods=["POST"]),
+            Route("/is_sleeping", self.is_sleeping, methods=["GET"]),
         ]
         self.app = Starlette(routes=routes, exception_handlers={HTTPException: self._http_error,
                                                                 Exception: self._internal_error})
@@ -647,28 +653,89 @@ class OpenAIApp:
         text = await self.offload.run(self.tokenizer.decode, ids, False)
         return JSONResponse({"prompt": text})
 
-    async def _lora_body(self, request: Request, fields: tuple[str, ...]) -> dict:
-        """vLLM's adapter endpoints: {"lora_name": ..., "lora_path": ...} (no `model`)."""
+    async def _admin_body(self, request: Request, fields: set[str]) -> dict:
+        """The body of an administrative endpoint (behind the auth token): a small JSON object
+        of `fields` only; an empty body is {}."""
         self._auth(request)
-        if self.loop.lora_adapters() is None:
-            raise bad("this server serves no LoRA adapters (start it with --enable-lora)",
-                      "lora_name")
         raw = await request.body()
         if len(raw) > 64 * 1024:
             raise ApiError(413, "request body exceeds 65536 bytes")
+        if not raw.strip():
+            return {}
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError, RecursionError):
             raise bad("request body is not valid JSON") from None
         if not isinstance(body, dict):
             raise bad("request body must be a JSON object")
-        _check_fields(body, set(fields))
+        _check_fields(body, fields)
+        return body
+
+    async def _lora_body(self, request: Request, fields: tuple[str, ...]) -> dict:
+        """vLLM's adapter endpoints: {"lora_name": ..., "lora_path": ...} (no `model`)."""
+        self._auth(request)
+        if self.loop.lora_adapters() is None:
+            raise bad("this server serves no LoRA adapters (start it with --enable-lora)",
+                      "lora_name")
+        body = await self._admin_body(request, set(fields))
         for f in fields:
             if not isinstance(body.get(f), str) or not body[f]:
                 raise bad(f"'{f}' is required (a non-empty string)", f)
         if body["lora_name"] == self.model_name:
             raise bad("'lora_name' must differ from the base model's name", "lora_name")
         return body
+
+    # ---- RL rollouts: weights in place, sleep / wake (runtime/weights.py) ---------------------
+    async def update_weights(self, request: Request) -> Response:
+        """{"path": a checkpoint of the served model, "version"?: str | int, "policy"?: "drain"
+        | "abort"} -> {"weight_version"} once the new weights serve (after the drain)."""
+        async def run(request):
+            body = await self._admin_body(request, {"path", "version", "policy"})
+            path, version = body.get("path"), body.get("version")
+            if not isinstance(path, str) or not path:
+                raise bad("'path' is required (a checkpoint dir or file)", "path")
+            if version is not None and not (isinstance(version, str) or _is_int(version)):
+                raise bad("'version' must be a string or an integer", "version")
+            policy = body.get("policy", "drain")
+            if policy not in UPDATE_POLICIES:
+                raise bad(f"'policy' must be one of {list(UPDATE_POLICIES)}", "policy")
+            try:
+                v = await asyncio.wrap_future(self.loop.update_weights(path, version, policy))
+            except (ValueError, OSError) as e:  # WeightError, CheckpointError, a missing file
+                raise bad(f"weights not updated (the previous version serves on): {e}",
+                          "path") from None
+            except (ShuttingDown, EngineFault) as e:
+                raise ApiError(503, str(e), None, "service_unavailable", "unavailable") from None
+            return JSONResponse({"weight_version": v})
+        return await self._guard(run, request)
+
+    async def sleep(self, request: Request) -> Response:
+        """{"level"?: 1 | 2} -> the device bytes before / after; 409 with unfinished requests."""
+        async def run(request):
+            body = await self._admin_body(request, {"level"})
+            level = body.get("level", 1)
+            if level not in (1, 2) or not _is_int(level):
+                raise bad("'level' must be 1 (the KV cache) or 2 (and the weights)", "level")
+            try:
+                out = await asyncio.wrap_future(self.loop.sleep(level))
+            except RuntimeError as e:
+                raise ApiError(409, str(e), None, "invalid_request_error", "busy") from None
+            return JSONResponse({"sleep_level": level, **out})
+        return await self._guard(run, request)
+
+    async def wake_up(self, request: Request) -> Response:
+        async def run(request):
+            await self._admin_body(request, set())
+            out = await asyncio.wrap_future(self.loop.wake_up())
+            return JSONResponse({"sleep_level": 0, **out})
+        return await self._guard(run, request)
+
+    async def is_sleeping(self, request: Request) -> Response:
+        async def run(request):
+            self._auth(request)
+            level = self.loop.sleep_level
+            return JSONResponse({"is_sleeping": level > 0, "sleep_level": level})
+        return await self._guard(run, request)
 
     async def load_lora(self, request: Request) -> Response:
         async def run(request):
@@ -972,6 +1039,8 @@ class OpenAIApp:
             err = bad(str(e), e.field)
             err.counted = True  # EngineLoop.submit_many counted it
             raise err from None
+        except EngineAsleep as e:
+            raise ApiError(503, str(e), None, "service_unavailable", "asleep") from None
         except QueueFull as e:
             err = ApiError(429, str(e), None, "rate_limit_exceeded",
                            "overloaded" if isinstance(e, Overloaded) else "queue_full")

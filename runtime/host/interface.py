@@ -79,6 +79,32 @@ class EngineInterface(Protocol):
         or "cls"; None: the model's default), through the model's prefill with no KV pages
         kept. RequestError naming the field."""
 
+    def update_weights(self, weights, *, version: int | str | None = None,
+                       policy: str = "drain") -> int | str:
+        """Serve new weights (a Params tree or a checkpoint path) with the compiled programs;
+        atomic (WeightError names the tensor; the old version serves on). "drain": unfinished
+        requests finish on the old weights first (weights_pending until then); "abort": they
+        end now. Returns the new version."""
+
+    @property
+    def weights_pending(self) -> bool:
+        """An update waits for unfinished requests to drain."""
+
+    @property
+    def weight_version(self) -> int | str:
+        """The version serving now; every RequestOutput carries the one it ran on."""
+
+    def sleep(self, level: int = 1) -> dict:
+        """Free the KV cache (1) and the weights too (2); requests are refused (EngineAsleep)
+        until wake_up. {"device_bytes_before", "device_bytes_after"}."""
+
+    def wake_up(self) -> dict:
+        """Take the device memory back; {"device_bytes_before", "device_bytes_after"}."""
+
+    @property
+    def sleep_level(self) -> int:
+        """0 awake, else the level slept at."""
+
     def warmup(self) -> int:
         """Compile every step shape up front; the number of new programs."""
 

@@ -127,6 +127,27 @@ class FakeEngine:
     def embed(self, prompts, pooling=None, normalize=True):
         raise RequestError(None, "the fake engine embeds nothing")
 
+    def update_weights(self, weights, *, version=None, policy="drain"):
+        raise ValueError("the fake engine has no weights")
+
+    @property
+    def weights_pending(self):
+        return False
+
+    @property
+    def weight_version(self):
+        return 0
+
+    def sleep(self, level=1):
+        raise RuntimeError("the fake engine does not sleep")
+
+    def wake_up(self):
+        return {"device_bytes_before": 0, "device_bytes_after": 0}
+
+    @property
+    def sleep_level(self):
+        return 0
+
     def warmup(self):
         return 0
 

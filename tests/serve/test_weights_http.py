@@ -1,0 +1,98 @@
+"""Weights in place through the HTTP server: POST /v1/update_weights (drain: a request under
+way finishes on the old weights, the next runs on the new ones), a bad checkpoint refused with
+the old version serving on, /sleep, /wake_up, /is_sleeping, all behind the auth token."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.client
+import json
+import time
+from pathlib import Path
+
+import jax
+import pytest
+
+from jaxinfer import LLM, SamplingParams
+from tests.engines import TINY
+
+TOKEN = "tok"
+PROMPT = "To be, or not to be, that is the question"
+
+
+def call(server, method, path, body=None, token=TOKEN):
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=120)
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    conn.request(method, path, body=json.dumps(body).encode() if body is not None else None,
+                 headers=headers)
+    r = conn.getresponse()
+    out = r.read()
+    conn.close()
+    return r.status, json.loads(out) if out else None
+
+
+def complete(server, max_tokens=8):
+    status, body = call(server, "POST", "/v1/completions", dict(
+        model="tiny", prompt=PROMPT, max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    return status, body["choices"][0]["text"] if status == 200 else body
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_dir, tmp_path_factory):
+    """(server, new checkpoint dir, {(version, max_tokens): reference text})."""
+    from jaxinfer.checkpoints.orbax_io import save_converted
+    from jaxinfer.serve.grpc_server import ServerConfig, ServerThread
+
+    llm = LLM(str(tiny_dir), **TINY)
+    old = llm.get_weights()
+    new = jax.tree.map(lambda x: x * 1.1, old)
+    d = save_converted(tmp_path_factory.mktemp("w") / "new", llm.model.cfg, new, source="test",
+                       tokenizer_dir=Path(llm.model.source))
+    ref = {}
+    for version, w in (("new", new), ("old", old)):
+        llm.update_weights(w)
+        for n in (8, 200):
+            ref[version, n] = llm.generate(PROMPT, SamplingParams(
+                max_tokens=n, temperature=0, ignore_eos=True))[0].text
+    assert ref["old", 8] != ref["new", 8]
+    s = ServerThread(llm, ServerConfig(port=0, http_port=0, max_queue=64, auth_token=TOKEN,
+                                       model_name="tiny"))
+    yield s, str(d), ref
+    s.stop()
+
+
+def test_update_weights_drains_then_serves_the_new_version(setup):
+    server, d, ref = setup
+    assert call(server, "POST", "/v1/update_weights", {"path": d}, token=None)[0] == 401
+    status, body = call(server, "POST", "/v1/update_weights", {"path": d + "-missing"})
+    assert status == 400 and body["error"]["param"] == "path"
+    assert "previous version serves on" in body["error"]["message"]
+    status, body = call(server, "POST", "/v1/update_weights", {"path": d, "policy": "later"})
+    assert status == 400 and body["error"]["param"] == "policy"
+    assert complete(server) == (200, ref["old", 8])
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        long = pool.submit(complete, server, 200)
+        while server.loop.stats()["running"] == 0 and not long.done():
+            time.sleep(0.001)  # the long request is under way
+        under_way = not long.done()
+        status, body = call(server, "POST", "/v1/update_weights", {"path": d, "version": "v2"})
+        assert status == 200 and body == {"weight_version": "v2"}
+        assert under_way and long.done()  # drained first, on the old weights
+        assert long.result() == (200, ref["old", 200])
+    assert complete(server) == (200, ref["new", 8])
+
+
+def test_sleep_refuses_requests_until_woken(setup):
+    server, _, _ = setup
+    before = complete(server)
+    assert call(server, "POST", "/sleep", {"level": 3})[0] == 400
+    status, body = call(server, "POST", "/sleep", {"level": 1})
+    assert status == 200 and body["device_bytes_after"] < body["device_bytes_before"]
+    assert call(server, "GET", "/is_sleeping") == (200, {"is_sleeping": True, "sleep_level": 1})
+    status, body = complete(server)
+    assert status == 503 and body["error"]["code"] == "asleep"
+    assert call(server, "POST", "/wake_up")[0] == 200
+    assert call(server, "GET", "/is_sleeping")[1]["is_sleeping"] is False
+    assert complete(server) == before
