@@ -111,7 +111,8 @@ def load(model: str, options: dict) -> Prepared:
             params = with_mode(params, mode)
     if "max_model_len" not in options:
         from_model["max_model_len"] = min(loaded.cfg.max_position_embeddings, 2048)
-    if mesh is None and "tensor_parallel" not in options:  # the host's cores, on CPU
+    if mesh is None and "tensor_parallel" not in options and not config.batch_invariant:
+        # the host's cores, on CPU
         tp = auto_tensor_parallel(loaded.cfg, dataclasses.replace(config, **from_model),
                                   platform=jax.default_backend(), devices=jax.device_count())
         if tp > 1:
@@ -159,6 +160,13 @@ def prepare(cfg: ModelConfig, params, tokenizer, config: EngineConfig, *, mesh=N
 
     loaded = params
     backend = resolve_backend(config.attention_backend)
+    if config.batch_invariant:
+        from jaxinfer.runtime.config import OptionError
+
+        if cfg.num_experts:
+            raise OptionError("batch_invariant", "not with mixture-of-experts models yet (their "
+                                                 "routing groups rows across the batch)")
+        cfg, backend = dataclasses.replace(cfg, batch_invariant=True), "xla"
     if mesh is None and (config.tensor_parallel > 1 or jax.process_count() > 1):
         from jaxinfer.runtime.device.sharding import make_mesh
 

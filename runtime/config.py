@@ -92,6 +92,10 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = ""  # the checkpoint's own name, for messages
+    # numerics, set by the engine (EngineConfig.batch_invariant), never by a checkpoint: every
+    # row-local computation in fixed blocks of rows, attention one query row at a time
+    # (runtime/device/model.py `by_rows`)
+    batch_invariant: bool = False
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -137,6 +141,7 @@ class ModelConfig:
         d["layer_types"] = list(self.layer_types)
         d["eos_token_ids"] = list(self.eos_token_ids)
         d["dense_layers"] = list(self.dense_layers)
+        d.pop("batch_invariant")  # the engine's mode, not the model's
         return d
 
     @classmethod
@@ -389,6 +394,11 @@ ENGINE_OPTIONS = (
                 "in a background thread, and warm-up queues every program there (the server "
                 "listens at once); blocking = each new step shape waits for its program "
                 "(default: env JAXINFER_COMPILE_MODE, else background)"),
+    Option("batch_invariant", bool, False,
+           help="a request's logits and logprobs are bitwise the same whatever else is in the "
+                "step (batch size, its slot, buckets, chunked prefill, prefix hits, preemption): "
+                "row-local math in fixed blocks of rows, attention a row at a time (slower; RL "
+                "rollouts whose logprobs must equal the trainer's)"),
     Option("enable_lora", bool, False, help="serve LoRA adapters (implied by --lora-modules)"),
     Option("max_loras", int, 4, lo=1, help="LoRA adapters on the device at once"),
     Option("max_lora_rank", int, 16, lo=1, help="largest LoRA adapter rank served"),
@@ -415,6 +425,13 @@ ENGINE_RULES = (
      "needs ttft_slo_ms (the budget requests are refused against)"),
     ("max_cpu_loras", lambda c: c.max_cpu_loras is None or c.max_cpu_loras >= c.max_loras,
      "must be >= max_loras ({c.max_loras}), got {c.max_cpu_loras}"),
+    ("batch_invariant", lambda c: not c.batch_invariant or c.attention_backend in (None, "xla"),
+     "runs the XLA attention path (the Pallas kernels are not batch-invariant yet): leave "
+     "attention_backend unset or 'xla'"),
+    ("batch_invariant", lambda c: not c.batch_invariant or c.speculative is None,
+     "not with speculative decoding yet (the verify step is not batch-invariant)"),
+    ("batch_invariant", lambda c: not c.batch_invariant or c.tensor_parallel in (None, 1),
+     "runs on one device (a sharded product's reduction is not batch-invariant yet)"),
 )
 
 

@@ -65,7 +65,11 @@ def _floor(value: int | None, env: str, default: int) -> int:
 
 
 def compile_mode(ecfg: EngineConfig) -> str:
-    """ecfg.compile_mode, else env JAXINFER_COMPILE_MODE, else "background"."""
+    """ecfg.compile_mode, else env JAXINFER_COMPILE_MODE, else "background"; always "blocking"
+    under batch_invariant (the layer-by-layer programs compile with other XLA options, whose
+    rounding may differ)."""
+    if ecfg.batch_invariant:
+        return "blocking"
     mode = ecfg.compile_mode or os.environ.get("JAXINFER_COMPILE_MODE") or "background"
     if mode not in COMPILE_MODES:
         raise ValueError(f"JAXINFER_COMPILE_MODE must be one of {COMPILE_MODES}, got {mode!r}")

@@ -89,6 +89,7 @@ def attend(
     sliding_window: int | None,
     soft_cap: float | None,
     backend: str,  # a resolve_backend() result
+    row_tiles: bool = False,  # XLA path: a query row per tile (batch-invariant numerics)
 ) -> jax.Array:  # [T, Hq, Dh]
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if hasattr(k_pages, "scales"):  # int8 KV (runtime.device.kv_cache.QuantizedPages)
@@ -97,7 +98,8 @@ def attend(
     args = (q, k_pages, v_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs)
     if backend in ("xla", "xla_every_chunk"):  # XLA SPMD partitions it on a mesh like any op
         return xla_ragged_paged_attention(*args, **kw, max_q_len=md.max_q_len,
-                                          every_chunk=backend == "xla_every_chunk")
+                                          every_chunk=backend == "xla_every_chunk",
+                                          row_tiles=row_tiles)
     from jaxinfer.pallas_kernels.ragged_paged_attention import ragged_paged_attention
     from jaxinfer.runtime.device.sharding import shard_kv_heads
 
@@ -133,6 +135,7 @@ def xla_ragged_paged_attention(
     k_scale=None,  # [Hkv, N, ps] f32 with int8 k/v_pages (x = value * scale)
     v_scale=None,
     every_chunk: bool = False,
+    row_tiles: bool = False,
 ):
     """Query tiles: each sequence's queries are cut into tiles of B rows (B = 1 on decode-only
     steps, else min(max_q_len, 32)); a tile reads only the pages its queries can see (with a
@@ -145,12 +148,15 @@ def xla_ragged_paged_attention(
     scores (K) and the probabilities (V), so no dequantized page copy is made.
     every_chunk (backend "xla_every_chunk"): every group reads every chunk, a loop of static
     length, so reverse-mode differentiation goes through it (runtime/device/scoring.py); the
-    chunks past a tile's last position are fully masked and change nothing."""
+    chunks past a tile's last position are fully masked and change nothing.
+    row_tiles (batch-invariant numerics): a tile is one query row and a group one tile, so every
+    row's scores, softmax and products have the same shapes and order whatever the step holds
+    (the chunks past a row's own, run for its group, are fully masked: no-ops, bit for bit)."""
     t, hq, dh = q.shape
     hkv, _, ps, _ = k_pages.shape
     s, p = page_indices.shape
-    g, b = hq // hkv, min(max_q_len, _TILE_ROWS)
-    nt = s if b == 1 else min(-(-t // b) + s, s * -(-max_q_len // b))  # static bound on tiles
+    g, b = hq // hkv, 1 if row_tiles else min(max_q_len, _TILE_ROWS)
+    nt = s if max_q_len == 1 else min(-(-t // b) + s, s * -(-max_q_len // b))  # tiles, at most
     # pages a tile sees: all P, or under a sliding window the pages of its last
     # (window + B - 1) positions (+1 page for misalignment)
     npg = p if sliding_window is None else min(p, -(-(sliding_window + b - 1) // ps) + 1)
@@ -244,11 +250,11 @@ def xla_ragged_paged_attention(
     # tiles per group: all of them when few, else about nt / _TILE_GROUPS (live tiles come
     # first, so groups past the live ones run no chunk), and never more than fit the budget
     c = nt if nt <= _GROUPED_FROM else -(-nt // _TILE_GROUPS)
-    c = max(1, min(c, _GATHER_BYTES // per_tile))
+    c = 1 if row_tiles else max(1, min(c, _GATHER_BYTES // per_tile))
     groups = -(-nt // c)
     if every_chunk:
         chunks = jnp.full_like(chunks, nch)
-    if groups == 1:
+    if groups == 1 and not row_tiles:
         o = run_group(xs, nch if every_chunk else jnp.max(chunks)).astype(q.dtype)
     else:
         pad = lambda a: jnp.pad(a, [(0, groups * c - nt)] + [(0, 0)] * (a.ndim - 1))  # noqa: E731

@@ -126,6 +126,24 @@ def layer(
     lora: lora_ops.LoraLayer | None = None,
     lora_mask: jax.Array | None = None,  # [T, L] each row's adapter slot, one-hot
 ):
+    q, k, v = by_rows(lambda x_, pos, m: _qkv(lp, x_, pos, cfg, i, lora, m), cfg,
+                      x, md.positions, lora_mask)  # [T, Hq | Hkv | Hkv, Dh]
+    k_pages = write_pages(k_pages, k, md.slot_mapping)
+    v_pages = write_pages(v_pages, v, md.slot_mapping)
+    o = attend(
+        q, k_pages, v_pages, md,
+        sm_scale=cfg.sm_scale,
+        sliding_window=cfg.layer_window(i),
+        soft_cap=cfg.attn_logit_softcap,
+        backend=backend,
+        row_tiles=cfg.batch_invariant,
+    )  # [T, Hq, Dh]
+    x = by_rows(lambda x_, o_, m: _out_and_mlp(lp, x_, o_, cfg, lora, m), cfg, x, o, lora_mask)
+    return x, k_pages, v_pages
+
+
+def _qkv(lp: LayerParams, x, positions, cfg: ModelConfig, i: int, lora, lora_mask):
+    """Rows x [T, D] -> their q [T, Hq, Dh], k, v [T, Hkv, Dh] (normed, projected, rotated)."""
     eps = cfg.rms_norm_eps
     ad = lambda y, x_, t: lora_ops.add(y, x_, lora, t, lora_mask)  # noqa: E731
     h = rms_norm(x, lp.attn_norm, eps)
@@ -139,17 +157,13 @@ def layer(
     if lp.q_norm is not None:
         q, k = rms_norm(q, lp.q_norm, eps), rms_norm(k, lp.k_norm, eps)
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.layer_rope_theta(i), cfg.layer_rope_scaling(i))
-    q = apply_rope(q, md.positions, inv_freq)
-    k = apply_rope(k, md.positions, inv_freq)
-    k_pages = write_pages(k_pages, k, md.slot_mapping)
-    v_pages = write_pages(v_pages, v, md.slot_mapping)
-    o = attend(
-        q, k_pages, v_pages, md,
-        sm_scale=cfg.sm_scale,
-        sliding_window=cfg.layer_window(i),
-        soft_cap=cfg.attn_logit_softcap,
-        backend=backend,
-    )  # [T, Hq, Dh]
+    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+
+def _out_and_mlp(lp: LayerParams, x, o, cfg: ModelConfig, lora, lora_mask):
+    """Rows x [T, D] and their attention output o [T, Hq, Dh] -> the layer's output [T, D]."""
+    eps = cfg.rms_norm_eps
+    ad = lambda y, x_, t: lora_ops.add(y, x_, lora, t, lora_mask)  # noqa: E731
     o = ad(einsum("thk,hkd->td", o, lp.wo), o, "o")  # [T, D]
     if lp.post_attn_norm is not None:
         o = rms_norm(o, lp.post_attn_norm, eps)
@@ -175,7 +189,30 @@ def layer(
         m = e if m is None else m + e
     if lp.post_mlp_norm is not None:
         m = rms_norm(m, lp.post_mlp_norm, eps)
-    return x + m, k_pages, v_pages
+    return x + m
+
+
+# Rows per block under cfg.batch_invariant (by_rows)
+INVARIANT_ROWS = 8
+
+
+def by_rows(fn, cfg: ModelConfig, *xs):
+    """fn(*xs), xs pytrees of row-major arrays [T, ...] (None entries pass through). Under
+    cfg.batch_invariant in blocks of INVARIANT_ROWS rows, one block at a time (lax.map): every
+    product and reduction then has one shape whatever the step's row count, so a row's result
+    never depends on its neighbours (XLA:CPU rounds a 1-row dot unlike a 2-row one, and fused
+    row reductions by row count)."""
+    if not cfg.batch_invariant:
+        return fn(*xs)
+    r = INVARIANT_ROWS
+    t = jax.tree.leaves(xs)[0].shape[0]
+    pad = -t % r
+
+    def blocks(a):  # [T, ...] -> [T / r, r, ...]
+        return jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(-1, r, *a.shape[1:])
+
+    out = jax.lax.map(lambda b: fn(*b), jax.tree.map(blocks, xs))
+    return jax.tree.map(lambda y: y.reshape(-1, *y.shape[2:])[:t], out)
 
 
 def forward(
@@ -221,7 +258,7 @@ def embed_tokens(params: Params, tokens: jax.Array, cfg: ModelConfig,
 
 def final_rows(params: Params, x: jax.Array, rows: jax.Array, cfg: ModelConfig) -> jax.Array:
     """x [T, D] after the last layer -> the final-normed rows [N, D] (rows [N] int32)."""
-    return rms_norm(x[rows], params.final_norm, cfg.rms_norm_eps)
+    return by_rows(lambda y: rms_norm(y, params.final_norm, cfg.rms_norm_eps), cfg, x[rows])
 
 
 # Up to this many rows the head's product is taken as [V, N]; above it as [N, V]. Gemma 3 270M
@@ -233,17 +270,21 @@ _VOCAB_MAJOR_ROWS = 4
 def compute_logits(params: Params, h: jax.Array, cfg: ModelConfig) -> jax.Array:
     """h [N, D] -> f32 logits [N, V] (tied or separate head, optional final soft cap)."""
     head = params.embed if params.lm_head is None else params.lm_head
-    if h.shape[0] <= _VOCAB_MAJOR_ROWS and jax.default_backend() == "cpu":
-        # a few rows: XLA:CPU runs the [V, N] product faster than [N, V]; the barrier keeps
-        # that layout for the dot, the transpose of the small result is cheap
-        logits = jax.lax.optimization_barrier(einsum("nd,vd->vn", h, head)).T  # [N, V]
-    else:
-        logits = einsum("nd,vd->nv", h, head)  # [N, V]
-    logits = logits.astype(jnp.float32)
-    if cfg.final_logit_softcap is not None:
-        c = cfg.final_logit_softcap
-        logits = c * jnp.tanh(logits / c)
-    return logits
+
+    def rows(h):
+        if h.shape[0] <= _VOCAB_MAJOR_ROWS and jax.default_backend() == "cpu":
+            # a few rows: XLA:CPU runs the [V, N] product faster than [N, V]; the barrier keeps
+            # that layout for the dot, the transpose of the small result is cheap
+            logits = jax.lax.optimization_barrier(einsum("nd,vd->vn", h, head)).T  # [N, V]
+        else:
+            logits = einsum("nd,vd->nv", h, head)  # [N, V]
+        logits = logits.astype(jnp.float32)
+        if cfg.final_logit_softcap is not None:
+            c = cfg.final_logit_softcap
+            logits = c * jnp.tanh(logits / c)
+        return logits
+
+    return by_rows(rows, cfg, h)
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> Params:

@@ -20,8 +20,9 @@ import jax.numpy as jnp
 from jaxinfer.runtime.device.attention import AttentionMetadata
 from jaxinfer.runtime.config import ModelConfig
 from jaxinfer.runtime.device.kv_cache import KVCache
-from jaxinfer.runtime.device.model import (LayerParams, Params, compute_logits, embed_tokens,
-                                           final_rows, forward, forward_hidden, layer)
+from jaxinfer.runtime.device.model import (INVARIANT_ROWS, LayerParams, Params, by_rows,
+                                           compute_logits, embed_tokens, final_rows, forward,
+                                           forward_hidden, layer)
 from jaxinfer.runtime.plan import SAMPLING_FIELDS
 from jaxinfer.runtime.device.processors import ProcState, process_rows, process_verify, record
 from jaxinfer.runtime.device.sampling import accept, allow_tokens, mask_vocab, sample, top_logprobs
@@ -115,9 +116,8 @@ def head(params: Params, h: jax.Array, arrays: dict[str, jax.Array], procs: Proc
     (the live sequences come first), one smaller program per value; None: see below."""
     s = h.shape[0]
 
-    def head_and_sample(rows: int) -> jax.Array:  # the first `rows` rows, padded back to S
-        logits = mask_vocab(compute_logits(params, h[:rows], cfg), vocab_limit)  # [rows, V]
-        a = {k: arrays[k][:rows] for k in SAMPLING_FIELDS}
+    def sample_rows(h, a) -> jax.Array:  # rows h [N, D] and their sampling fields -> [N, C]
+        logits = mask_vocab(compute_logits(params, h, cfg), vocab_limit)  # [N, V]
         processed = logits if procs is None else process_rows(logits, procs, a["proc_slots"],
                                                                a["sample_positions"])
         allowed = allow_tokens(processed, a["token_bitmask"], a["constrained"])
@@ -128,9 +128,15 @@ def head(params: Params, h: jax.Array, arrays: dict[str, jax.Array], procs: Proc
             chosen, vals, ids = top_logprobs(allowed if processed_logprobs else logits, tokens,
                                              num_logprobs)
             cols += [chosen[:, None], vals, ids.astype(jnp.float32)]
-        return jnp.pad(jnp.concatenate(cols, axis=1), ((0, s - rows), (0, 0)))
+        return jnp.concatenate(cols, axis=1)
 
-    if rows is not None or s == 1 or cfg.vocab_size * cfg.hidden_size < ONE_ROW_HEAD_MIN:
+    def head_and_sample(rows: int) -> jax.Array:  # the first `rows` rows, padded back to S
+        a = {k: arrays[k][:rows] for k in SAMPLING_FIELDS}
+        return jnp.pad(sample_rows(h[:rows], a), ((0, s - rows), (0, 0)))
+
+    if cfg.batch_invariant:  # every row alike, in fixed blocks (model.by_rows)
+        packed = by_rows(sample_rows, cfg, h, {k: arrays[k] for k in SAMPLING_FIELDS})
+    elif rows is not None or s == 1 or cfg.vocab_size * cfg.hidden_size < ONE_ROW_HEAD_MIN:
         packed = head_and_sample(s if rows is None else rows)
     else:
         # The vocabulary projection, the largest matmul of a small model, runs on the live
@@ -187,7 +193,7 @@ def prompt_logprob_rows(params: Params, h: jax.Array, targets: jax.Array, cfg: M
     none) -> f32 [T, 1 + 2n]: the target's logprob, the top-n logprobs, their ids. The [T, V]
     logits never exist whole: rows go through the head PROMPT_ROWS_CHUNK at a time."""
     t = h.shape[0]
-    c = min(t, PROMPT_ROWS_CHUNK)
+    c = INVARIANT_ROWS if cfg.batch_invariant else min(t, PROMPT_ROWS_CHUNK)
     pad = -t % c
     hc = jnp.pad(h, ((0, pad), (0, 0))).reshape(-1, c, h.shape[1])  # [T/c, c, D]
     tc = jnp.pad(jnp.maximum(targets, 0), (0, pad)).reshape(-1, c)  # [T/c, c]
