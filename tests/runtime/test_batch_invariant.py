@@ -1,0 +1,91 @@
+"""batch_invariant=True: each request's logprobs (and tokens) bitwise equal to the same request
+run alone with max_slots=1, whatever else shares its steps: 64 mixed-length requests (greedy
+and seeded sampling) under chunked prefill, prefix-cache hits, preemption and both scheduling
+modes; LLM.score's teacher-forced logprobs bitwise equal to the rollout's. The default mode is
+shown not to be (the reason for the option)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.runtime.config import OptionError
+
+BASE = dict(page_size=8, max_model_len=256)
+N = 64
+
+
+def _workload(seed: int = 0):
+    """64 prompts of 3-120 tokens, a quarter of them sharing a 40-token prefix; greedy and
+    seeded sampling, 4-24 tokens each, logprobs of the chosen token and the top 2."""
+    rng = np.random.default_rng(seed)
+    shared = [int(t) for t in rng.integers(5, 1900, 40)]
+    prompts = []
+    for i in range(N):
+        own = [int(t) for t in rng.integers(5, 1900, int(rng.integers(3, 80)))]
+        prompts.append(shared + own if i % 4 == 0 else own)
+    params = [SamplingParams(max_tokens=int(rng.integers(4, 24)), ignore_eos=True, logprobs=2,
+                             temperature=float(rng.choice([0.0, 0.8])), seed=i)
+              for i in range(N)]
+    return prompts, params
+
+
+def _lps(out) -> list[float]:
+    return [e["logprob"] for e in out.logprobs]
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_dir):
+    """Every request of the workload run alone (max_slots=1: one sequence a step)."""
+    llm = LLM(str(tiny_dir), **BASE, max_slots=1, batch_invariant=True)
+    prompts, params = _workload()
+    return llm, llm.generate(prompts, params)
+
+
+@pytest.mark.parametrize("options, what", [
+    (dict(max_slots=8, prefill_chunk=32), "batches of 8, prompts chunked by 32"),
+    (dict(max_slots=16, prefill_chunk=48, async_scheduling=False), "synchronous scheduling"),
+    (dict(max_slots=8, prefill_chunk=32, num_pages=40), "a page pool small enough to preempt"),
+])
+def test_logprobs_bitwise_equal_to_the_request_alone(tiny_dir, alone, options, what):
+    llm = LLM(str(tiny_dir), **BASE, **options, batch_invariant=True)
+    prompts, params = _workload()
+    got = llm.generate(prompts, params)
+    ref = alone[1]
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref], what
+    bad = [i for i, (a, b) in enumerate(zip(got, ref)) if _lps(a) != _lps(b)]
+    assert bad == [], f"{what}: {len(bad)} of {N} requests' logprobs differ"
+    top = [[e["top"] for e in o.logprobs] for o in got]
+    assert top == [[e["top"] for e in o.logprobs] for o in ref]
+    sched = llm.engine.scheduler
+    assert sched.prefix_cache_stats()["cached_tokens"] > 0, "no prefix-cache hit was exercised"
+    if "num_pages" in options:
+        assert sched.num_preemptions > 0, "no preemption was exercised"
+
+
+def test_the_default_mode_is_not_batch_invariant(tiny_dir):
+    """Why the option exists: the same workload batched vs alone, without it."""
+    prompts, params = _workload()
+    batched = LLM(str(tiny_dir), **BASE, max_slots=8, prefill_chunk=32).generate(prompts, params)
+    single = LLM(str(tiny_dir), **BASE, max_slots=1).generate(prompts, params)
+    differ = sum(_lps(a) != _lps(b) for a, b in zip(batched, single)
+                 if a.token_ids == b.token_ids)
+    assert differ > N // 2
+
+
+def test_score_equals_the_rollout_bitwise(alone):
+    llm, outs = alone
+    prompts, _ = _workload()
+    scored = llm.score(prompts[:16], [o.token_ids for o in outs[:16]])
+    assert scored == [_lps(o) for o in outs[:16]]
+
+
+@pytest.mark.parametrize("options, named", [
+    (dict(attention_backend="pallas_interpret"), "attention_backend"),
+    (dict(tensor_parallel=2), "one device"),
+    (dict(speculative={"method": "ngram", "k": 2, "n": 2}), "speculative"),
+])
+def test_refused_where_not_invariant_yet(tiny_dir, options, named):
+    with pytest.raises(OptionError, match=named):
+        LLM(str(tiny_dir), **BASE, batch_invariant=True, **options)
