@@ -43,7 +43,8 @@ from grpc_reflection.v1alpha import reflection
 from jaxinfer.runtime.host.requests import (SAMPLING_FIELDS, Limits, RequestError, SamplingParams,
                                             check_samples, parse_prompt, sample_params,
                                             sampling_from_json)
-from jaxinfer.runtime.host.errors import Overloaded, QueueFull
+from jaxinfer.runtime.config import UPDATE_POLICIES
+from jaxinfer.runtime.host.errors import EngineAsleep, Overloaded, QueueFull
 from jaxinfer.serve.engine_loop import EngineFault, EngineLoop, ShuttingDown
 from jaxinfer.serve.metrics import ServingMetrics
 from jaxinfer.serve.offload import Offload
@@ -165,6 +166,8 @@ class _Base:
             return self.loop.submit(ids, params, request_id or None, n=n, lora=lora or None)
         except ValueError as e:  # counted as invalid by the loop
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except EngineAsleep as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except QueueFull as e:
             if isinstance(e, Overloaded):  # gRPC's retry pushback: when to try again
                 context.set_trailing_metadata(
@@ -220,6 +223,7 @@ class GenerationServicer(_Base, jaxinfer_pb2_grpc.GenerationServicer):
                     m = out.metrics
                     msg.final.finish_reason = u.finish_reason or ""
                     msg.final.request_id = handle.request_id
+                    msg.final.weight_version = str(out.weight_version)
                     msg.final.usage.prompt_tokens = out.usage["prompt_tokens"]
                     msg.final.usage.completion_tokens = out.usage["completion_tokens"]
                     fm = msg.final.metrics
@@ -239,6 +243,38 @@ class GenerationServicer(_Base, jaxinfer_pb2_grpc.GenerationServicer):
                                  "compile_count", "vocab_size", "max_model_len", "model", "steps")},
             requests=s["requests"],
         )
+
+
+    async def UpdateWeights(self, request, context):
+        policy = request.policy or "drain"
+        if not request.path or policy not in UPDATE_POLICIES:
+            field = "path" if not request.path else "policy"
+            await self._invalid(context, RequestError(
+                field, "is required (a checkpoint of the served model)" if field == "path"
+                else f"must be one of {list(UPDATE_POLICIES)}"))
+        try:
+            v = await asyncio.wrap_future(self.loop.update_weights(
+                request.path, request.version or None, policy))
+        except (ValueError, OSError) as e:  # WeightError, CheckpointError, a missing file
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"weights not updated (the previous version serves on): {e}")
+        except (ShuttingDown, EngineFault) as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        return jaxinfer_pb2.UpdateWeightsResponse(weight_version=str(v))
+
+    async def Sleep(self, request, context):
+        level = request.level or 1
+        if level not in (1, 2):
+            await self._invalid(context, RequestError("level", "must be 1 or 2"))
+        try:
+            out = await asyncio.wrap_future(self.loop.sleep(level))
+        except RuntimeError as e:  # unfinished requests
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        return jaxinfer_pb2.SleepResponse(sleep_level=level, **out)
+
+    async def WakeUp(self, request, context):
+        out = await asyncio.wrap_future(self.loop.wake_up())
+        return jaxinfer_pb2.SleepResponse(sleep_level=0, **out)
 
 
 class OrchestratorServicer(_Base, jetstream_pb2_grpc.OrchestratorServicer):

@@ -6,6 +6,42 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class UpdateWeightsRequest(_message.Message):
+    __slots__ = ("path", "version", "policy")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    version: str
+    policy: str
+    def __init__(self, path: _Optional[str] = ..., version: _Optional[str] = ..., policy: _Optional[str] = ...) -> None: ...
+
+class UpdateWeightsResponse(_message.Message):
+    __slots__ = ("weight_version",)
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    weight_version: str
+    def __init__(self, weight_version: _Optional[str] = ...) -> None: ...
+
+class SleepRequest(_message.Message):
+    __slots__ = ("level",)
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    level: int
+    def __init__(self, level: _Optional[int] = ...) -> None: ...
+
+class WakeUpRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SleepResponse(_message.Message):
+    __slots__ = ("sleep_level", "device_bytes_before", "device_bytes_after")
+    SLEEP_LEVEL_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_BYTES_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_BYTES_AFTER_FIELD_NUMBER: _ClassVar[int]
+    sleep_level: int
+    device_bytes_before: int
+    device_bytes_after: int
+    def __init__(self, sleep_level: _Optional[int] = ..., device_bytes_before: _Optional[int] = ..., device_bytes_after: _Optional[int] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "prompt_token_ids", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "stop_token_ids", "logprobs", "ignore_eos", "request_id", "structured_outputs", "prompt_logprobs", "lora", "priority", "min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "bad_words", "allowed_token_ids", "n", "best_of", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens")
     class LogitBiasEntry(_message.Message):
@@ -138,16 +174,18 @@ class RequestMetrics(_message.Message):
     def __init__(self, queue_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., itl_s: _Optional[_Iterable[float]] = ..., itl_mean_s: _Optional[float] = ..., e2e_s: _Optional[float] = ...) -> None: ...
 
 class Final(_message.Message):
-    __slots__ = ("finish_reason", "usage", "metrics", "request_id")
+    __slots__ = ("finish_reason", "usage", "metrics", "request_id", "weight_version")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     usage: Usage
     metrics: RequestMetrics
     request_id: str
-    def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., metrics: _Optional[_Union[RequestMetrics, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    weight_version: str
+    def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., metrics: _Optional[_Union[RequestMetrics, _Mapping]] = ..., request_id: _Optional[str] = ..., weight_version: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "logprobs", "final", "prompt_logprobs", "index")

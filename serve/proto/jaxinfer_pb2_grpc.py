@@ -44,6 +44,21 @@ class GenerationStub:
                 request_serializer=jaxinfer_dot_serve_dot_proto_dot_jaxinfer__pb2.StatsRequest.SerializeToString,
                 response_deserializer=jaxinfer_dot_serve_dot_proto_dot_jaxinfer__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.UpdateWeights = channel.unary_unary(
+                '/jaxinfer.v1.Generation/UpdateWeights',
+                request_serializer=jaxinfer_dot_serve_dot_proto_dot_jaxinfer__pb2.UpdateWeightsRequest.SerializeToString,
+                response_deserializer=jaxinfer_dot_serve_dot_proto_dot_jaxinfer__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
+        self.Sleep = channel.unary_unary(
+                '/jaxinfer.v1.Generation/Sleep',
+                request_serializer=jaxinfer_dot_serve_dot_proto_dot_jaxinfer__pb2.SleepRequest.SerializeToString,
+                response_deserializer=jaxinfer_dot_serve_dot_proto_dot_jaxinfer__pb2.SleepResponse.FromString,
+                _registered_method=True)
+        self.WakeUp = channel.unary_unary(
+                '/jaxinfer.v1.Generation/WakeUp',
+                request_serializer=jaxinfer_dot_serve_dot_proto_dot_jaxinfer__pb2.WakeUpRequest.SerializeToString,
+                response_deserializer=jaxinfer_dot_serve_dot_proto_dot_jaxinfer__pb2.SleepResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -64,6 +79,30 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateWeights(self, request, context):
+        """RL rollouts: serve a checkpoint's weights in place, with the programs already compiled;
+        answers once they serve (policy "drain", the default: unfinished requests finish on the
+        old weights first; "abort": they end now). INVALID_ARGUMENT names a bad tensor; the old
+        version serves on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Sleep(self, request, context):
+        """Give the device memory to a colocated trainer: level 1 the KV cache, level 2 the weights
+        too (kept on the host); Generate answers UNAVAILABLE until WakeUp.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WakeUp(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,6 +115,21 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=jaxinfer_dot_serve_dot_proto_dot_jaxinfer__pb2.StatsRequest.FromString,
                     response_serializer=jaxinfer_dot_serve_dot_proto_dot_jaxinfer__pb2.StatsResponse.SerializeToString,
+            ),
+            'UpdateWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeights,
+                    request_deserializer=jaxinfer_dot_serve_dot_proto_dot_jaxinfer__pb2.UpdateWeightsRequest.FromString,
+                    response_serializer=jaxinfer_dot_serve_dot_proto_dot_jaxinfer__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'Sleep': grpc.unary_unary_rpc_method_handler(
+                    servicer.Sleep,
+                    request_deserializer=jaxinfer_dot_serve_dot_proto_dot_jaxinfer__pb2.SleepRequest.FromString,
+                    response_serializer=jaxinfer_dot_serve_dot_proto_dot_jaxinfer__pb2.SleepResponse.SerializeToString,
+            ),
+            'WakeUp': grpc.unary_unary_rpc_method_handler(
+                    servicer.WakeUp,
+                    request_deserializer=jaxinfer_dot_serve_dot_proto_dot_jaxinfer__pb2.WakeUpRequest.FromString,
+                    response_serializer=jaxinfer_dot_serve_dot_proto_dot_jaxinfer__pb2.SleepResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,6 +186,87 @@ class Generation:
             '/jaxinfer.v1.Generation/Stats',
             jaxinfer_dot_serve_dot_proto_dot_jaxinfer__pb2.StatsRequest.SerializeToString,
             jaxinfer_dot_serve_dot_proto_dot_jaxinfer__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxinfer.v1.Generation/UpdateWeights',
+            jaxinfer_dot_serve_dot_proto_dot_jaxinfer__pb2.UpdateWeightsRequest.SerializeToString,
+            jaxinfer_dot_serve_dot_proto_dot_jaxinfer__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Sleep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxinfer.v1.Generation/Sleep',
+            jaxinfer_dot_serve_dot_proto_dot_jaxinfer__pb2.SleepRequest.SerializeToString,
+            jaxinfer_dot_serve_dot_proto_dot_jaxinfer__pb2.SleepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WakeUp(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxinfer.v1.Generation/WakeUp',
+            jaxinfer_dot_serve_dot_proto_dot_jaxinfer__pb2.WakeUpRequest.SerializeToString,
+            jaxinfer_dot_serve_dot_proto_dot_jaxinfer__pb2.SleepResponse.FromString,
             options,
             channel_credentials,
             insecure,

