@@ -358,8 +358,9 @@ class Engine:
         prefix cache is dropped at the swap. Returns the new version (default: the last + 1)."""
         if policy not in UPDATE_POLICIES:
             raise ValueError(f"policy must be one of {UPDATE_POLICIES}, got {policy!r}")
-        new = rebuild(weights, self)  # (asleep at level 2: checked against the deleted arrays'
-        # shapes, dtypes and shardings; the new ones go on the device)
+        new = rebuild(weights, self, *(self._host_params or (self.params, None)))
+        # (asleep at level 2: checked against the host copies and their shardings; the new
+        # weights go on the device and the engine sleeps on at level 1)
         if version is None:
             last = self._staged[1] if self._staged is not None else self.weight_version
             version = last + 1 if isinstance(last, int) else 1
@@ -396,7 +397,9 @@ class Engine:
         old, self.params = self.params, params
         if self.proposer is not None and getattr(self.proposer, "params", None) is old:
             self.proposer.params = params  # the target drafts itself
-        self._weight_version, self._staged, self._host_params = version, None, None
+        self._weight_version, self._staged = version, None
+        if self._host_params is not None:  # updated while asleep: the weights are awake now
+            self._host_params, self._sleep_level = None, 1
         self.scheduler.reset_prefix_cache()
         log.info("serving weight version %s", version)
         waiting, self._after_swap = self._after_swap, []
@@ -411,8 +414,9 @@ class Engine:
 
     def sleep(self, level: int = 1) -> dict:
         """Give the device memory back to a colocated trainer: level 1 frees the KV cache (and
-        drops the prefix cache), level 2 also the weights (kept on the host for wake_up, or
-        replaced by an update_weights while asleep). Requests are refused while asleep
+        drops the prefix cache), level 2 also the weights (copied to the host for wake_up, or
+        replaced by an update_weights while asleep; arrays a caller still holds, e.g. the
+        trainer's own passed to update_weights, stay theirs). Requests are refused while asleep
         (EngineAsleep, a QueueFull: retry later); refused with unfinished requests. Returns
         {"device_bytes_before", "device_bytes_after"} (runtime/weights.device_bytes)."""
         if level not in (1, 2):
@@ -429,9 +433,8 @@ class Engine:
             delete((self.cache, self.procs))
             self.cache = self.procs = None
             self.scheduler.reset_prefix_cache()
-        if level == 2 and self.sleep_level < 2:
-            self._host_params = to_host(self.params)
-            delete(self.params)
+        if level == 2 and self.sleep_level < 2:  # the engine's references go; a caller's stay
+            self._host_params, self.params = to_host(self.params), None
         self._sleep_level = max(self._sleep_level, level)
         return {"device_bytes_before": before, "device_bytes_after": device_bytes()}
 

@@ -126,11 +126,17 @@ def check_layout(new, want) -> None:
 
 def _finite(tree) -> None:
     """WeightError naming the first float tensor with a NaN or an infinity."""
-    for name, x in _leaves(tree).items():
-        if isinstance(x, QuantizedArray) or not jnp.issubdtype(x.dtype, jnp.floating):
-            continue
-        if not bool(jnp.isfinite(x).all()):
-            raise WeightError(f"{name}: holds NaN or infinite values")
+    dense = {n: x for n, x in _leaves(tree).items()
+             if not isinstance(x, QuantizedArray) and jnp.issubdtype(x.dtype, jnp.floating)}
+    flags = np.asarray(_finite_flags(list(dense.values())))
+    bad = [n for n, ok in zip(dense, flags) if not ok]
+    if bad:
+        raise WeightError(f"{bad[0]}: holds NaN or infinite values")
+
+
+@jax.jit
+def _finite_flags(leaves: list) -> jax.Array:  # one program per layout, one sync
+    return jnp.stack([jnp.isfinite(x).all() for x in leaves])
 
 
 def read_weights(weights, engine):
@@ -157,28 +163,28 @@ def _arch(cfg) -> tuple:
     return (cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.vocab_size)
 
 
-def layout(engine):
-    """The model's own layout of `engine`'s weights (ShapeDtypeStructs; QuantizedArray leaves
-    hold theirs), worked out once per engine: every version has it."""
+def layout(engine, current):
+    """The model's own layout of `engine`'s weights `current` (ShapeDtypeStructs;
+    QuantizedArray leaves hold theirs), worked out once per engine: every version has it."""
     if getattr(engine, "_weight_layout", None) is None:
-        engine._weight_layout = jax.eval_shape(loaded_form, engine.params)
+        engine._weight_layout = jax.eval_shape(loaded_form, current)
     return engine._weight_layout
 
 
-def rebuild(weights, engine):
-    """A new version of `engine`'s params from `weights` (see read_weights): checked, cast to
-    the current dtypes, quantized as the engine's are (int8 / fp8 / int4), put in the engine's
-    form on its devices, with the engine's LoRA stack. WeightError (naming the tensor) for
-    anything that would not run in the engine's compiled programs; the engine is untouched."""
+def rebuild(weights, engine, current, shardings=None):
+    """A new version of `engine`'s params `current` (its device arrays, or their host copies
+    and `shardings` while it sleeps) from `weights` (see read_weights): checked, cast to the
+    current dtypes, quantized as the engine's are (int8 / fp8 / int4), put in the engine's form
+    on its devices, with the engine's LoRA stack. WeightError (naming the tensor) for anything
+    that would not run in the engine's compiled programs; the engine is untouched."""
     from jaxinfer.checkpoints.quantize import quantization_spec, quantize_params
 
-    current = engine.params
     spec = quantization_spec(current)
     if spec is not None and spec["fmt"] == "gguf":
         raise WeightError("this engine keeps a GGUF file's quantized blocks, which cannot be "
                           "rebuilt from new weights: serve it with quantization='dequantize'")
     new = read_weights(weights, engine)
-    want = layout(engine)
+    want = layout(engine, current)
     check_layout(new, jax.tree.map(_dense, want, is_leaf=lambda x: isinstance(x, QuantizedArray)))
     new = _cast(new, _leaves(want))
     if engine.mesh is None:  # committed to the engine's device (trainer arrays there stay put),
@@ -191,9 +197,8 @@ def rebuild(weights, engine):
                               quantize_embeddings=ecfg.quantize_embeddings, cfg=engine.cfg,
                               tokenizer=engine.tokenizer, activation_aware=not ecfg.enable_lora)
     new = engine_form(new.replace(lora=current.lora), engine.ecfg, engine.mesh)
-    same(new, current)
-    # (already there: no copy)
-    return jax.tree.map(lambda x, old: jax.device_put(x, old.sharding), new, current)
+    same(new, current, shardings)
+    return new
 
 
 def _cast(tree, want: dict):
@@ -212,14 +217,15 @@ def _cast(tree, want: dict):
     return jax.tree_util.tree_unflatten(treedef, [one(path_str(kp), x) for kp, x in flat])
 
 
-def same(new, current) -> None:
+def same(new, current, shardings=None) -> None:
     """WeightError unless `new` would run in `current`'s programs unchanged (structure, shapes,
-    dtypes, shardings)."""
-    def sig(tree):
-        leaves, treedef = jax.tree.flatten(tree)
-        return treedef, [(x.shape, x.dtype, x.sharding) for x in leaves]
-
-    (t1, a), (t2, b) = sig(new), sig(current)
+    dtypes, shardings: `current`'s own, or `shardings` for host copies)."""
+    if shardings is None:
+        shardings = jax.tree.map(lambda x: x.sharding, current)
+    t1, t2 = jax.tree.structure(new), jax.tree.structure(current)
+    a = [(x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(new)]
+    b = [(x.shape, x.dtype, s) for x, s in zip(jax.tree.leaves(current),
+                                              jax.tree.leaves(shardings))]
     if t1 != t2:
         raise WeightError("the new weights' structure differs from the engine's (a different "
                           "quantization or layout): they would need new step programs")

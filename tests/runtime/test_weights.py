@@ -193,6 +193,8 @@ def test_abort_policy_ends_unfinished_requests(llm):
 
 
 def test_sleep_releases_device_memory_and_wakes_to_the_same_outputs(llm):
+    # weights only the engine holds (get_weights() shares the arrays it does not transform)
+    llm.update_weights(jax.tree.map(jnp.copy, llm.get_weights()))
     before = llm.generate(PROMPTS, GREEDY)
     one = llm.sleep(1)
     assert one["device_bytes_after"] < one["device_bytes_before"]
@@ -254,3 +256,18 @@ def test_int8_engine_requantizes_the_update(tiny_dir, trained, tmp_path, llm):
     assert got[0].weight_version == v and _tokens(got) == _tokens(ref)
     np.testing.assert_allclose(_lps(got), _lps(ref), atol=1e-5, rtol=0)
 
+
+
+def test_update_while_asleep_lands_on_wake(llm, trained):
+    params, _ = trained
+    base = llm.get_weights()
+    llm.update_weights(params)
+    ref = llm.generate(PROMPTS, GREEDY)
+    llm.update_weights(base)
+    llm.sleep(2)
+    v = llm.update_weights(params)  # checked against the sleeping weights' shapes
+    llm.wake_up()
+    got = llm.generate(PROMPTS, GREEDY)
+    assert got[0].weight_version == v
+    assert _tokens(got) == _tokens(ref) and np.array_equal(_lps(got), _lps(ref))
+    llm.update_weights(base)
