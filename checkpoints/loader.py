@@ -21,7 +21,7 @@ from jaxinfer.runtime.host.tokenizer import Tokenizer, check_compatible, load_to
 class LoadedModel:
     cfg: ModelConfig
     params: Params
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None  # None: loaded with tokenizer=False
     source: Path
 
 
@@ -45,14 +45,21 @@ def resolve(model: str | Path) -> Path:
     return path
 
 
+def _tokenizer(path: Path, cfg):
+    return load_tokenizer(path, bos_id=cfg.bos_token_id, eos_ids=cfg.eos_token_ids or None)
+
+
 def load_model(model: str | Path, dtype: str = "float32", place=None, mesh=None,
-               keep_quantized: bool = False, keep_int4: bool = False) -> LoadedModel:
+               keep_quantized: bool = False, keep_int4: bool = False,
+               tokenizer: bool = True) -> LoadedModel:
     """`place(path, f32_array)`: optional per-leaf hook (quantization while streaming); a
     converted dir that is already quantized is restored as saved. `keep_quantized`: a GGUF's
     block-quantized matmul weights stay in their blocks (QuantizedArray fmt "gguf");
     `keep_int4`: a 4-bit HF checkpoint's (AWQ, GPTQ, compressed-tensors) stay int4. A hook with a
     `finish(cfg, params, tokenizer)` method (checkpoints.quantize.Placer) gets the assembled
-    params once everything is read (int8 smoothing calibrates there) and returns the final ones."""
+    params once everything is read (int8 smoothing calibrates there) and returns the final ones.
+    `tokenizer=False`: the weights only (LoadedModel.tokenizer None; a trainer's checkpoint for
+    update_weights need not carry one)."""
     from jaxinfer.checkpoints.orbax_io import is_converted, load_converted
 
     if dtype not in COMPUTE_DTYPES:
@@ -67,21 +74,22 @@ def load_model(model: str | Path, dtype: str = "float32", place=None, mesh=None,
         reader = open_gguf(path)  # the header (262k-entry vocab) is parsed once
         cfg, params = load_gguf(path, dtype=jdtype, reader=reader, place=place,
                                 keep_quantized=keep_quantized)
-        tok = load_gguf_tokenizer(path, reader=reader)
+        tok = load_gguf_tokenizer(path, reader=reader) if tokenizer else None
     elif is_converted(path):
         cfg, params = load_converted(path, dtype=jdtype, place=place, mesh=mesh)
-        tok = load_tokenizer(path, bos_id=cfg.bos_token_id, eos_ids=cfg.eos_token_ids or None)
+        tok = _tokenizer(path, cfg) if tokenizer else None
     elif (path / "config.json").is_file():
         from jaxinfer.checkpoints.hf import load_hf
 
         cfg, params = load_hf(path, dtype=jdtype, place=place, keep_int4=keep_int4)
-        tok = load_tokenizer(path, bos_id=cfg.bos_token_id, eos_ids=cfg.eos_token_ids or None)
+        tok = _tokenizer(path, cfg) if tokenizer else None
     else:
         raise CheckpointError(
             f"{path}: not a model: expected config.json (HF checkpoint), jaxinfer.json "
             "(a `jaxinfer convert` output) or a .gguf file"
         )
-    check_compatible(tok, cfg.vocab_size, str(path))
+    if tok is not None:
+        check_compatible(tok, cfg.vocab_size, str(path))
     finish = getattr(place, "finish", None)
     if finish is not None:
         params = finish(cfg, params, tok)

@@ -200,7 +200,7 @@ class Engine:
         # the weights' version (update_weights); every RequestOutput carries the one it ran on
         self._weight_version: int | str = 0
         self._staged = None  # (params, version, requests to drain first): update under "drain"
-        self._after_swap: list = []  # (Request, structured) added while an update drains
+        self._after_swap: list[Request] = []  # added while an update drains
         self._pending: list[RequestDelta] = []  # deltas of requests ended between steps
         self._sleep_level = 0  # 0 awake; 1 KV cache freed; 2 weights too (runtime/weights.py)
         self._host_params = None  # level 2: (host copies, shardings) of the weights
@@ -407,7 +407,11 @@ class Engine:
             self._admit(req)
 
     def _abort_delta(self, rid: str) -> RequestDelta:
-        if self.constraints is None or rid not in self.constraints.held:
+        """End unfinished request `rid` now (finish reason "abort"): its last delta."""
+        staged = [r for r in self._after_swap if r.request_id == rid]
+        if staged:  # waiting for an update's new weights
+            self._after_swap.remove(staged[0])
+        elif self.constraints is None or rid not in self.constraints.held:
             self.scheduler.abort(rid)
         self._release(rid)
         return self.outputs.finish(rid, "abort", time.monotonic())
@@ -501,13 +505,7 @@ class Engine:
     def abort(self, request_id: str) -> RequestOutput | None:
         if request_id not in self.outputs:
             return None
-        staged = [r for r in self._after_swap if r.request_id == request_id]
-        if staged:
-            self._after_swap.remove(staged[0])
-        elif self.constraints is None or request_id not in self.constraints.held:
-            self.scheduler.abort(request_id)
-        self._release(request_id)
-        return self.outputs.finish(request_id, "abort", time.monotonic()).output
+        return self._abort_delta(request_id).output
 
     @property
     def has_work(self) -> bool:

@@ -149,7 +149,7 @@ def read_weights(weights, engine):
     if isinstance(weights, (str, bytes)) or hasattr(weights, "__fspath__"):
         from jaxinfer.checkpoints.loader import load_model
 
-        loaded = load_model(weights, dtype=engine.ecfg.dtype)
+        loaded = load_model(weights, dtype=engine.ecfg.dtype, tokenizer=False)  # weights only
         if _arch(loaded.cfg) != _arch(engine.cfg):
             raise WeightError(f"{weights}: a different model ({loaded.cfg.architecture}, "
                               f"{loaded.cfg.num_layers} layers, hidden size "

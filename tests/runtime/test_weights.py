@@ -92,13 +92,16 @@ def test_update_equals_a_fresh_llm_and_compiles_nothing(llm, trained, tmp_path):
     assert c.n == 0, f"{c.n} compilations / traces after the first update"
     assert after[0].weight_version == v == llm.weight_version
     assert _tokens(after) != _tokens(before), "3 optimizer steps changed nothing"
-    d, fresh = _fresh(tmp_path, llm, params)
+    _, fresh = _fresh(tmp_path, llm, params)
     ref = fresh.generate(PROMPTS, GREEDY)
     assert _tokens(after) == _tokens(ref)
     np.testing.assert_allclose(_lps(after), _lps(ref), atol=1e-6, rtol=0)
-    # the same weights from the directory, as a checkpoint path
+    # the same weights from a directory (a trainer's: no tokenizer files), as a path
+    from jaxinfer.checkpoints.orbax_io import save_converted
+
+    bare = save_converted(tmp_path / "bare", llm.model.cfg, params, source="trainer")
     llm.update_weights(llm.get_weights())  # (back to a state to leave)
-    llm.update_weights(str(d), version="from-dir")
+    llm.update_weights(str(bare), version="from-dir")
     again = llm.generate(PROMPTS, GREEDY)
     assert _tokens(again) == _tokens(ref) and again[0].weight_version == "from-dir"
     np.testing.assert_allclose(_lps(again), _lps(ref), atol=1e-6, rtol=0)
