@@ -8,7 +8,8 @@
   workloads: batch 1 and 16 (prompts of 32 tokens, 64 out) and a mixed one (32 requests, prompts
   16-128, outputs 16-64); first run (compiling) and steady state (median of --repeats) apart.
 - `update_weights`: seconds to serve new weights from an in-memory Params tree (the first
-  update, then the median of --repeats) and from a `jaxinfer convert` directory.
+  update, then the median of --repeats) and from a `jaxinfer convert` directory; `sleep`:
+  device bytes in use awake, at level 1 and 2, and woken again.
 """
 
 from __future__ import annotations
@@ -67,6 +68,24 @@ def _update_times(llm, repeats: int, log) -> dict:
     return out
 
 
+def _sleep_bytes(llm, log) -> dict:
+    """Device bytes in use awake, asleep at level 1 and 2, and woken (runtime/weights.py)."""
+    import jax
+    import jax.numpy as jnp
+
+    llm.update_weights(jax.tree.map(jnp.copy, llm.get_weights()))  # arrays only it holds
+    one, two = llm.sleep(1), llm.sleep(2)
+    t = time.perf_counter()
+    woke = llm.wake_up()
+    out = {"awake": one["device_bytes_before"], "level_1": one["device_bytes_after"],
+           "level_2": two["device_bytes_after"], "woken": woke["device_bytes_after"],
+           "wake_s": time.perf_counter() - t}
+    mb = {k: v / 2 ** 20 for k, v in out.items() if k != "wake_s"}
+    log(f"  sleep: {mb['awake']:.0f} MiB awake, {mb['level_1']:.0f} at level 1, "
+        f"{mb['level_2']:.0f} at level 2, {mb['woken']:.0f} woken ({out['wake_s']:.2f} s)")
+    return out
+
+
 def run(model: str = "gemma3-270m", repeats: int = 3, max_slots: int = 16,
         engines=tuple(ENGINES), log=print) -> dict:
     from jaxinfer.runtime.llm import LLM
@@ -80,6 +99,7 @@ def run(model: str = "gemma3-270m", repeats: int = 3, max_slots: int = 16,
                "tensor_parallel": llm.config.tensor_parallel, **_throughput(llm, repeats, log)}
         if name == "one device":
             row["update_weights"] = _update_times(llm, repeats, log)
+            row["sleep"] = _sleep_bytes(llm, log)
         report["engines"][name] = row
         del llm
     if {"one device", "batch_invariant"} <= set(report["engines"]):

@@ -16,6 +16,8 @@ def test_report_rows(tiny_dir):
     assert all(row[w]["steady_tok_s"] > 0 and row[w]["first_tok_s"] > 0 for w in WORKLOADS)
     up = row["update_weights"]
     assert 0 < up["pytree_s"] and 0 < up["dir_s"] and 0 < up["pytree_first_s"]
+    sl = row["sleep"]
+    assert sl["level_2"] < sl["level_1"] < sl["awake"] and sl["woken"] > sl["level_2"]
     assert "invariant_vs_one_device" not in r  # needs both engines
     assert any("update_weights" in line for line in lines)
 
