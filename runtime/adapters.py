@@ -73,6 +73,19 @@ class Adapters:
             self._keep(a.key, weights)
             return a
 
+    def replace(self, name: str, path: str) -> tuple[Adapter, Adapter]:
+        """Re-register `name` from `path` (read and checked first: a bad adapter leaves the
+        old one registered) under a fresh key; -> (old, new)."""
+        path = str(path)
+        ad, weights = self._read(path)
+        with self._lock:
+            old = self.remove(name)
+            new = Adapter(name=name, path=path, key=f"{name}#{next(self._gen)}", rank=ad.rank,
+                          targets=ad.targets)
+            self._by_name[name], self._by_key[new.key] = new, new
+            self._keep(new.key, weights)
+            return old, new
+
     def remove(self, name: str) -> Adapter:
         with self._lock:
             a = self._by_name.pop(name)

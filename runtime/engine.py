@@ -307,6 +307,22 @@ class Engine:
         self.scheduler.evict_lora(a.key)
         self.adapters.remove(name)
 
+    def update_lora(self, name: str, path: str):
+        """Serve adapter `name` from new weights at `path` (a PEFT dir, read and checked first:
+        a bad one leaves the old weights serving). A fresh key: the old weights' device slot and
+        prefix-cache pages are never reused for it. Refused (AdapterInUse) while an unfinished
+        request uses it. -> the new Adapter."""
+        a = self.adapters.get(name) if self.adapters is not None else None
+        if a is None:
+            raise UnknownAdapter(f"unknown LoRA adapter {name!r}")
+        users = self.outputs.users_of(name)
+        if users:
+            raise AdapterInUse(f"LoRA adapter {name!r} is in use by {users} unfinished "
+                               "request(s): update it between requests")
+        old, new = self.adapters.replace(name, path)
+        self.scheduler.evict_lora(old.key)
+        return new
+
     def check_lora(self, name: str | None) -> None:
         self._lora_key(name)
 

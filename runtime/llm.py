@@ -194,6 +194,12 @@ class LLM:
         RequestOutput after it carries as `weight_version`."""
         return self.engine.update_weights(weights, version=version, policy=policy)
 
+    def update_lora(self, name: str, path: str):
+        """RL with adapters: serve LoRA adapter `name` from new weights (a PEFT dir), in its
+        device slot's place, with no recompile; refused while an unfinished request uses it; a
+        bad adapter leaves the old one serving. -> runtime.adapters.Adapter."""
+        return self.engine.update_lora(name, path)
+
     @property
     def weight_version(self) -> int | str:
         return self.engine.weight_version

@@ -20,6 +20,7 @@ from jaxinfer.runtime.device import lora as lora_ops
 from jaxinfer.runtime.device.attention import AttentionMetadata
 from jaxinfer.runtime.device.fused_projections import fuse_projections
 from jaxinfer.runtime.device.kv_cache import init_cache
+from jaxinfer.runtime.host.errors import AdapterInUse
 from jaxinfer.runtime.host.lora_slots import LoraSlots
 from jaxinfer.runtime.device.model import forward
 
@@ -276,3 +277,30 @@ def test_slot_table_reuses_idle_slots_least_recently_released_first():
     s.evict("a")
     assert s.loaded() == {"c": 2} and s.acquire("d") == 1
     assert s.refs() == {"c": 1, "d": 1}
+
+
+def test_update_lora_serves_the_new_weights_in_place(family, tmp_path):
+    """update_lora swaps an adapter's weights between requests: the tokens of the new weights
+    registered fresh, no compilation, the old ones back after a bad path is refused."""
+    base, adapters, _ = family
+    llm = LLM(str(base), enable_lora=True, max_loras=2, max_lora_rank=16, max_slots=4,
+              page_size=8, max_model_len=128)
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    a, b = (str(adapters[n][0]) for n in ("every-proj", "mlp-o"))
+    want_b = llm.generate(PROMPTS, sp, lora_request=LoRARequest("ref-b", 9, b))
+    first = llm.generate(PROMPTS, sp, lora_request=LoRARequest("rl", 1, a))
+    programs = llm.engine.compile_count
+    new = llm.update_lora("rl", b)
+    assert new.path == b
+    got = llm.generate(PROMPTS, sp, lora_request=LoRARequest("rl", 1, b))
+    assert [o.token_ids for o in got] == [o.token_ids for o in want_b]
+    assert [o.token_ids for o in got] != [o.token_ids for o in first]
+    assert llm.engine.compile_count == programs
+    with pytest.raises(CheckpointError, match="not a directory"):
+        llm.update_lora("rl", str(tmp_path / "missing"))
+    again = llm.generate(PROMPTS, sp, lora_request=LoRARequest("rl", 1, b))
+    assert [o.token_ids for o in again] == [o.token_ids for o in want_b]
+    rid = llm.engine.add_request(PROMPTS[0], sp, lora="rl")
+    with pytest.raises(AdapterInUse):
+        llm.update_lora("rl", a)
+    llm.engine.abort(rid)
