@@ -88,6 +88,8 @@ def page_buckets(ecfg: EngineConfig, max_pages: int, backend: str = "xla") -> tu
     program. The XLA attention path reads only the chunks of pages its sequences fill, whatever
     the width, so it takes one width (fewer programs to compile); the Pallas kernels walk the
     table, so short sequences get narrow ones (from 1)."""
+    if ecfg.batch_invariant:  # one width: attention's KV chunks are cut by it
+        return (max_pages,)
     default = max_pages if backend == "xla" else 1
     lo = min(_floor(ecfg.min_page_bucket, "JAXINFER_MIN_PAGE_BUCKET", default), max_pages)
     return pow_buckets(lo, max_pages, 4, cap=True)

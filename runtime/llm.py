@@ -194,6 +194,22 @@ class LLM:
         RequestOutput after it carries as `weight_version`."""
         return self.engine.update_weights(weights, version=version, policy=policy)
 
+    def logprob_fn(self):
+        """`fn(params, tokens [B, L]) -> [B, L - 1]` f32: each next token's logprob, the pure
+        function a trainer differentiates (runtime/device/scoring.py), bound to this engine's
+        model config, page size, page-table width and sampled vocabulary. With
+        batch_invariant=True and params = get_weights(), it equals the logprobs the engine's
+        rollouts report, bit for bit."""
+        from jaxinfer.runtime.device.scoring import sequence_logprobs
+
+        cfg, c, vocab = self.engine.cfg, self.config, self.engine.text_vocab
+
+        def logprobs(params, tokens):
+            return sequence_logprobs(params, cfg, tokens, page_size=c.page_size,
+                                     table_pages=c.pages_per_seq, vocab_limit=vocab)
+
+        return logprobs
+
     def update_lora(self, name: str, path: str):
         """RL with adapters: serve LoRA adapter `name` from new weights (a PEFT dir), in its
         device slot's place, with no recompile; refused while an unfinished request uses it; a

@@ -45,9 +45,13 @@ def engine_form(params, config, mesh=None):
     from jaxinfer.runtime.device.weight_layout import (cpu_pieces, output_major_layers,
                                                        use_output_major)
 
-    output_major = mesh is None and use_output_major(config.weight_layout, jax.default_backend())
+    # batch-invariant engines run the model's own layout by default: a trainer's forward on
+    # get_weights() then multiplies the same way, bit for bit (runtime/device/scoring.py)
+    plain = config.batch_invariant and config.weight_layout == "auto"
+    output_major = (mesh is None and not plain
+                    and use_output_major(config.weight_layout, jax.default_backend()))
     fuse = config.fuse_projections
-    if fuse or (fuse is None and not output_major):
+    if fuse or (fuse is None and not output_major and not config.batch_invariant):
         # one QKV and one gate/up weight (runtime/device/fused_projections.py)
         params = fuse_projections(params, 1 if mesh is None else mesh.shape["model"])
     if mesh is not None:

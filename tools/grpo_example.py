@@ -8,9 +8,10 @@ the 10 digit tokens) that add up to N; the reward is 1 - |sum - N| / 10. Each st
 `--samples` seeded completions per prompt through `LLM.generate` (with their logprobs), takes
 each group's rewards relative to its mean (GRPO's advantage), and takes one optax step on the
 clipped policy-gradient objective whose old logprobs are the ones the rollout reported; the
-trainer's logprobs come from `runtime.device.scoring.sequence_logprobs` on the model's own
-parameter layout (`LLM.get_weights()`), and `LLM.update_weights` puts the new weights in the
-engine. Every step after the first compiles nothing (counted from jax's compile events) and the
+trainer's logprobs come from `LLM.logprob_fn()` (runtime/device/scoring.py: the engine's
+forward as a pure function) on the model's own parameter layout (`LLM.get_weights()`), and
+`LLM.update_weights` puts the new weights in the engine. `--batch-invariant`: the rollout's
+logprobs equal the trainer's bit for bit (else within ~1e-6). Every step after the first compiles nothing (counted from jax's compile events) and the
 mean reward rises. Prints one line per step; `--out` writes the curve as JSON.
 """
 
@@ -57,7 +58,7 @@ class CompileCounter:
 
 def run(model: str | None = None, steps: int = 60, samples: int = 16,
         targets: tuple[int, ...] = (6, 12, 18, 24), lr: float = 0.003, clip: float = 0.2,
-        kl: float = 0.04, seed: int = 0, log=print) -> dict:
+        kl: float = 0.04, seed: int = 0, batch_invariant: bool = False, log=print) -> dict:
     """The loop; returns {"rewards": [mean reward per step], "compiles": [per step],
     "step_s": [...], "max_logprob_gap": [max |rollout - trainer| logprob per step]}."""
     import jax
@@ -67,14 +68,14 @@ def run(model: str | None = None, steps: int = 60, samples: int = 16,
 
     from jaxinfer.runtime.host.requests import SamplingParams
     from jaxinfer.runtime.llm import LLM
-    from jaxinfer.runtime.device.scoring import sequence_logprobs
 
     if model is None:
         from jaxinfer.tools.make_test_model import make
 
         model = str(make(tempfile.mkdtemp(prefix="grpo-model-"), "tiny", seed=seed))
     n_req = len(targets) * samples
-    llm = LLM(model, max_slots=n_req, page_size=8, max_model_len=64, enable_prefix_caching=False)
+    llm = LLM(model, max_slots=n_req, page_size=8, max_model_len=64, enable_prefix_caching=False,
+              batch_invariant=batch_invariant)
     tok, cfg = llm.tokenizer, llm.model.cfg
     digits = _digit_ids(tok)
     value = np.zeros(cfg.vocab_size, np.int32)
@@ -88,18 +89,23 @@ def run(model: str | None = None, steps: int = 60, samples: int = 16,
     state = on_device(opt.init(params))
 
     ref = params  # the KL term's reference policy: the weights the run starts from
+    sequence_logprobs = llm.logprob_fn()  # the engine's forward as a pure function of params
 
     def loss_fn(p, tokens, old_lp, ref_lp, adv):
-        lp = sequence_logprobs(p, cfg, tokens)[:, plen - 1:]  # [B, DIGITS]
+        lp = sequence_logprobs(p, tokens)[:, plen - 1:]  # [B, DIGITS]
         ratio = jnp.exp(lp - old_lp)
         obj = jnp.minimum(ratio * adv[:, None],
                           jnp.clip(ratio, 1 - clip, 1 + clip) * adv[:, None])
         d = ref_lp - lp  # KL(policy || reference) per token, the k3 estimator
         return -(obj - kl * (jnp.exp(d) - d - 1)).mean(), lp
 
+    # the trainer's forward alone (inside value_and_grad, XLA may fuse it otherwise: up to
+    # ~5e-7 apart even in batch-invariant mode)
+    forward = jax.jit(lambda p, tokens: sequence_logprobs(p, tokens)[:, plen - 1:])
+
     @jax.jit
     def train_step(p, s, tokens, old_lp, adv):
-        ref_lp = sequence_logprobs(ref, cfg, tokens)[:, plen - 1:]
+        ref_lp = sequence_logprobs(ref, tokens)[:, plen - 1:]
         (loss, lp), g = jax.value_and_grad(loss_fn, has_aux=True)(p, tokens, old_lp, ref_lp,
                                                                   adv)
         upd, s = opt.update(g, s, p)
@@ -122,7 +128,8 @@ def run(model: str | None = None, steps: int = 60, samples: int = 16,
             groups = reward.reshape(len(targets), samples)
             adv = (groups - groups.mean(1, keepdims=True)) / (groups.std(1, keepdims=True) + 1e-6)
             tokens = np.concatenate([np.repeat(np.asarray(prompts, np.int32), samples, 0), comp], 1)
-            params, state, loss, lp = train_step(params, state, tokens, old_lp,
+            lp = forward(params, tokens)  # [B, DIGITS]: what the trainer's model says
+            params, state, loss, _ = train_step(params, state, tokens, old_lp,
                                                  adv.reshape(-1).astype(np.float32))
             llm.update_weights(params)
             out["rewards"].append(float(reward.mean()))
@@ -145,11 +152,15 @@ def main(argv=None) -> int:
     ap.add_argument("--samples", type=int, default=16, help="completions per prompt")
     ap.add_argument("--lr", type=float, default=0.003)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="the engine's batch-invariant mode: the rollout's logprobs equal the "
+                         "trainer's bit for bit")
     ap.add_argument("--out", help="write the curve (rewards, compiles, step times) as JSON")
     a = ap.parse_args(argv)
     if a.steps < 1 or a.samples < 2:
         ap.error("--steps must be >= 1 and --samples >= 2 (a group needs two samples)")
-    out = run(a.model, a.steps, a.samples, lr=a.lr, seed=a.seed)
+    out = run(a.model, a.steps, a.samples, lr=a.lr, seed=a.seed,
+              batch_invariant=a.batch_invariant)
     r = out["rewards"]
     k = max(1, len(r) // 5)
     print(f"mean reward: first {k} steps {sum(r[:k]) / k:.3f}, last {k} {sum(r[-k:]) / k:.3f}; "

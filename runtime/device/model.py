@@ -126,8 +126,10 @@ def layer(
     lora: lora_ops.LoraLayer | None = None,
     lora_mask: jax.Array | None = None,  # [T, L] each row's adapter slot, one-hot
 ):
+    # the step's live token rows (they come first); every row where the loop must be static
+    live = None if backend == "xla_every_chunk" else md.cu_q_lens[md.num_seqs[0]]
     q, k, v = by_rows(lambda x_, pos, m: _qkv(lp, x_, pos, cfg, i, lora, m), cfg,
-                      x, md.positions, lora_mask)  # [T, Hq | Hkv | Hkv, Dh]
+                      x, md.positions, lora_mask, live=live)  # [T, Hq | Hkv | Hkv, Dh]
     k_pages = write_pages(k_pages, k, md.slot_mapping)
     v_pages = write_pages(v_pages, v, md.slot_mapping)
     o = attend(
@@ -138,7 +140,8 @@ def layer(
         backend=backend,
         row_tiles=cfg.batch_invariant,
     )  # [T, Hq, Dh]
-    x = by_rows(lambda x_, o_, m: _out_and_mlp(lp, x_, o_, cfg, lora, m), cfg, x, o, lora_mask)
+    x = by_rows(lambda x_, o_, m: _out_and_mlp(lp, x_, o_, cfg, lora, m), cfg, x, o, lora_mask,
+                live=live)
     return x, k_pages, v_pages
 
 
@@ -196,12 +199,14 @@ def _out_and_mlp(lp: LayerParams, x, o, cfg: ModelConfig, lora, lora_mask):
 INVARIANT_ROWS = 8
 
 
-def by_rows(fn, cfg: ModelConfig, *xs):
+def by_rows(fn, cfg: ModelConfig, *xs, live: jax.Array | None = None):
     """fn(*xs), xs pytrees of row-major arrays [T, ...] (None entries pass through). Under
-    cfg.batch_invariant in blocks of INVARIANT_ROWS rows, one block at a time (lax.map): every
-    product and reduction then has one shape whatever the step's row count, so a row's result
-    never depends on its neighbours (XLA:CPU rounds a 1-row dot unlike a 2-row one, and fused
-    row reductions by row count)."""
+    cfg.batch_invariant in blocks of INVARIANT_ROWS rows, one block at a time: every product and
+    reduction then has one shape whatever the step's row count, so a row's result never
+    depends on its neighbours (XLA:CPU rounds a 1-row dot unlike a 2-row one, and fused row
+    reductions by row count). `live` (int32 scalar): only the blocks holding the first `live`
+    rows run (a loop of dynamic length; the rows after come back 0); None: every block (a
+    loop of static length, which reverse-mode differentiation goes through)."""
     if not cfg.batch_invariant:
         return fn(*xs)
     r = INVARIANT_ROWS
@@ -211,7 +216,15 @@ def by_rows(fn, cfg: ModelConfig, *xs):
     def blocks(a):  # [T, ...] -> [T / r, r, ...]
         return jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(-1, r, *a.shape[1:])
 
-    out = jax.lax.map(lambda b: fn(*b), jax.tree.map(blocks, xs))
+    xb = jax.tree.map(blocks, xs)
+    if live is None:
+        out = jax.lax.map(lambda b: fn(*b), xb)
+    else:
+        one = lambda i: fn(*jax.tree.map(lambda a: a[i], xb))  # noqa: E731
+        out = jax.tree.map(lambda y: jnp.zeros(((t + pad) // r,) + y.shape, y.dtype),
+                           jax.eval_shape(one, 0))
+        out = jax.lax.fori_loop(0, (live + r - 1) // r, lambda i, acc: jax.tree.map(
+            lambda a, y: a.at[i].set(y), acc, one(i)), out)
     return jax.tree.map(lambda y: y.reshape(-1, *y.shape[2:])[:t], out)
 
 

@@ -10,8 +10,11 @@ with a loop of static length (backend "xla_every_chunk": differentiable, jax.gra
 `lp` gives the params' gradients). Padding tokens past a
 sequence's end are the caller's to mask: position t only sees tokens 0..t.
 
-`LLM.score` computes the same logprobs through the engine's steps (a prompt-logprob prefill):
-equal within float tolerance (tests/runtime/test_weights.py states it).
+`LLM.logprob_fn()` binds it to an engine (its page size, page-table width, vocabulary). The
+engine's rollouts and `LLM.score` agree with it within float tolerance (1e-5,
+tests/runtime/test_weights.py); with batch_invariant=True (the model's own layout, fixed row
+blocks, one query row per attention tile, the same KV chunks) bit for bit
+(tests/runtime/test_batch_invariant.py).
 """
 
 from __future__ import annotations
@@ -25,10 +28,12 @@ from jaxinfer.runtime.device.kv_cache import init_cache
 from jaxinfer.runtime.device.model import forward
 
 
-def batch_metadata(batch: int, length: int, page_size: int) -> tuple[AttentionMetadata, int]:
+def batch_metadata(batch: int, length: int, page_size: int, table_pages: int | None = None
+                   ) -> tuple[AttentionMetadata, int]:
     """B sequences of L tokens each computed whole in one step, sequence b in pages
     1 + b * P .. (b + 1) * P (P = ceil(L / page_size)), every row's logits; and the pages a
-    cache for them needs (B * P + 1)."""
+    cache for them needs (B * P + 1). `table_pages` >= P: the page table's width (the rest
+    point at the null page), as an engine's is."""
     p = -(-length // page_size)
     pos = jnp.tile(jnp.arange(length, dtype=jnp.int32), batch)  # [B * L]
     seq = jnp.repeat(jnp.arange(batch, dtype=jnp.int32), length)  # [B * L]
@@ -38,7 +43,7 @@ def batch_metadata(batch: int, length: int, page_size: int) -> tuple[AttentionMe
         slot_mapping=pages[seq, pos // page_size] * page_size + pos % page_size,
         cu_q_lens=jnp.arange(batch + 1, dtype=jnp.int32) * length,
         kv_lens=jnp.full((batch,), length, jnp.int32),
-        page_indices=pages,
+        page_indices=pages if table_pages is None else jnp.pad(pages, ((0, 0), (0, table_pages - p))),
         num_seqs=jnp.asarray([batch], jnp.int32),
         logits_indices=jnp.arange(batch * length, dtype=jnp.int32),
         max_q_len=length,
@@ -47,12 +52,13 @@ def batch_metadata(batch: int, length: int, page_size: int) -> tuple[AttentionMe
 
 
 def sequence_logprobs(params, cfg: ModelConfig, tokens: jax.Array, *, page_size: int = 16,
-                      vocab_limit: int | None = None) -> jax.Array:
+                      table_pages: int | None = None, vocab_limit: int | None = None
+                      ) -> jax.Array:
     """tokens [B, L] int32 -> [B, L - 1] f32: each next token's logprob (see the module doc).
     `vocab_limit`: ids at or past it are never sampled (the engine's text vocabulary, when the
     model's is padded past the tokenizer's): left out of the softmax, as the engine does."""
     b, length = tokens.shape
-    md, num_pages = batch_metadata(b, length, page_size)
+    md, num_pages = batch_metadata(b, length, page_size, table_pages)
     dtype = params.final_norm.dtype
     cache = init_cache(cfg, num_pages, page_size, dtype)
     logits, _ = forward(params, tokens.reshape(-1).astype(jnp.int32), cache, md, cfg,

@@ -135,7 +135,8 @@ def head(params: Params, h: jax.Array, arrays: dict[str, jax.Array], procs: Proc
         return jnp.pad(sample_rows(h[:rows], a), ((0, s - rows), (0, 0)))
 
     if cfg.batch_invariant:  # every row alike, in fixed blocks (model.by_rows)
-        packed = by_rows(sample_rows, cfg, h, {k: arrays[k] for k in SAMPLING_FIELDS})
+        packed = by_rows(sample_rows, cfg, h, {k: arrays[k] for k in SAMPLING_FIELDS},
+                         live=arrays["num_seqs"][0])  # the live sequences' rows come first
     elif rows is not None or s == 1 or cfg.vocab_size * cfg.hidden_size < ONE_ROW_HEAD_MIN:
         packed = head_and_sample(s if rows is None else rows)
     else:

@@ -89,3 +89,21 @@ def test_score_equals_the_rollout_bitwise(alone):
 def test_refused_where_not_invariant_yet(tiny_dir, options, named):
     with pytest.raises(OptionError, match=named):
         LLM(str(tiny_dir), **BASE, batch_invariant=True, **options)
+
+
+def test_the_trainers_function_equals_the_rollout_bitwise(alone):
+    """LLM.logprob_fn() on get_weights(): the pure function a trainer differentiates gives the
+    rollout's logprobs bit for bit, and its gradient exists."""
+    import jax
+    import jax.numpy as jnp
+
+    llm, outs = alone
+    prompts, _ = _workload()
+    fn, w = llm.logprob_fn(), llm.get_weights()
+    for p, o in list(zip(prompts, outs))[:8]:
+        lp = fn(w, jnp.asarray([p + o.token_ids], jnp.int32))[0, len(p) - 1:]
+        assert np.asarray(lp).tolist() == _lps(o)
+    toks = jnp.asarray([prompts[1][:6] + outs[1].token_ids[:4]], jnp.int32)
+    g = jax.grad(lambda w_: fn(w_, toks).sum())(w)
+    assert all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(g))
+    assert float(jnp.abs(g.layers[0].wq).sum()) > 0

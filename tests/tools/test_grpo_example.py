@@ -26,3 +26,10 @@ def test_cli_refuses_a_group_of_one(capsys):
     with pytest.raises(SystemExit):
         main(["--samples", "1"])
     assert "--samples" in capsys.readouterr().err
+
+
+def test_batch_invariant_rollouts_equal_the_trainers_logprobs(tiny_dir):
+    from jaxinfer.tools.grpo_example import run
+
+    out = run(str(tiny_dir), steps=3, samples=4, batch_invariant=True, log=lambda _: None)
+    assert out["max_logprob_gap"] == [0.0, 0.0, 0.0]
