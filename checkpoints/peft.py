@@ -111,3 +111,20 @@ def load_peft_adapter(path: str | Path, cfg: ModelConfig, max_rank: int) -> Lora
     return LoraAdapter(path=str(path), rank=rank,
                        targets=tuple(t for t in TARGETS if any(k[1] == t for k in tensors)),
                        tensors=tensors, base_model=conf.get("base_model_name_or_path"))
+
+
+def write_peft_tensors(tensors: dict, like: str | Path) -> str:
+    """A trainer's adapter tensors ({PEFT name: array}, e.g. "base_model.model.model.layers.0.
+    self_attn.q_proj.lora_A.weight") as a PEFT dir in a new temporary directory, with the
+    adapter_config.json of the adapter at `like` (its r, lora_alpha, targets); -> its path.
+    Checked when read (load_peft_adapter), like any adapter."""
+    import shutil
+    import tempfile
+
+    from safetensors.numpy import save_file
+
+    out = Path(tempfile.mkdtemp(prefix="jaxinfer-lora-"))
+    shutil.copy(Path(like) / "adapter_config.json", out / "adapter_config.json")
+    save_file({str(k): np.ascontiguousarray(np.asarray(v, np.float32)) for k, v in tensors.items()},
+              str(out / "adapter_model.safetensors"))
+    return str(out)

@@ -123,6 +123,7 @@ class Engine:
         self.cfg, self.params, self.tokenizer, self.ecfg = cfg, model.params, tokenizer, ecfg
         self.mesh, self.backend = model.mesh, model.backend
         self.adapters = None  # runtime.adapters.Adapters with enable_lora
+        self._lora_dirs: set[str] = set()  # update_lora's temporary dirs of in-memory tensors
         if ecfg.enable_lora:
             from jaxinfer.runtime.adapters import Adapters
 
@@ -308,10 +309,21 @@ class Engine:
                                "request(s)")
         self.scheduler.evict_lora(a.key)
         self.adapters.remove(name)
+        self._drop_lora_dir(a.path)
 
-    def update_lora(self, name: str, path: str):
-        """Serve adapter `name` from new weights at `path` (a PEFT dir, read and checked first:
-        a bad one leaves the old weights serving). A fresh key: the old weights' device slot and
+    def _drop_lora_dir(self, path: str) -> None:
+        """Delete a temporary dir update_lora wrote for in-memory tensors, once unused."""
+        if path in self._lora_dirs:
+            import shutil
+
+            self._lora_dirs.discard(path)
+            shutil.rmtree(path, ignore_errors=True)
+
+    def update_lora(self, name: str, weights):
+        """Serve adapter `name` from new weights: a PEFT dir, or a dict of its tensors by their
+        PEFT names (a trainer's: written beside a copy of the current adapter's
+        adapter_config.json, so its rank and alpha hold). Read and checked first: a bad one
+        leaves the old weights serving. A fresh key: the old weights' device slot and
         prefix-cache pages are never reused for it. Refused (AdapterInUse) while an unfinished
         request uses it. -> the new Adapter."""
         a = self.adapters.get(name) if self.adapters is not None else None
@@ -321,7 +333,17 @@ class Engine:
         if users:
             raise AdapterInUse(f"LoRA adapter {name!r} is in use by {users} unfinished "
                                "request(s): update it between requests")
-        old, new = self.adapters.replace(name, path)
+        if isinstance(weights, dict):
+            from jaxinfer.checkpoints.peft import write_peft_tensors
+
+            weights = write_peft_tensors(weights, like=a.path)
+            self._lora_dirs.add(weights)
+        try:
+            old, new = self.adapters.replace(name, weights)
+        except Exception:
+            self._drop_lora_dir(weights)
+            raise
+        self._drop_lora_dir(old.path)
         self.scheduler.evict_lora(old.key)
         return new
 

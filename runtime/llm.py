@@ -210,11 +210,12 @@ class LLM:
 
         return logprobs
 
-    def update_lora(self, name: str, path: str):
-        """RL with adapters: serve LoRA adapter `name` from new weights (a PEFT dir), in its
-        device slot's place, with no recompile; refused while an unfinished request uses it; a
-        bad adapter leaves the old one serving. -> runtime.adapters.Adapter."""
-        return self.engine.update_lora(name, path)
+    def update_lora(self, name: str, weights):
+        """RL with adapters: serve LoRA adapter `name` from new weights (a PEFT dir, or a dict
+        {PEFT tensor name: array} keeping the adapter's rank and alpha), in its device slot's
+        place, with no recompile; refused while an unfinished request uses it; a bad adapter
+        leaves the old one serving. -> runtime.adapters.Adapter."""
+        return self.engine.update_lora(name, weights)
 
     @property
     def weight_version(self) -> int | str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -300,6 +301,24 @@ def test_update_lora_serves_the_new_weights_in_place(family, tmp_path):
         llm.update_lora("rl", str(tmp_path / "missing"))
     again = llm.generate(PROMPTS, sp, lora_request=LoRARequest("rl", 1, b))
     assert [o.token_ids for o in again] == [o.token_ids for o in want_b]
+    # a trainer's tensors in memory (PEFT names), rank and alpha kept from the registered
+    # adapter: B doubled equals the same adapter with lora_alpha doubled (read from a dir)
+    from safetensors.numpy import load_file
+
+    mem = load_file(str(Path(b) / "adapter_model.safetensors"))
+    llm.update_lora("rl", {k: v * 2 if ".lora_B." in k else v for k, v in mem.items()})
+    alpha2 = json.loads((Path(b) / "adapter_config.json").read_text())["lora_alpha"] * 2
+    ref = _write_adapter(Path(b), tmp_path / "alpha2", config_edit={"lora_alpha": alpha2})
+    want = llm.generate(PROMPTS, sp, lora_request=LoRARequest("ref-alpha2", 8, str(ref)))
+    assert [o.token_ids for o in want] != [o.token_ids for o in want_b]
+    via_mem = [llm.engine.add_request(p, sp, lora="rl") for p in PROMPTS]
+    done = {}
+    while len(done) < len(via_mem):
+        done |= {d.request_id: d.output for d in llm.engine.step() if d.finished}
+    assert [done[r].token_ids for r in via_mem] == [o.token_ids for o in want]
+    written = llm.engine.adapters.get("rl").path
+    llm.update_lora("rl", b)  # the dir written for the tensors goes with them
+    assert not Path(written).exists()
     rid = llm.engine.add_request(PROMPTS[0], sp, lora="rl")
     with pytest.raises(AdapterInUse):
         llm.update_lora("rl", a)
