@@ -300,6 +300,14 @@ class Engine:
 
     def remove_lora(self, name: str) -> None:
         """Unload `name`; refused (ValueError) while an unfinished request uses it."""
+        a = self._idle_adapter(name)
+        self.scheduler.evict_lora(a.key)
+        self.adapters.remove(name)
+        self._drop_lora_dir(a.path)
+
+    def _idle_adapter(self, name: str):
+        """The adapter registered as `name`; UnknownAdapter, or AdapterInUse while an unfinished
+        request uses it."""
         a = self.adapters.get(name) if self.adapters is not None else None
         if a is None:
             raise UnknownAdapter(f"unknown LoRA adapter {name!r}")
@@ -307,9 +315,7 @@ class Engine:
         if users:
             raise AdapterInUse(f"LoRA adapter {name!r} is in use by {users} unfinished "
                                "request(s)")
-        self.scheduler.evict_lora(a.key)
-        self.adapters.remove(name)
-        self._drop_lora_dir(a.path)
+        return a
 
     def _drop_lora_dir(self, path: str) -> None:
         """Delete a temporary dir update_lora wrote for in-memory tensors, once unused."""
@@ -326,13 +332,7 @@ class Engine:
         leaves the old weights serving. A fresh key: the old weights' device slot and
         prefix-cache pages are never reused for it. Refused (AdapterInUse) while an unfinished
         request uses it. -> the new Adapter."""
-        a = self.adapters.get(name) if self.adapters is not None else None
-        if a is None:
-            raise UnknownAdapter(f"unknown LoRA adapter {name!r}")
-        users = self.outputs.users_of(name)
-        if users:
-            raise AdapterInUse(f"LoRA adapter {name!r} is in use by {users} unfinished "
-                               "request(s): update it between requests")
+        a = self._idle_adapter(name)
         if isinstance(weights, dict):
             from jaxinfer.checkpoints.peft import write_peft_tensors
 

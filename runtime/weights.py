@@ -251,8 +251,7 @@ def device_bytes() -> int:
 
 def to_host(tree):
     """(host copies of `tree`'s arrays, their shardings) for `from_host`."""
-    return (jax.tree.map(np.asarray, jax.device_get(tree)),
-            jax.tree.map(lambda x: x.sharding, tree))
+    return jax.device_get(tree), jax.tree.map(lambda x: x.sharding, tree)
 
 
 def from_host(host, shardings):

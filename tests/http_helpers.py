@@ -19,6 +19,22 @@ def http_server(llm, **config):
         s.stop()
 
 
+def call(server, method: str, path: str, body=None, token: str | None = None,
+         timeout: float = 120) -> tuple[int, dict | None]:
+    """(status, parsed JSON body or None) of `method path` with a JSON `body`, as `token`'s
+    bearer (None: no Authorization header)."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=timeout)
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    conn.request(method, path, body=json.dumps(body).encode() if body is not None else None,
+                 headers=headers)
+    r = conn.getresponse()
+    out = r.read()
+    conn.close()
+    return r.status, json.loads(out) if out else None
+
+
 def post_json(server, path: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
     """(status, parsed JSON body) of POST `path` with `body`."""
     conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=timeout)

@@ -45,19 +45,33 @@ def whole_sequence_metadata(
     positions, slot_mapping [T]; cu_q_lens [2]; kv_lens, num_seqs [1]; page_indices [1, P];
     logits_indices [T] or [1]. P = ceil(T / page_size).
     """
-    num_pages = -(-num_tokens // page_size)
-    pos = jnp.arange(num_tokens, dtype=jnp.int32)
+    md, pages = batch_metadata(1, num_tokens, page_size)
+    if not all_logits:
+        md = md.replace(logits_indices=jnp.asarray([num_tokens - 1], jnp.int32))
+    return md, pages
+
+
+def batch_metadata(batch: int, length: int, page_size: int, table_pages: int | None = None
+                   ) -> tuple[AttentionMetadata, int]:
+    """B sequences of L tokens each computed whole in one step, sequence b in pages
+    1 + b * P .. (b + 1) * P (P = ceil(L / page_size)), every row's logits; and the pages a
+    cache for them needs (B * P + 1). `table_pages` >= P: the page table's width (the rest
+    point at the null page), as an engine's is."""
+    p = -(-length // page_size)
+    pos = jnp.tile(jnp.arange(length, dtype=jnp.int32), batch)  # [B * L]
+    seq = jnp.repeat(jnp.arange(batch, dtype=jnp.int32), length)  # [B * L]
+    pages = 1 + jnp.arange(batch * p, dtype=jnp.int32).reshape(batch, p)  # [B, P]
     md = AttentionMetadata(
         positions=pos,
-        slot_mapping=pos + page_size,  # page 1 + pos // page_size, offset pos % page_size
-        cu_q_lens=jnp.asarray([0, num_tokens], jnp.int32),
-        kv_lens=jnp.asarray([num_tokens], jnp.int32),
-        page_indices=jnp.arange(1, num_pages + 1, dtype=jnp.int32)[None],
-        num_seqs=jnp.asarray([1], jnp.int32),
-        logits_indices=pos if all_logits else jnp.asarray([num_tokens - 1], jnp.int32),
-        max_q_len=num_tokens,
+        slot_mapping=pages[seq, pos // page_size] * page_size + pos % page_size,
+        cu_q_lens=jnp.arange(batch + 1, dtype=jnp.int32) * length,
+        kv_lens=jnp.full((batch,), length, jnp.int32),
+        page_indices=pages if table_pages is None else jnp.pad(pages, ((0, 0), (0, table_pages - p))),
+        num_seqs=jnp.asarray([batch], jnp.int32),
+        logits_indices=jnp.arange(batch * length, dtype=jnp.int32),
+        max_q_len=length,
     )
-    return md, num_pages + 1
+    return md, batch * p + 1
 
 
 def resolve_backend(name: str | None, platform: str | None = None) -> str:

@@ -126,8 +126,10 @@ def layer(
     lora: lora_ops.LoraLayer | None = None,
     lora_mask: jax.Array | None = None,  # [T, L] each row's adapter slot, one-hot
 ):
-    # the step's live token rows (they come first); every row where the loop must be static
-    live = None if backend == "xla_every_chunk" else md.cu_q_lens[md.num_seqs[0]]
+    # batch-invariant: the step's live token rows (they come first); every row where the loop
+    # must be static (a differentiated forward)
+    live = (md.cu_q_lens[md.num_seqs[0]]
+            if cfg.batch_invariant and backend != "xla_every_chunk" else None)
     q, k, v = by_rows(lambda x_, pos, m: _qkv(lp, x_, pos, cfg, i, lora, m), cfg,
                       x, md.positions, lora_mask, live=live)  # [T, Hq | Hkv | Hkv, Dh]
     k_pages = write_pages(k_pages, k, md.slot_mapping)

@@ -23,32 +23,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.runtime.config import ModelConfig
-from jaxinfer.runtime.device.attention import AttentionMetadata
+from jaxinfer.runtime.device.attention import batch_metadata
 from jaxinfer.runtime.device.kv_cache import init_cache
 from jaxinfer.runtime.device.model import forward
-
-
-def batch_metadata(batch: int, length: int, page_size: int, table_pages: int | None = None
-                   ) -> tuple[AttentionMetadata, int]:
-    """B sequences of L tokens each computed whole in one step, sequence b in pages
-    1 + b * P .. (b + 1) * P (P = ceil(L / page_size)), every row's logits; and the pages a
-    cache for them needs (B * P + 1). `table_pages` >= P: the page table's width (the rest
-    point at the null page), as an engine's is."""
-    p = -(-length // page_size)
-    pos = jnp.tile(jnp.arange(length, dtype=jnp.int32), batch)  # [B * L]
-    seq = jnp.repeat(jnp.arange(batch, dtype=jnp.int32), length)  # [B * L]
-    pages = 1 + jnp.arange(batch * p, dtype=jnp.int32).reshape(batch, p)  # [B, P]
-    md = AttentionMetadata(
-        positions=pos,
-        slot_mapping=pages[seq, pos // page_size] * page_size + pos % page_size,
-        cu_q_lens=jnp.arange(batch + 1, dtype=jnp.int32) * length,
-        kv_lens=jnp.full((batch,), length, jnp.int32),
-        page_indices=pages if table_pages is None else jnp.pad(pages, ((0, 0), (0, table_pages - p))),
-        num_seqs=jnp.asarray([batch], jnp.int32),
-        logits_indices=jnp.arange(batch * length, dtype=jnp.int32),
-        max_q_len=length,
-    )
-    return md, batch * p + 1
 
 
 def sequence_logprobs(params, cfg: ModelConfig, tokens: jax.Array, *, page_size: int = 16,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
-import http.client
 import json
 
 import grpc
@@ -15,6 +14,7 @@ import pytest
 from jaxinfer import LLM, LoRARequest, SamplingParams
 from jaxinfer.serve.grpc_server import ServerConfig, ServerThread
 from jaxinfer.serve.proto import jaxinfer_pb2, jaxinfer_pb2_grpc, jetstream_pb2, jetstream_pb2_grpc
+from tests.http_helpers import call as http_call
 
 peft = pytest.importorskip("peft")
 
@@ -68,16 +68,7 @@ def server(tiny_dir, adapters):
 
 
 def call(server, method, path, body=None, token=TOKEN):
-    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
-    headers = {"Content-Type": "application/json"}
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    conn.request(method, path, body=json.dumps(body).encode() if body is not None else None,
-                 headers=headers)
-    r = conn.getresponse()
-    out = r.read()
-    conn.close()
-    return r.status, json.loads(out) if out else None
+    return http_call(server, method, path, body, token)
 
 
 def complete(server, model):

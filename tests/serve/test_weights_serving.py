@@ -6,8 +6,6 @@ same through gRPC (UpdateWeights, Sleep, WakeUp)."""
 from __future__ import annotations
 
 import concurrent.futures
-import http.client
-import json
 import time
 from pathlib import Path
 
@@ -16,22 +14,14 @@ import pytest
 
 from jaxinfer import LLM, SamplingParams
 from tests.engines import TINY
+from tests.http_helpers import call as http_call
 
 TOKEN = "tok"
 PROMPT = "To be, or not to be, that is the question"
 
 
 def call(server, method, path, body=None, token=TOKEN):
-    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=120)
-    headers = {"Content-Type": "application/json"}
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    conn.request(method, path, body=json.dumps(body).encode() if body is not None else None,
-                 headers=headers)
-    r = conn.getresponse()
-    out = r.read()
-    conn.close()
-    return r.status, json.loads(out) if out else None
+    return http_call(server, method, path, body, token)
 
 
 def complete(server, max_tokens=8):
