@@ -123,8 +123,13 @@ def write_peft_tensors(tensors: dict, like: str | Path) -> str:
 
     from safetensors.numpy import save_file
 
+    arrays = {}
+    for k, v in tensors.items():
+        a = np.asarray(v, np.float32)
+        if not np.isfinite(a).all():
+            raise CheckpointError(f"LoRA tensor {k!r}: holds NaN or infinite values")
+        arrays[str(k)] = np.ascontiguousarray(a)
     out = Path(tempfile.mkdtemp(prefix="jaxinfer-lora-"))
     shutil.copy(Path(like) / "adapter_config.json", out / "adapter_config.json")
-    save_file({str(k): np.ascontiguousarray(np.asarray(v, np.float32)) for k, v in tensors.items()},
-              str(out / "adapter_model.safetensors"))
+    save_file(arrays, str(out / "adapter_model.safetensors"))
     return str(out)

@@ -398,6 +398,9 @@ class Engine:
         prefix cache is dropped at the swap. Returns the new version (default: the last + 1)."""
         if policy not in UPDATE_POLICIES:
             raise ValueError(f"policy must be one of {UPDATE_POLICIES}, got {policy!r}")
+        if version is not None and (isinstance(version, bool)
+                                    or not isinstance(version, (int, str))):
+            raise ValueError(f"version must be an int or a str, got {type(version).__name__}")
         new = rebuild(weights, self, *(self._host_params or (self.params, None)))
         # (asleep at level 2: checked against the host copies and their shardings; the new
         # weights go on the device and the engine sleeps on at level 1)
@@ -463,7 +466,7 @@ class Engine:
         trainer's own passed to update_weights, stay theirs). Requests are refused while asleep
         (EngineAsleep, a QueueFull: retry later); refused with unfinished requests. Returns
         {"device_bytes_before", "device_bytes_after"} (runtime/weights.device_bytes)."""
-        if level not in (1, 2):
+        if isinstance(level, bool) or level not in (1, 2):
             raise ValueError(f"level must be 1 or 2, got {level!r}")
         if self.outputs.ids() or self._staged is not None:
             raise RuntimeError(f"cannot sleep with {len(self.outputs.ids())} unfinished "

@@ -236,6 +236,9 @@ class LLM:
         under the serving weights, computed by the engine's own steps (a prompt-logprob
         prefill). Text completions are tokenized without special tokens. One list per pair."""
         prompts, completions = _prompt_list(prompts), _prompt_list(completions)
+        for name, v in (("prompts", prompts), ("completions", completions)):
+            if isinstance(v, (str, bytes)) or not isinstance(v, Sequence) or not v:
+                raise RequestError(name, "must be a prompt or a non-empty list of them")
         if len(prompts) != len(completions):
             raise RequestError("completions", f"needs one completion per prompt "
                                               f"({len(prompts)}), got {len(completions)}")
@@ -243,8 +246,13 @@ class LLM:
         seqs, cuts = [], []
         for i, (p, c) in enumerate(zip(prompts, completions)):
             pids = parse_prompt(p, self.tokenizer, limits)[1]
-            cids = (self.tokenizer.encode(c, add_special_tokens=False) if isinstance(c, str)
-                    else [int(t) for t in c])
+            if isinstance(c, str):
+                cids = self.tokenizer.encode(c, add_special_tokens=False)
+            elif isinstance(c, Sequence) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                 for t in c):
+                cids = list(c)
+            else:
+                raise RequestError(f"completions[{i}]", "must be text or a list of token ids")
             if not cids:
                 raise RequestError(f"completions[{i}]", "is empty")
             seqs.append(pids + cids)

@@ -316,6 +316,9 @@ def test_update_lora_serves_the_new_weights_in_place(family, tmp_path):
     while len(done) < len(via_mem):
         done |= {d.request_id: d.output for d in llm.engine.step() if d.finished}
     assert [done[r].token_ids for r in via_mem] == [o.token_ids for o in want]
+    with pytest.raises(CheckpointError, match="NaN"):
+        llm.update_lora("rl", {k: v * np.nan for k, v in mem.items()})
+    assert llm.engine.adapters.get("rl").path != b  # the doubled tensors still serve
     written = llm.engine.adapters.get("rl").path
     llm.update_lora("rl", b)  # the dir written for the tensors goes with them
     assert not Path(written).exists()

@@ -4,6 +4,7 @@ runtime.device.scoring.sequence_logprobs, the rollout's own logprobs) held to ea
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import jax
@@ -276,3 +277,22 @@ def test_update_while_asleep_lands_on_wake(llm, trained):
     assert got[0].weight_version == v
     assert _tokens(got) == _tokens(ref) and np.array_equal(_lps(got), _lps(ref))
     llm.update_weights(base)
+
+
+@pytest.mark.parametrize("call, named", [
+    (lambda llm: llm.update_weights(llm.get_weights(), version=[1]), "version"),
+    (lambda llm: llm.update_weights(llm.get_weights(), version=True), "version"),
+    (lambda llm: llm.sleep(True), "level"),
+    (lambda llm: llm.sleep(3), "level"),
+    (lambda llm: llm.score(PROMPTS[:1], None), "completions"),
+    (lambda llm: llm.score(PROMPTS[:1], [[1.5, 2]]), "completions[0]"),
+    (lambda llm: llm.score(PROMPTS[:1], [[10 ** 9]]), "prompt"),
+    (lambda llm: llm.score(PROMPTS[:1], [[3] * 10_000]), "max_model_len"),
+    (lambda llm: llm.score(PROMPTS[:2], [[3]]), "completions"),
+])
+def test_hostile_python_inputs_refused_naming_the_field(llm, call, named):
+    version = llm.weight_version
+    with pytest.raises(ValueError, match=re.escape(named)):
+        call(llm)
+    assert llm.weight_version == version and llm.engine.sleep_level == 0
+    assert llm.generate(PROMPTS[0], GREEDY)[0].finish_reason == "length"

@@ -123,3 +123,41 @@ def test_grpc_update_weights_sleep_and_wake(setup):
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
         assert stub.WakeUp(jaxinfer_pb2.WakeUpRequest(), metadata=auth).sleep_level == 0
         assert generate().finish_reason == "length"
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/update_weights", {"path": 7}, "path"),
+    ("/v1/update_weights", {"path": ""}, "path"),
+    ("/v1/update_weights", {"path": "x", "version": [1]}, "version"),
+    ("/v1/update_weights", {"path": "x", "version": 1.5}, "version"),
+    ("/v1/update_weights", {"path": "x", "policy": None}, "policy"),
+    ("/v1/update_weights", {"path": "x", "extra": 1}, "extra"),
+    ("/v1/update_weights", [1, 2], None),
+    ("/v1/update_weights", {"path": "/" * 100_000}, None),  # over the body limit: 413
+    ("/sleep", {"level": "2"}, "level"),
+    ("/sleep", {"level": True}, "level"),
+    ("/sleep", {"level": -1}, "level"),
+    ("/sleep", {"level": float("nan")}, "level"),
+])
+def test_hostile_admin_bodies_refused_and_serving_goes_on(setup, path, body, param):
+    server, _, ref = setup
+    status, out = call(server, "POST", path, body)
+    assert status in (400, 413), (status, out)
+    if param is not None and status == 400:
+        assert out["error"]["param"] == param, out
+    assert call(server, "GET", "/is_sleeping")[1]["is_sleeping"] is False
+    assert complete(server)[0] == 200
+
+
+def test_deeply_nested_body_refused(setup):
+    server, _, _ = setup
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
+    conn.request("POST", "/v1/update_weights", b"[" * 50_000 + b"]" * 50_000,
+                 {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+    r = conn.getresponse()
+    r.read()
+    conn.close()
+    assert r.status in (400, 413)
+    assert complete(server)[0] == 200
