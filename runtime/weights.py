@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.runtime.device import cpu_matmul
+from jaxinfer.runtime.device.cpu_matmul import PackedWeight
 from jaxinfer.runtime.device.quantization import QuantizedArray
 from jaxinfer.runtime.device.tree_paths import path_str
 from jaxinfer.runtime.device.weight_layout import OutputMajor
@@ -35,7 +37,7 @@ class WeightError(ValueError):
 
 
 def _is_leaf(x) -> bool:
-    return isinstance(x, (QuantizedArray, OutputMajor))
+    return isinstance(x, (QuantizedArray, OutputMajor, PackedWeight))
 
 
 def engine_form(params, config, mesh=None):
@@ -62,7 +64,7 @@ def engine_form(params, config, mesh=None):
     if output_major:
         # layer weights stored [out, in], a piece per core (runtime/device/weight_layout.py).
         # Not when split over host devices: the mixed workload measured 282 vs 288 tok/s there
-        params = output_major_layers(params, cpu_pieces())
+        params = output_major_layers(params, cpu_pieces(), kernels=cpu_matmul.available())
     # committed to the device, as the cache and every step's outputs are: a later version put
     # on the same device keeps the programs' signatures
     return jax.device_put(params, jax.devices()[0])
@@ -91,8 +93,8 @@ def _unfused(lp):
 
 def loaded_form(params):
     """The engine's params -> the model's own layout (see the module doc), without LoRA."""
-    params = jax.tree.map(lambda x: x.logical() if isinstance(x, OutputMajor) else x, params,
-                          is_leaf=_is_leaf)
+    params = jax.tree.map(lambda x: x.logical() if isinstance(x, (OutputMajor, PackedWeight))
+                          else x, params, is_leaf=_is_leaf)
     return params.replace(layers=tuple(_unfused(lp) for lp in params.layers), lora=None)
 
 

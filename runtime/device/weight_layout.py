@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxinfer.runtime.device.quantization import parse_einsum
+from jaxinfer.runtime.device import cpu_matmul
+from jaxinfer.runtime.device.quantization import QuantizedArray, parse_einsum
 
 # The axes each layer weight's einsum in runtime/device/model.py contracts (the rest are its outputs).
 CONTRACTED_AXES: dict[str, tuple[int, ...]] = {
@@ -97,16 +98,28 @@ def cpu_pieces() -> int:
     return 2 if (os.cpu_count() or 1) >= 2 else 1
 
 
-def output_major_layers(params, pieces: int = 1):
+def output_major_layers(params, pieces: int = 1, kernels: bool = False):
     """Params with each dense float layer weight in CONTRACTED_AXES as an `OutputMajor` (same
-    values, stored transposed, in `pieces` parts); other leaves (quantized weights, norms,
-    embeddings) as they are. For an unsharded model on CPU."""
+    values, stored transposed, in `pieces` parts) and, with `kernels`, each quantized matmul
+    weight the CPU kernels take (layers', embed, lm_head) as a `PackedWeight`
+    (runtime/device/cpu_matmul.py); other leaves (norms, what the kernels cannot take) as they
+    are. For an unsharded model on CPU."""
     def dense(lp) -> dict:
         return {f: w for f in CONTRACTED_AXES if isinstance(w := getattr(lp, f), jax.Array)
                 and jnp.issubdtype(w.dtype, jnp.floating)}
 
-    layers = tuple(lp.replace(**_output_major(dense(lp), pieces)) for lp in params.layers)
-    return params.replace(layers=layers)
+    def packed(obj, axes: dict) -> dict:
+        out = {}
+        for f, contracted in axes.items():
+            w = getattr(obj, f)
+            if kernels and isinstance(w, QuantizedArray) \
+                    and (p := cpu_matmul.pack(w, contracted)) is not None:
+                out[f] = p
+        return out
+
+    layers = tuple(lp.replace(**_output_major(dense(lp), pieces), **packed(lp, CONTRACTED_AXES))
+                   for lp in params.layers)
+    return params.replace(layers=layers, **packed(params, {"embed": (1,), "lm_head": (1,)}))
 
 
 @functools.partial(jax.jit, static_argnames=("pieces",))

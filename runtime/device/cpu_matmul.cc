@@ -1,0 +1,385 @@
+// CPU products with weights kept narrow: y[M, N] = x[M, K] . w[N, K]^T, called from jitted code
+// through XLA's FFI (runtime/device/cpu_matmul.py builds, loads and calls this file; its jnp
+// reference is QuantizedArray.dequantize followed by a dot).
+//
+// Weights are stored in panels of 16 output channels: panel p holds channels 16p..16p+15, input
+// by input (k-major), so one 16-lane vector is one input of 16 channels. Groups of G inputs share
+// one f32 scale (and offset) per channel: w[n, k] = q[n, k] * scale[n, k / G] + offset[n, k / G].
+//   q [P, K, 16]        I8    int8                (int8 per channel, GGUF Q8_0 / Q5_x / Q6_K)
+//                       E4M3  fp8 e4m3fn bytes, read as f16 bits: the value / 2^8 (the caller
+//                             folds 2^8 into the scales)
+//                       F32   f32, no scales (G = K, scale 1): dense products with few rows
+//   q [P, K / 2, 16]    U4    byte: input 2t in the low nibble, 2t + 1 in the high (0..15)
+//                       S4    as U4, the value minus 8 (symmetric int4, GGUF Q4_0)
+//   scale / offset [P, K / G, 16]
+// Values are widened in registers (q * scale, then + offset: as the reference widens them), never
+// written out. Every output element is one thread's sum over k in order, acc = fma(w_k, x_k, acc),
+// whatever the thread count and the number of rows in the product (batch invariant): row tiles
+// and the scratch panel of many-row products only share widened weights between elements.
+// Threads: XLA's intra-op pool; the caller works too, and waits only for chunks others started.
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+enum Kind : int32_t { I8 = 0, U4 = 1, S4 = 2, E4M3 = 3, F32 = 4 };
+
+// ------------------------------------------------------------------ 16 f32 lanes
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+struct V {
+  __m512 v;
+};
+inline V vzero() { return {_mm512_setzero_ps()}; }
+inline V vload(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline V vfma(V a, V b, V c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline V vadd(V a, V b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline V vmul(V a, V b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline V vset(float s) { return {_mm512_set1_ps(s)}; }
+inline void vstoreu(float* p, V a) { _mm512_storeu_ps(p, a.v); }
+inline V dec_i8(const uint8_t* p) {
+  __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b))};
+}
+inline V dec_e4m3(const uint8_t* p) {  // sign << 15 | (exp, mantissa) << 7 as f16
+  __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                              _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
+  return {_mm512_cvtph_ps(h)};
+}
+template <bool kSigned>
+inline void dec_4(const uint8_t* p, V& lo, V& hi) {
+  __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  __m128i m = _mm_set1_epi8(0x0F);
+  __m512i l = _mm512_cvtepu8_epi32(_mm_and_si128(b, m));
+  __m512i h = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), m));
+  if (kSigned) {
+    l = _mm512_sub_epi32(l, _mm512_set1_epi32(8));
+    h = _mm512_sub_epi32(h, _mm512_set1_epi32(8));
+  }
+  lo = {_mm512_cvtepi32_ps(l)};
+  hi = {_mm512_cvtepi32_ps(h)};
+}
+constexpr const char* kIsa = "avx512";
+#else
+// Portable: plain loops over 16 lanes, vectorised by the compiler for the host (AVX2, NEON...).
+struct V {
+  float v[16];
+};
+inline V vzero() { return V{}; }
+inline V vload(const float* p) {
+  V r;
+  std::memcpy(r.v, p, sizeof(r.v));
+  return r;
+}
+inline V vfma(V a, V b, V c) {
+  for (int i = 0; i < 16; ++i) c.v[i] = __builtin_fmaf(a.v[i], b.v[i], c.v[i]);
+  return c;
+}
+inline V vadd(V a, V b) {
+  for (int i = 0; i < 16; ++i) a.v[i] += b.v[i];
+  return a;
+}
+inline V vmul(V a, V b) {
+  for (int i = 0; i < 16; ++i) a.v[i] *= b.v[i];
+  return a;
+}
+inline V vset(float s) {
+  V r;
+  for (int i = 0; i < 16; ++i) r.v[i] = s;
+  return r;
+}
+inline void vstoreu(float* p, V a) { std::memcpy(p, a.v, sizeof(a.v)); }
+inline V dec_i8(const uint8_t* p) {
+  V r;
+  for (int i = 0; i < 16; ++i) r.v[i] = static_cast<float>(static_cast<int8_t>(p[i]));
+  return r;
+}
+inline float half_to_float(uint16_t h) {
+  uint32_t e = (h >> 10) & 0x1F, m = h & 0x3FF;
+  float mag = e ? __builtin_ldexpf(static_cast<float>(m | 0x400), static_cast<int>(e) - 25)
+                : __builtin_ldexpf(static_cast<float>(m), -24);
+  return (h & 0x8000) ? -mag : mag;
+}
+inline V dec_e4m3(const uint8_t* p) {
+  V r;
+  for (int i = 0; i < 16; ++i)
+    r.v[i] = half_to_float(static_cast<uint16_t>(((p[i] & 0x80) << 8) | ((p[i] & 0x7F) << 7)));
+  return r;
+}
+template <bool kSigned>
+inline void dec_4(const uint8_t* p, V& lo, V& hi) {
+  const int bias = kSigned ? 8 : 0;
+  for (int i = 0; i < 16; ++i) {
+    lo.v[i] = static_cast<float>((p[i] & 0x0F) - bias);
+    hi.v[i] = static_cast<float>((p[i] >> 4) - bias);
+  }
+}
+constexpr const char* kIsa = "portable";
+#endif
+
+// ------------------------------------------------------------------ the product
+
+struct Problem {
+  const float* x;       // [M, K]
+  const uint8_t* q;     // [P, panel bytes]
+  const float* scale;   // [P, K / G, 16]
+  const float* offset;  // [P, K / G, 16] or null
+  float* y;             // [M, 16 P]
+  int64_t m, n, k, g, panel_bytes;
+};
+
+template <Kind kKind>
+constexpr int kStep = (kKind == U4 || kKind == S4) ? 2 : 1;  // inputs per 16-byte load
+
+// Inputs k (and k + 1 for 4-bit, in w[1]) of panel `pq` widened, with its group's scales s and
+// offsets o (16 channels).
+template <Kind kKind, bool kOffset>
+inline void widen(const uint8_t* pq, int64_t k, const float* s, const float* o, V* w) {
+  if constexpr (kKind == F32) {
+    w[0] = vload(reinterpret_cast<const float*>(pq) + k * 16);
+  } else {
+    const V sv = vload(s);
+    if constexpr (kKind == U4 || kKind == S4) {
+      dec_4<kKind == S4>(pq + k / 2 * 16, w[0], w[1]);
+      w[1] = vmul(w[1], sv);
+    } else if constexpr (kKind == I8) {
+      w[0] = dec_i8(pq + k * 16);
+    } else {
+      w[0] = dec_e4m3(pq + k * 16);
+    }
+    w[0] = vmul(w[0], sv);
+    if constexpr (kOffset) {
+      const V ov = vload(o);
+      w[0] = vadd(w[0], ov);
+      if constexpr (kKind == U4 || kKind == S4) w[1] = vadd(w[1], ov);
+    }
+  }
+}
+
+inline const float* group_ptr(const float* a, const Problem& p, int64_t panel, int64_t j) {
+  return a ? a + (panel * (p.k / p.g) + j) * 16 : nullptr;
+}
+
+// Few rows: rows r0..r0+R x panels p0..p0+NP, the weights widened in registers.
+template <int R, int NP, Kind kKind, bool kOffset>
+inline void tile_direct(const Problem& p, int64_t r0, int64_t p0) {
+  constexpr int step = kStep<kKind>;
+  V acc[R][NP];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NP; ++c) acc[r][c] = vzero();
+  for (int64_t j = 0; j < p.k / p.g; ++j) {
+    const float *s[NP], *o[NP];
+    for (int c = 0; c < NP; ++c) {
+      s[c] = group_ptr(p.scale, p, p0 + c, j);
+      o[c] = group_ptr(p.offset, p, p0 + c, j);
+    }
+    for (int64_t k = j * p.g; k < (j + 1) * p.g; k += step) {
+      V w[NP][2];
+      for (int c = 0; c < NP; ++c)
+        widen<kKind, kOffset>(p.q + (p0 + c) * p.panel_bytes, k, s[c], o[c], w[c]);
+      for (int i = 0; i < step; ++i)
+        for (int r = 0; r < R; ++r) {
+          const V xv = vset(p.x[(r0 + r) * p.k + k + i]);
+          for (int c = 0; c < NP; ++c) acc[r][c] = vfma(w[c][i], xv, acc[r][c]);
+        }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NP; ++c) vstoreu(p.y + (r0 + r) * p.n + (p0 + c) * 16, acc[r][c]);
+}
+
+// Many rows: panels p0..p0+NP widened once into `wide` [NP, K, 16], then row tiles of R.
+template <int R, int NP>
+inline void tile_wide(const Problem& p, const float* wide, int64_t r0, int64_t p0) {
+  V acc[R][NP];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NP; ++c) acc[r][c] = vzero();
+  for (int64_t k = 0; k < p.k; ++k) {
+    V w[NP];
+    for (int c = 0; c < NP; ++c) w[c] = vload(wide + (c * p.k + k) * 16);
+    for (int r = 0; r < R; ++r) {
+      const V xv = vset(p.x[(r0 + r) * p.k + k]);
+      for (int c = 0; c < NP; ++c) acc[r][c] = vfma(w[c], xv, acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NP; ++c) vstoreu(p.y + (r0 + r) * p.n + (p0 + c) * 16, acc[r][c]);
+}
+
+constexpr int64_t kWideRows = 16;  // from this many rows, widen each panel pair once
+
+template <int NP>
+inline void rows_wide(const Problem& p, const float* wide, int64_t c) {
+  int64_t r = 0;
+  for (; r + 12 <= p.m; r += 12) tile_wide<12, NP>(p, wide, r, c);
+  for (; r + 4 <= p.m; r += 4) tile_wide<4, NP>(p, wide, r, c);
+  for (; r < p.m; ++r) tile_wide<1, NP>(p, wide, r, c);
+}
+
+template <Kind kKind, bool kOffset>
+void run_panels(const Problem& p, int64_t a, int64_t b) {
+  constexpr int step = kStep<kKind>;
+  if (p.m < kWideRows) {
+    int64_t c = a;
+    for (; c + 4 <= b; c += 4) {  // a chunk is whole groups of 4 panels but the last
+      int64_t r = 0;
+      for (; r + 4 <= p.m; r += 4) {
+        tile_direct<4, 2, kKind, kOffset>(p, r, c);
+        tile_direct<4, 2, kKind, kOffset>(p, r, c + 2);
+      }
+      for (; r + 2 <= p.m; r += 2) tile_direct<2, 4, kKind, kOffset>(p, r, c);
+      for (; r < p.m; ++r) tile_direct<1, 4, kKind, kOffset>(p, r, c);
+    }
+    for (; c < b; ++c)
+      for (int64_t r = 0; r < p.m; ++r) tile_direct<1, 1, kKind, kOffset>(p, r, c);
+    return;
+  }
+  thread_local std::vector<float> wide;
+  wide.resize(2 * p.k * 16);
+  for (int64_t c = a; c < b; c += 2) {
+    const int np = std::min<int64_t>(2, b - c);
+    for (int i = 0; i < np; ++i)
+      for (int64_t j = 0; j < p.k / p.g; ++j) {
+        const float* s = group_ptr(p.scale, p, c + i, j);
+        const float* o = group_ptr(p.offset, p, c + i, j);
+        for (int64_t k = j * p.g; k < (j + 1) * p.g; k += step) {
+          V w[2];
+          widen<kKind, kOffset>(p.q + (c + i) * p.panel_bytes, k, s, o, w);
+          for (int t = 0; t < step; ++t) vstoreu(wide.data() + (i * p.k + k + t) * 16, w[t]);
+        }
+      }
+    if (np == 2) rows_wide<2>(p, wide.data(), c);
+    else rows_wide<1>(p, wide.data(), c);
+  }
+}
+
+using PanelsFn = void (*)(const Problem&, int64_t, int64_t);
+
+PanelsFn pick(Kind kind, bool offset) {
+  switch (kind) {
+    case I8: return offset ? run_panels<I8, true> : run_panels<I8, false>;
+    case U4: return offset ? run_panels<U4, true> : run_panels<U4, false>;
+    case S4: return offset ? run_panels<S4, true> : run_panels<S4, false>;
+    case E4M3: return offset ? run_panels<E4M3, true> : run_panels<E4M3, false>;
+    case F32: return run_panels<F32, false>;
+  }
+  return nullptr;
+}
+
+// ------------------------------------------------------------------ threads
+
+struct Job {
+  Problem p;
+  PanelsFn fn;
+  int64_t chunk, chunks, panels;
+  std::atomic<int64_t> next{0}, done{0};
+  std::mutex mu;
+  std::condition_variable cv;
+
+  void work() {
+    for (;;) {
+      const int64_t c = next.fetch_add(1);
+      if (c >= chunks) return;
+      fn(p, c * chunk, std::min(panels, (c + 1) * chunk));
+      if (done.fetch_add(1) + 1 == chunks) {
+        std::lock_guard<std::mutex> lock(mu);
+        cv.notify_all();
+      }
+    }
+  }
+};
+
+// Below this much work (weight bytes read + 4 x multiply-adds) a product runs on the calling
+// thread: waking a helper costs more than it saves.
+constexpr int64_t kThreadedWork = 1 << 20;
+
+void run(ffi::ThreadPool& pool, const Problem& p, PanelsFn fn) {
+  const int64_t panels = p.n / 16;
+  const int64_t work = panels * p.panel_bytes + 4 * p.m * p.n * p.k;
+  const int64_t threads = work < kThreadedWork ? 1 : std::max<int64_t>(1, pool.num_threads());
+  // several chunks per thread (so a late helper still helps), of whole groups of 4 panels
+  const int64_t want = threads == 1 ? 1 : threads * 4;
+  const int64_t chunk = std::max<int64_t>(4, (panels + want - 1) / want + 3) / 4 * 4;
+  auto job = std::make_shared<Job>();
+  job->p = p;
+  job->fn = fn;
+  job->chunk = chunk;
+  job->panels = panels;
+  job->chunks = (panels + chunk - 1) / chunk;
+  if (threads == 1 || job->chunks == 1) {
+    fn(p, 0, panels);
+    return;
+  }
+  for (int64_t t = 1; t < std::min(threads, job->chunks); ++t) pool.Schedule([job] { job->work(); });
+  job->work();
+  // every chunk is claimed; wait for the ones helpers are finishing
+  std::unique_lock<std::mutex> lock(job->mu);
+  job->cv.wait(lock, [&] { return job->done.load() == job->chunks; });
+}
+
+ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
+                   ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
+                   ffi::ResultBuffer<ffi::F32> y, int32_t kind, int64_t group) {
+  const auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions(),
+             yd = y->dimensions();
+  if (xd.size() != 2 || qd.size() != 2 || sd.size() != 2 || yd.size() != 2)
+    return ffi::Error::InvalidArgument("jaxinfer_qmatmul: x, q, scale and y must be 2-D");
+  Problem p{};
+  p.m = xd[0];
+  p.k = xd[1];
+  p.n = yd[1];
+  p.g = group;
+  const Kind kd = static_cast<Kind>(kind);
+  if (kd < I8 || kd > F32) return ffi::Error::InvalidArgument("jaxinfer_qmatmul: unknown kind");
+  const bool four = kd == U4 || kd == S4;
+  p.panel_bytes = 16 * (four ? p.k / 2 : (kd == F32 ? p.k * 4 : p.k));
+  if (p.g <= 0 || p.k % p.g || (four && p.g % 2) || (kd == F32 && p.g != p.k))
+    return ffi::Error::InvalidArgument("jaxinfer_qmatmul: the group must divide K (evenly for 4-bit)");
+  const int64_t groups = p.k / p.g;
+  const int64_t q_bytes = qd[1] * static_cast<int64_t>(ffi::ByteWidth(q.element_type()));
+  if (yd[0] != p.m || p.n % 16 || qd[0] * 16 != p.n || q_bytes != p.panel_bytes ||
+      (kd != F32 && (sd[0] * 16 != p.n || sd[1] != groups * 16)))
+    return ffi::Error::InvalidArgument("jaxinfer_qmatmul: weight shapes do not match x and y");
+  const bool has_offset = offset.element_count() > 0;
+  if (has_offset && (kd == F32 || offset.element_count() != p.n * groups))
+    return ffi::Error::InvalidArgument("jaxinfer_qmatmul: offsets must match the scales");
+  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+  p.x = x.typed_data();
+  p.q = static_cast<const uint8_t*>(q.untyped_data());
+  p.scale = kd == F32 ? nullptr : scale.typed_data();
+  p.offset = has_offset ? offset.typed_data() : nullptr;
+  p.y = y->typed_data();
+  run(pool, p, pick(kd, has_offset));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferQMatmul, QMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::AnyBuffer>()         // q [P, panel bytes / itemsize]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale [P, K / G * 16]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // offset like scale, or [0]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, 16 P]
+                                  .Attr<int32_t>("kind")
+                                  .Attr<int64_t>("group"));
+
+extern "C" const char* jaxinfer_cpu_matmul_isa() { return kIsa; }

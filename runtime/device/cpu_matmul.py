@@ -1,0 +1,337 @@
+"""Quantized weights multiplied on CPU without widening them in memory: XLA FFI kernels.
+
+XLA:CPU cannot fuse a weight's unpacking and widening into its dot: it writes every widened
+weight out on every step, and runs each small product on one core. `cpu_matmul.cc` (beside this
+file) reads the narrow values in registers and splits each product over the host's cores
+(XLA's own intra-op threads). Its reference is `QuantizedArray.dequantize` followed by a dot.
+
+Build: compiled on first use with the host's C++ compiler (`$CXX`, else g++ / c++) for this
+CPU's instruction set (`-march=native`: AVX-512 where the host has it, the compiler's own
+vectorisation of the portable path elsewhere, ARM included), into `$JAXINFER_CACHE/kernels/`
+keyed by the source, the compiler, the CPU's feature flags and jaxlib's version. A compile on
+the host that runs it, rather than a wheel: hosts of one machine kind differ in instruction
+sets, and `pip install` needs no compiler. Without a compiler (or with
+`JAXINFER_CPU_KERNELS=0`) the engine runs XLA's path and says so once.
+
+`PackedWeight` is a weight in the kernel's layout: output channels in panels of 16, each panel
+input by input (one 16-byte load = one input of 16 channels), with one f32 scale (and offset)
+per channel and group of G inputs along the contracted axes:
+    kind  q [P, ...]                                    from
+    i8    int8 [K, 16]                                  int8 per channel, GGUF Q8_0 / Q5_x / Q6_K
+    u4    uint8 [K / 2, 16]: input 2t low nibble,       int4 / GGUF Q4_K, Q4_1 (with offsets)
+          2t + 1 high
+    s4    as u4, the value minus 8                      symmetric int4, GGUF Q4_0
+    e4m3  fp8 bytes [K, 16] (scales x 2^8, see the .cc) fp8 per channel
+Its `einsum` takes the spec model code writes ("td,dhk->thk"); `logical()` gives back the
+QuantizedArray it was made from, value for value (get_weights, update_weights).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxinfer.runtime.device.quantization import QuantizedArray, pack_nibbles, parse_einsum
+
+log = logging.getLogger("jaxinfer")
+
+TARGET = "jaxinfer_qmatmul"
+KINDS = {"i8": 0, "u4": 1, "s4": 2, "e4m3": 3}
+_SOURCE = Path(__file__).with_name("cpu_matmul.cc")
+_E4M3_SCALE = 256.0  # e4m3 bits read as f16 are the value / 2^8 (cpu_matmul.cc)
+
+
+# ------------------------------------------------------------------------- build and load
+
+
+def _compiler() -> str | None:
+    for c in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if c and shutil.which(c):
+            return c
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.machine() + platform.processor()
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("JAXINFER_CACHE")
+    return (Path(base) if base else Path.home() / ".cache" / "jaxinfer") / "kernels"
+
+
+def library_path() -> Path | None:
+    """The compiled kernel library for this host, compiled now if it is not there yet; None
+    without a compiler (or if it fails: the error is logged)."""
+    cxx = _compiler()
+    if cxx is None:
+        _warn_once("no C++ compiler found (set $CXX or install g++)")
+        return None
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    import jaxlib
+
+    key = hashlib.sha256(b"\0".join(s.encode() if isinstance(s, str) else s for s in (
+        _SOURCE.read_bytes(), version, _cpu_flags(), jaxlib.__version__))).hexdigest()[:20]
+    out = _cache_dir() / f"cpu_matmul-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    base = [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-w",
+            "-isystem", jax.ffi.include_dir(), str(_SOURCE), "-o", tmp]
+    for arch in (["-march=native"], ["-mcpu=native"], []):
+        r = subprocess.run(base[:1] + arch + base[1:], capture_output=True, text=True)
+        if r.returncode == 0:
+            os.replace(tmp, out)  # atomic: a concurrent build writes the same file
+            return out
+    os.unlink(tmp)
+    _warn_once(f"compiling {_SOURCE.name} failed:\n{r.stderr[-2000:]}")
+    return None
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(why: str) -> None:
+    if why not in _warned:
+        _warned.add(why)
+        log.warning("jaxinfer: CPU quantized-matmul kernels unavailable (%s); quantized weights "
+                    "run on XLA's slower path. Set JAXINFER_CPU_KERNELS=0 to silence this.", why)
+
+
+@functools.cache
+def load() -> str | None:
+    """Register the kernels with XLA; the instruction set they were built for ("avx512",
+    "portable"), or None when they are switched off or cannot be built."""
+    if os.environ.get("JAXINFER_CPU_KERNELS", "1") == "0":
+        return None
+    path = library_path()
+    if path is None:
+        return None
+    try:
+        lib = ctypes.CDLL(str(path))
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxinferQMatmul),
+                                    platform="cpu")
+        lib.jaxinfer_cpu_matmul_isa.restype = ctypes.c_char_p
+        return lib.jaxinfer_cpu_matmul_isa().decode()
+    except (OSError, AttributeError) as e:
+        _warn_once(f"loading {path} failed: {e}")
+        return None
+
+
+def available(platform: str | None = None) -> bool:
+    """Whether this process multiplies quantized weights with the kernels (CPU only)."""
+    return (platform or jax.default_backend()) == "cpu" and load() is not None
+
+
+def qmatmul(x: jax.Array, q: jax.Array, scale: jax.Array, offset: jax.Array | None, kind: str,
+            group: int) -> jax.Array:
+    """x f32 [M, K] . w^T -> f32 [M, 16 P] for w in panels (module doc: q [P, ...], scale and
+    offset [P, K / group * 16])."""
+    if load() is None:
+        raise RuntimeError("the CPU matmul kernels are not available (see the log)")
+    off = jnp.zeros((0,), jnp.float32) if offset is None else offset
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], 16 * q.shape[0]),
+                                                         jnp.float32))
+    return call(x.astype(jnp.float32), q, scale, off, kind=np.int32(KINDS[kind]),
+                group=np.int64(group))
+
+
+# --------------------------------------------------------------------------- the weight type
+
+
+@struct.dataclass
+class PackedWeight:
+    q: jax.Array  # [P, K * 16] int8 | uint8 (e4m3 bits); [P, K / 2 * 16] uint8 (4-bit)
+    scale: jax.Array  # f32 [P, K / group * 16]
+    offset: jax.Array | None  # like scale
+    kind: str = struct.field(pytree_node=False)
+    group: int = struct.field(pytree_node=False)
+    order: tuple[int, ...] = struct.field(pytree_node=False)  # logical axis of each stored axis
+    dims: tuple[int, ...] = struct.field(pytree_node=False)  # stored (logical-axis) sizes
+    n_out: int = struct.field(pytree_node=False)  # output axes lead `order`
+    like: tuple = struct.field(pytree_node=False)  # the QuantizedArray's statics (logical())
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.dims[self.order.index(i)] for i in range(len(self.order)))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.order)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in (self.q, self.scale, self.offset) if a is not None)
+
+    @property
+    def n(self) -> int:
+        return int(np.prod(self.dims[:self.n_out], dtype=np.int64))
+
+    def einsum(self, spec: str, x: jax.Array) -> jax.Array:
+        """`jnp.einsum(spec, x, w)` with w's logical axes; returns x.dtype (f32 accumulation)."""
+        xs, ws, out = parse_einsum(spec, x.ndim, self.ndim)
+        stored = "".join(ws[i] for i in self.order)
+        w_out, w_con = stored[:self.n_out], stored[self.n_out:]
+        free = "".join(c for c in xs if c not in w_con)
+        if (set(w_out) & set(xs)) or not set(w_con) <= set(xs) or set(w_con) & set(out):
+            raise ValueError(f"PackedWeight.einsum: {spec!r} is not a plain product of its "
+                             f"contracted axes {w_con!r}")
+        xt = jnp.transpose(x, [xs.index(c) for c in free + w_con])
+        m = int(np.prod(xt.shape[:len(free)], dtype=np.int64))
+        y = qmatmul(xt.reshape(m, -1), self.q, self.scale, self.offset, self.kind, self.group)
+        y = y[:, :self.n].reshape(xt.shape[:len(free)] + self.dims[:self.n_out])
+        return jnp.transpose(y, [(free + w_out).index(c) for c in out]).astype(x.dtype)
+
+    def _channels(self, a: jax.Array, ids) -> jax.Array:
+        """Panel-layout leaf [P, L * 16] -> [len(ids), L] (channels `ids`, all channels if None)."""
+        a = a.reshape(a.shape[0], -1, 16)
+        if ids is None:
+            return jnp.swapaxes(a, 1, 2).reshape(-1, a.shape[1])
+        return a[ids // 16, :, ids % 16]
+
+    def _widened(self, ids=None) -> jax.Array:
+        """f32 weights [n, K] of channels `ids` (stored order), as the kernel widens them."""
+        q = self._channels(self.q, ids)
+        scale = self._channels(self.scale, ids)
+        if self.kind in ("u4", "s4"):
+            v = jnp.stack([q & 0xF, q >> 4], axis=-1).reshape(q.shape[0], -1)
+            v = v.astype(jnp.float32) - (8.0 if self.kind == "s4" else 0.0)
+        elif self.kind == "e4m3":
+            v = jax.lax.bitcast_convert_type(q, jnp.float8_e4m3fn).astype(jnp.float32)
+            scale = scale / _E4M3_SCALE
+        else:
+            v = q.astype(jnp.float32)
+        w = v.reshape(v.shape[0], scale.shape[1], -1) * scale[..., None]
+        if self.offset is not None:
+            w = w + self._channels(self.offset, ids)[..., None]
+        return w.reshape(v.shape)
+
+    def take_rows(self, ids: jax.Array) -> jax.Array:
+        """Rows `ids` of a [V, D] table (embedding lookup) in the compute dtype."""
+        if self.ndim != 2 or self.order != (0, 1):
+            raise ValueError("take_rows needs a [V, D] table with its rows as output channels")
+        return self._widened(ids.reshape(-1)).reshape(ids.shape + (-1,)).astype(self.like[5])
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        return self.logical().dequantize(dtype)
+
+    def logical(self) -> QuantizedArray:
+        """The QuantizedArray this weight was packed from."""
+        fmt, mode, reduce_axes, group_size, group_axis, dtype, values_dtype, scale_dtype, \
+            offset_dtype = self.like
+        inverse = [self.order.index(i) for i in range(self.ndim)]
+        n = self.n
+        four = self.kind in ("u4", "s4")
+        q = self._channels(self.q, None)[:n]
+        if four:
+            v = jnp.stack([q & 0xF, q >> 4], axis=-1).reshape(n, -1)
+            v = v.astype(jnp.int8) - (8 if self.kind == "s4" else 0)
+        else:
+            v = q
+        v = jnp.transpose(v.reshape(self.dims), inverse)
+        if four:
+            v = pack_nibbles(v, group_axis)
+        values = jax.lax.bitcast_convert_type(v, jnp.dtype(values_dtype)) \
+            if self.kind == "e4m3" else v.astype(jnp.dtype(values_dtype))
+
+        def back(a, dt, mult=1.0):
+            if a is None:
+                return None
+            kept = list(self.dims)
+            for ax in range(self.n_out, self.ndim):
+                kept[ax] = 1 if group_size is None else kept[ax]
+            if group_size is not None:
+                kept[self.order.index(group_axis)] //= group_size
+            a = self._channels(a, None)[:n] / mult
+            return jnp.transpose(a.reshape(kept), inverse).astype(dt)
+
+        return QuantizedArray(
+            values=values, scales=back(self.scale, scale_dtype,
+                                       _E4M3_SCALE if self.kind == "e4m3" else 1.0),
+            offsets=back(self.offset, offset_dtype), fmt=fmt, mode=mode,
+            reduce_axes=reduce_axes, group_size=group_size, group_axis=group_axis, dtype=dtype)
+
+
+def kernel_kind(w: QuantizedArray) -> str | None:
+    """The kernel that multiplies `w` (weight-only math), or None (XLA's path)."""
+    if w.mode != "weight_only":
+        return None  # W8A8 quantizes activations: XLA's int8 dot does that
+    if w.packed:
+        return "s4" if w.offsets is None else "u4"
+    if w.values.dtype == jnp.int8:
+        return "i8"
+    if w.values.dtype == jnp.float8_e4m3fn:
+        return "e4m3"
+    return None
+
+
+def pack(w: QuantizedArray, contracted: tuple[int, ...]) -> PackedWeight | None:
+    """`w` (whose product contracts the logical axes `contracted`) in the kernel's layout, or
+    None when the kernel cannot take it (a mode or dtype it has no path for, groups across
+    contracted axes)."""
+    kind = kernel_kind(w)
+    contracted = tuple(sorted(contracted))
+    if kind is None or (w.group_axis != contracted[-1] if w.group_size
+                        else tuple(w.reduce_axes) != contracted):
+        return None  # groups must run along the last contracted axis: K in order
+    k = int(np.prod([w.shape[a] for a in contracted]))
+    group = w.group_size or k
+    if k % group or (kind in ("u4", "s4") and group % 2):
+        return None
+    return _pack(w, contracted, kind, group)
+
+
+def _panels(a: jax.Array, n: int) -> jax.Array:
+    """[n, L] per channel -> [P, L * 16] (channels padded with zeros to whole panels of 16)."""
+    a = jnp.pad(a, [(0, -n % 16), (0, 0)])
+    return jnp.swapaxes(a.reshape(-1, 16, a.shape[1]), 1, 2).reshape(a.shape[0] // 16, -1)
+
+
+def _pack(w: QuantizedArray, contracted, kind: str, group: int) -> PackedWeight:
+    order = tuple(i for i in range(w.ndim) if i not in contracted) + contracted
+    dims = tuple(w.shape[i] for i in order)
+    n_out = w.ndim - len(contracted)
+    n = int(np.prod(dims[:n_out], dtype=np.int64))
+    ints = w._ints(w.values)
+    if kind == "e4m3":
+        ints = jax.lax.bitcast_convert_type(ints, jnp.uint8)
+    q = jnp.transpose(ints, order).reshape(n, -1)
+    if kind in ("u4", "s4"):
+        u = (q.astype(jnp.int16) + (8 if kind == "s4" else 0)).astype(jnp.uint8)
+        q = u[:, 0::2] | (u[:, 1::2] << 4)
+
+    def per_channel(a, mult=1.0):
+        if a is None:
+            return None
+        return _panels(jnp.transpose(a, order).reshape(n, -1).astype(jnp.float32) * mult, n)
+
+    like = (w.fmt, w.mode, tuple(w.reduce_axes), w.group_size, w.group_axis, w.dtype,
+            jnp.dtype(w.values.dtype).name, jnp.dtype(w.scales.dtype).name,
+            None if w.offsets is None else jnp.dtype(w.offsets.dtype).name)
+    return PackedWeight(q=_panels(q, n),
+                        scale=per_channel(w.scales, _E4M3_SCALE if kind == "e4m3" else 1.0),
+                        offset=per_channel(w.offsets), kind=kind, group=group, order=order,
+                        dims=dims, n_out=n_out, like=like)
