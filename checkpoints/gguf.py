@@ -558,6 +558,8 @@ def iter_gguf_tensors(reader, source: str, blocks: frozenset[str] = frozenset(),
             yield t.name, KeptBlocks(t.name, kind, q, scale, offset, keep), source
         else:
             yield t.name, _dequantize(t, source), source
+        if hasattr(reader, "release"):  # consumed: its mapped pages leave the resident set
+            reader.release(t)
 
 
 def _check_unsupported_types(reader, source: str) -> None:

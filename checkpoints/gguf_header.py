@@ -188,3 +188,13 @@ class GGUFFile:
             else:
                 data = raw.reshape(quant_shape_to_byte_shape(np_dims, qtype))
             self.tensors.append(Tensor(name, qtype, dims, n, n_bytes, start, data))
+
+    def release(self, t: Tensor) -> None:
+        """Drop tensor `t`'s file pages from this process' resident memory once it is read (a
+        later read faults them in again from the page cache): a whole model's mapped pages
+        would otherwise count in the loading process' peak RSS beside its decoded copy."""
+        page = mmap.PAGESIZE
+        start = t.data_offset // page * page
+        end = min(len(self._map), -(-(t.data_offset + t.n_bytes) // page) * page)
+        if end > start and hasattr(self._map, "madvise"):
+            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)

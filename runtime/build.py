@@ -123,8 +123,9 @@ def load(model: str, options: dict) -> Prepared:
     draft = None
     if config.speculative is not None and config.speculative.method == "draft":
         draft = _load_draft(model, loaded.cfg, params, config)
+    # params came from this load alone: the engine's form replaces them as it is built
     return prepare(loaded.cfg, params, loaded.tokenizer, config, mesh=mesh, draft=draft,
-                   source=loaded.source)
+                   source=loaded.source, consume=True)
 
 
 def _load_draft(target: str, cfg: ModelConfig, params, config: EngineConfig) -> tuple:
@@ -150,9 +151,11 @@ def _load_draft(target: str, cfg: ModelConfig, params, config: EngineConfig) -> 
 
 
 def prepare(cfg: ModelConfig, params, tokenizer, config: EngineConfig, *, mesh=None,
-            draft: tuple | None = None, source: str | None = None) -> Prepared:
+            draft: tuple | None = None, source: str | None = None,
+            consume: bool = False) -> Prepared:
     """The loaded parameters in the form the engine runs them, under `config`. A draft that is
-    the target itself (`draft[1] is params`) follows the target's form."""
+    the target itself (`draft[1] is params`) follows the target's form. `consume`: `params`
+    are given up to the engine (engine_form deletes what it lays out anew)."""
     import jax
 
     from jaxinfer.runtime.device.attention import resolve_backend
@@ -177,7 +180,7 @@ def prepare(cfg: ModelConfig, params, tokenizer, config: EngineConfig, *, mesh=N
         if jax.process_count() > 1:
             raise ValueError("LoRA adapters with several hosts are not supported yet")
         params = params.replace(lora=init_lora(cfg, config.max_loras, config.max_lora_rank))
-    params = engine_form(params, config, mesh)
+    params = engine_form(params, config, mesh, consume=consume)
     if draft is not None and draft[1] is loaded:  # the target drafts itself
         draft = (draft[0], params)
     return Prepared(cfg=cfg, params=params, tokenizer=tokenizer, config=config, mesh=mesh,

@@ -26,7 +26,8 @@ from typing import Any
 FORMATS = ("int8", "fp8", "int4")  # what weights can be quantized to as they load
 # EngineConfig.quantization: None = the weights as the checkpoint stores them (on TPU/GPU a
 # GGUF's block formats stay quantized, recorded as "gguf", and a 4-bit HF checkpoint's stay
-# int4; on CPU both are dequantized: quantization.keeps_gguf_blocks); a FORMAT ("int4" on a
+# int4; on CPU too when its kernels load, else both are dequantized:
+# quantization.keeps_gguf_blocks); a FORMAT ("int4" on a
 # 4-bit HF checkpoint keeps its weights on any platform); "gguf" = keep a GGUF's blocks on any
 # platform; "dequantize" = every weight in the compute dtype.
 QUANTIZATIONS = (None, *FORMATS, "gguf", "dequantize")

@@ -40,9 +40,10 @@ def _is_leaf(x) -> bool:
     return isinstance(x, (QuantizedArray, OutputMajor, PackedWeight))
 
 
-def engine_form(params, config, mesh=None):
+def engine_form(params, config, mesh=None, consume: bool = False):
     """Loaded-layout params (with the engine's LoRA stack, if any) -> the form the engine runs
-    under `config`."""
+    under `config`. `consume`: `params` are the caller's to give up (a fresh load): weights
+    relaid out are deleted as they go, so the model is never held twice."""
     from jaxinfer.runtime.device.fused_projections import fuse_projections
     from jaxinfer.runtime.device.weight_layout import (cpu_pieces, output_major_layers,
                                                        use_output_major)
@@ -64,7 +65,8 @@ def engine_form(params, config, mesh=None):
     if output_major:
         # layer weights stored [out, in], a piece per core (runtime/device/weight_layout.py).
         # Not when split over host devices: the mixed workload measured 282 vs 288 tok/s there
-        params = output_major_layers(params, cpu_pieces(), kernels=cpu_matmul.available())
+        params = output_major_layers(params, cpu_pieces(), kernels=cpu_matmul.available(),
+                                     consume=consume)
     # committed to the device, as the cache and every step's outputs are: a later version put
     # on the same device keeps the programs' signatures
     return jax.device_put(params, jax.devices()[0])

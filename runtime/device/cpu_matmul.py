@@ -313,8 +313,18 @@ def _panels(a: jax.Array, n: int) -> jax.Array:
 def _pack(w: QuantizedArray, contracted, kind: str, group: int) -> PackedWeight:
     order = tuple(i for i in range(w.ndim) if i not in contracted) + contracted
     dims = tuple(w.shape[i] for i in order)
-    n_out = w.ndim - len(contracted)
-    n = int(np.prod(dims[:n_out], dtype=np.int64))
+    like = (w.fmt, w.mode, tuple(w.reduce_axes), w.group_size, w.group_axis, w.dtype,
+            jnp.dtype(w.values.dtype).name, jnp.dtype(w.scales.dtype).name,
+            None if w.offsets is None else jnp.dtype(w.offsets.dtype).name)
+    q, scale, offset = _pack_arrays(w, order, w.ndim - len(contracted), kind)
+    return PackedWeight(q=q, scale=scale, offset=offset, kind=kind, group=group, order=order,
+                        dims=dims, n_out=w.ndim - len(contracted), like=like)
+
+
+@functools.partial(jax.jit, static_argnames=("order", "n_out", "kind"))
+def _pack_arrays(w: QuantizedArray, order, n_out: int, kind: str):
+    """One program per weight shape and kind (a 262k-row table packs in one pass)."""
+    n = int(np.prod([w.shape[i] for i in order[:n_out]], dtype=np.int64))
     ints = w._ints(w.values)
     if kind == "e4m3":
         ints = jax.lax.bitcast_convert_type(ints, jnp.uint8)
@@ -328,10 +338,5 @@ def _pack(w: QuantizedArray, contracted, kind: str, group: int) -> PackedWeight:
             return None
         return _panels(jnp.transpose(a, order).reshape(n, -1).astype(jnp.float32) * mult, n)
 
-    like = (w.fmt, w.mode, tuple(w.reduce_axes), w.group_size, w.group_axis, w.dtype,
-            jnp.dtype(w.values.dtype).name, jnp.dtype(w.scales.dtype).name,
-            None if w.offsets is None else jnp.dtype(w.offsets.dtype).name)
-    return PackedWeight(q=_panels(q, n),
-                        scale=per_channel(w.scales, _E4M3_SCALE if kind == "e4m3" else 1.0),
-                        offset=per_channel(w.offsets), kind=kind, group=group, order=order,
-                        dims=dims, n_out=n_out, like=like)
+    return (_panels(q, n), per_channel(w.scales, _E4M3_SCALE if kind == "e4m3" else 1.0),
+            per_channel(w.offsets))

@@ -98,12 +98,13 @@ def cpu_pieces() -> int:
     return 2 if (os.cpu_count() or 1) >= 2 else 1
 
 
-def output_major_layers(params, pieces: int = 1, kernels: bool = False):
+def output_major_layers(params, pieces: int = 1, kernels: bool = False, consume: bool = False):
     """Params with each dense float layer weight in CONTRACTED_AXES as an `OutputMajor` (same
     values, stored transposed, in `pieces` parts) and, with `kernels`, each quantized matmul
     weight the CPU kernels take (layers', embed, lm_head) as a `PackedWeight`
     (runtime/device/cpu_matmul.py); other leaves (norms, what the kernels cannot take) as they
-    are. For an unsharded model on CPU."""
+    are. For an unsharded model on CPU. `consume`: the weights replaced are deleted as their new
+    form is ready (a fresh load: the process never holds the model twice)."""
     def dense(lp) -> dict:
         return {f: w for f in CONTRACTED_AXES if isinstance(w := getattr(lp, f), jax.Array)
                 and jnp.issubdtype(w.dtype, jnp.floating)}
@@ -117,9 +118,17 @@ def output_major_layers(params, pieces: int = 1, kernels: bool = False):
                 out[f] = p
         return out
 
-    layers = tuple(lp.replace(**_output_major(dense(lp), pieces), **packed(lp, CONTRACTED_AXES))
+    def replace(obj, new: dict):
+        if consume:
+            jax.block_until_ready(new)
+            for f in new:
+                for a in jax.tree.leaves(getattr(obj, f)):
+                    a.delete()
+        return obj.replace(**new)
+
+    layers = tuple(replace(lp, {**_output_major(dense(lp), pieces), **packed(lp, CONTRACTED_AXES)})
                    for lp in params.layers)
-    return params.replace(layers=layers, **packed(params, {"embed": (1,), "lm_head": (1,)}))
+    return replace(params.replace(layers=layers), packed(params, {"embed": (1,), "lm_head": (1,)}))
 
 
 @functools.partial(jax.jit, static_argnames=("pieces",))
