@@ -174,11 +174,14 @@ def quantization_spec(params) -> dict | None:
     found = []
 
     def visit(kp, a):
+        if hasattr(a, "abstract"):  # a weight in a kernel's layout (cpu_matmul.PackedWeight)
+            a = a.abstract()
         if isinstance(a, QuantizedArray):
             found.append((path_str(kp), a))
         return a
 
-    jax.tree_util.tree_map_with_path(visit, params, is_leaf=lambda a: isinstance(a, QuantizedArray))
+    jax.tree_util.tree_map_with_path(
+        visit, params, is_leaf=lambda a: isinstance(a, QuantizedArray) or hasattr(a, "abstract"))
     if not found:
         return None
     tables = [(p, a) for p, a in found if weight_name(p) in EMBEDDING_WEIGHTS]

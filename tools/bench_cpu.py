@@ -6,9 +6,11 @@
 1. Matmul table: a chain of 16 [M, D] x [D, D] products (D = --width, tanh between, one jitted
    program) at M = 1, 8, 32, 256; microseconds per product, median of --repeats:
    XLA on one device; XLA with each weight output-major in a piece per core (the engine's
-   unsplit CPU layout, runtime/device/weight_layout.py); XLA split over the host devices (column-split
-   then row-split products with an all-reduce, as tensor parallelism lays a layer out); torch
-   with one thread and with every core (when torch is installed).
+   unsplit CPU layout, runtime/device/weight_layout.py); the weights int8 / fp8 per channel and
+   int4 in groups of 64, widened by XLA and multiplied by the CPU kernels
+   (runtime/device/cpu_matmul.py); XLA split over the host devices (column-split then row-split
+   products with an all-reduce, as tensor parallelism lays a layer out); torch with one thread
+   and with every core (when torch is installed).
 2. Step kinds on --model: decode steps of 1 / 8 / 32 sequences (median inter-token latency) and
    a mixed step (one 256-token prompt chunk, time to first token): matmul GFLOP/s achieved
    (2 x rows x layer weights, plus the vocabulary projection per logits row) beside the chain's
@@ -76,6 +78,7 @@ def matmul_table(width: int, repeats: int) -> dict:
 
     engine_row = f"XLA, output-major in {pieces} pieces (engine)"
     out: dict[str, dict[int, float]] = {"XLA, one device": {}, engine_row: {}}
+    out.update(_quantized_rows(ws, repeats, rng))
     n = jax.device_count()
     if n > 1 and width % n == 0:
         from jaxinfer.runtime.device.sharding import make_mesh
@@ -115,10 +118,43 @@ def matmul_table(width: int, repeats: int) -> dict:
     return out
 
 
+# quantized forms of the chain's weights: (row name, quantize(...) arguments)
+QUANTIZED = (("int8 per channel", "int8", {}), ("fp8 per channel", "fp8", {}),
+             ("int4, groups of 64", "int4", {}))
+
+
+def _quantized_rows(ws: list, repeats: int, rng) -> dict:
+    """us per product of the chain with quantized weights: XLA's path (the weight widened in
+    the program) and the CPU kernels (runtime/device/cpu_matmul.py) where they load."""
+    from jaxinfer.runtime.device import cpu_matmul
+    from jaxinfer.runtime.device.quantization import quantize
+
+    @jax.jit
+    def qchain(x, qs):
+        for w in qs:
+            x = jnp.tanh(w.einsum("md,de->me", x))
+        return x
+
+    out = {}
+    isa = cpu_matmul.load()
+    for name, fmt, kw in QUANTIZED:
+        qs = [quantize(jnp.asarray(w), fmt, (0,), mode="weight_only", **kw) for w in ws]
+        forms = {f"XLA, {name} (widened)": qs}
+        if isa is not None:
+            forms[f"kernel ({isa}), {name}"] = [cpu_matmul.pack(w, (0,)) for w in qs]
+        for row, weights in forms.items():
+            out[row] = {m: _median_us(qchain, (jnp.asarray(
+                rng.standard_normal((m, ws[0].shape[0])).astype(np.float32)), weights), repeats)
+                for m in ROWS}
+    return out
+
+
 def _layer_weights(params) -> int:
     """Weights every token row multiplies (the layers' matmuls; embeddings are a gather)."""
-    return sum(int(np.prod(x.shape)) for lp in params.layers for x in jax.tree.leaves(lp)
-               if len(x.shape) >= 2)
+    import dataclasses
+
+    return sum(int(np.prod(w.shape)) for lp in params.layers for f in dataclasses.fields(lp)
+               if len(getattr(w := getattr(lp, f.name), "shape", ())) >= 2)
 
 
 def step_kinds(llm, repeats: int) -> dict:

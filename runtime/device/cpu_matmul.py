@@ -238,6 +238,10 @@ class PackedWeight:
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         return self.logical().dequantize(dtype)
 
+    def abstract(self) -> QuantizedArray:
+        """`logical()`'s format and shapes, computing nothing (ShapeDtypeStruct leaves)."""
+        return jax.eval_shape(self.logical)
+
     def logical(self) -> QuantizedArray:
         """The QuantizedArray this weight was packed from."""
         fmt, mode, reduce_axes, group_size, group_axis, dtype, values_dtype, scale_dtype, \

@@ -176,7 +176,7 @@ def test_llm_keeps_a_checkpoints_int4(tiny_dir, tmp_path):
     expected = make_int4_dir(tiny_dir, tmp_path / "ct", "ct-asym", 16)
     llm = LLM(str(tmp_path / "ct"), quantization="int4", max_slots=2, page_size=8,
               max_model_len=64)
-    params = llm.engine.params
+    params = llm.get_weights()  # the model's own layout (the engine's may be a kernel's)
     spec = quantization_spec(params)
     assert spec["fmt"] == "int4" and spec["embeddings"]["fmt"] == "int8"
     assert {"layers.0.wo", "layers.1.w_down", "embed"} <= set(spec["weights"])

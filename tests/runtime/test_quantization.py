@@ -294,13 +294,14 @@ def test_llm_quantized_generate_and_convert_round_trip(tiny_dir, tmp_path, f32_t
 
     monkeypatch.setattr(rq, "_quantize_jit", boom)
     cfg, restored = load_converted(out)
-    a = jax.tree_util.tree_flatten_with_path(llm.engine.params)[0]
+    # the model's own layout (the engine runs fp8 in a CPU kernel's)
+    a = jax.tree_util.tree_flatten_with_path(llm.get_weights())[0]
     b = jax.tree_util.tree_flatten_with_path(restored)[0]
     assert [k for k, _ in a] == [k for k, _ in b]
     for (kp, x), (_, y) in zip(a, b):
         assert x.dtype == y.dtype and x.shape == y.shape, jax.tree_util.keystr(kp)
         np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
-    assert jax.tree.structure(restored) == jax.tree.structure(llm.engine.params)  # static fields
+    assert jax.tree.structure(restored) == jax.tree.structure(llm.get_weights())  # static fields
     llm2 = LLM(str(out), max_slots=4, page_size=8, max_model_len=128)
     assert llm2.config.quantization == fmt
     assert [o.token_ids for o in llm2.generate(PROMPTS, SamplingParams(**GREEDY))] == toks
