@@ -22,9 +22,11 @@ from pathlib import Path
 VARIANTS = {
     "f32": dict(dtype="float32"),
     "bf16": dict(dtype="bfloat16"),
-    "int8": dict(dtype="float32", quantization="int8"),  # W8A8 on CPU (platform default)
+    # the platform default: weight-only on CPU where its kernels load (cpu_matmul.py), else W8A8
+    "int8": dict(dtype="float32", quantization="int8"),
+    "int8-w8a8": dict(dtype="float32", quantization="int8", quant_mode="w8a8"),
     # W8A8 without the SmoothQuant-style smoothing (checkpoints/smoothing.py) of q/k/v and gate/up
-    "int8-plain": dict(dtype="float32", quantization="int8", smooth_alpha=None),
+    "int8-plain": dict(dtype="float32", quantization="int8", quant_mode="w8a8", smooth_alpha=None),
     "int8-wo": dict(dtype="float32", quantization="int8", quant_mode="weight_only"),
     "fp8": dict(dtype="float32", quantization="fp8"),
     # int4 groups of 128 with zero points: activation-aware scaling (checkpoints/awq.py), and

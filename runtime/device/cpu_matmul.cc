@@ -58,8 +58,12 @@ inline V dec_i8(const uint8_t* p) {
 }
 inline V dec_e4m3(const uint8_t* p) {  // sign << 15 | (exp, mantissa) << 7 as f16
   __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  __m256i m = _mm256_and_si256(b, _mm256_set1_epi16(0x7F));
   __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
-                              _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
+                              _mm256_slli_epi16(m, 7));
+  // e4m3fn's NaN (S.1111.111) as an f16 NaN (exponent all ones)
+  __m256i nan = _mm256_cmpeq_epi16(m, _mm256_set1_epi16(0x7F));
+  h = _mm256_or_si256(h, _mm256_and_si256(nan, _mm256_set1_epi16(0x7E00)));
   return {_mm512_cvtph_ps(h)};
 }
 template <bool kSigned>
@@ -119,7 +123,9 @@ inline float half_to_float(uint16_t h) {
 inline V dec_e4m3(const uint8_t* p) {
   V r;
   for (int i = 0; i < 16; ++i)
-    r.v[i] = half_to_float(static_cast<uint16_t>(((p[i] & 0x80) << 8) | ((p[i] & 0x7F) << 7)));
+    r.v[i] = (p[i] & 0x7F) == 0x7F  // e4m3fn's NaN
+                 ? __builtin_nanf("")
+                 : half_to_float(static_cast<uint16_t>(((p[i] & 0x80) << 8) | ((p[i] & 0x7F) << 7)));
   return r;
 }
 template <bool kSigned>

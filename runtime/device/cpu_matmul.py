@@ -201,7 +201,8 @@ class PackedWeight:
                              f"contracted axes {w_con!r}")
         xt = jnp.transpose(x, [xs.index(c) for c in free + w_con])
         m = int(np.prod(xt.shape[:len(free)], dtype=np.int64))
-        y = qmatmul(xt.reshape(m, -1), self.q, self.scale, self.offset, self.kind, self.group)
+        k = int(np.prod(self.dims[self.n_out:], dtype=np.int64))
+        y = qmatmul(xt.reshape(m, k), self.q, self.scale, self.offset, self.kind, self.group)
         y = y[:, :self.n].reshape(xt.shape[:len(free)] + self.dims[:self.n_out])
         return jnp.transpose(y, [(free + w_out).index(c) for c in out]).astype(x.dtype)
 
@@ -233,6 +234,7 @@ class PackedWeight:
         """Rows `ids` of a [V, D] table (embedding lookup) in the compute dtype."""
         if self.ndim != 2 or self.order != (0, 1):
             raise ValueError("take_rows needs a [V, D] table with its rows as output channels")
+        ids = jnp.where(ids < 0, ids + self.dims[0], ids)  # as jnp.take wraps negative ids
         return self._widened(ids.reshape(-1)).reshape(ids.shape + (-1,)).astype(self.like[5])
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:

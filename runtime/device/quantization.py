@@ -110,12 +110,14 @@ class QuantizedArray:
                 f"take_rows needs a [V, D] table quantized per row (reduce_axes (1,)), "
                 f"got shape {self.shape} reduce_axes {self.reduce_axes}"
             )
+        flat = ids.reshape(-1)  # the groups' axis stays axis 1 whatever ids' rank
+
         def take(a):
-            return None if a is None else jnp.take(a, ids, axis=0)
+            return None if a is None else jnp.take(a, flat, axis=0)
 
         rows = _widen(self._ints(take(self.values)), take(self.scales), take(self.offsets),
                       self.group_size, self.group_axis)
-        return rows.astype(self.dtype)
+        return rows.reshape(ids.shape + rows.shape[1:]).astype(self.dtype)
 
     def take(self, idx: jax.Array) -> QuantizedArray:
         """Slices `idx` (int, any shape S) of axis 0, e.g. experts of a stacked [E, ...] weight:
@@ -356,10 +358,15 @@ def check_format(fmt) -> str:
 
 
 def default_mode(fmt: str, platform: str | None = None) -> str:
-    """int8 on CPU: W8A8 (int8 dots are the fastest CPU matmul); otherwise weight-only (int4 and
-    fp8 always)."""
+    """int8 on CPU: weight-only where the CPU kernels load (runtime/device/cpu_matmul.py: the
+    int8 values widened in registers, no activation rounding), else W8A8 (XLA:CPU's int8 dots
+    are its fastest matmul); otherwise weight-only (int4 and fp8 always)."""
     platform = platform or jax.default_backend()
-    return "w8a8" if fmt == "int8" and platform == "cpu" else "weight_only"
+    if fmt != "int8" or platform != "cpu":
+        return "weight_only"
+    from jaxinfer.runtime.device import cpu_matmul  # it imports this module
+
+    return "weight_only" if cpu_matmul.available(platform) else "w8a8"
 
 
 def keeps_gguf_blocks(platform: str | None = None) -> bool:

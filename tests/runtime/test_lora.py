@@ -171,7 +171,7 @@ def test_int8_base_weights_with_float_adapters(family):
     kw = dict(enable_lora=True, max_loras=3, max_lora_rank=16, max_slots=4, page_size=8,
               max_model_len=128)
     f32 = LLM(str(base), **kw)
-    q8 = LLM(str(base), quantization="int8", **kw)
+    q8 = LLM(str(base), quantization="int8", quant_mode="w8a8", **kw)
     lp8, lp32 = q8.engine.params.layers[0], f32.engine.params.layers[0]
     assert type(lp8.wq).__name__ == "QuantizedArray" and lp8.wq.mode == "w8a8"
     assert np.array_equal(np.asarray(lp8.attn_norm), np.asarray(lp32.attn_norm))

@@ -30,6 +30,7 @@ from jaxinfer.checkpoints.quantize import quantization_spec, quantize_params
 from jaxinfer.runtime.device.quantization import (
     QuantizationError,
     QuantizedArray,
+    default_mode,
     dequantize,
     einsum,
     param_bytes,
@@ -276,7 +277,8 @@ def test_llm_quantized_generate_and_convert_round_trip(tiny_dir, tmp_path, f32_t
 
     llm = LLM(str(tiny_dir), quantization=fmt, max_slots=4, page_size=8, max_model_len=128)
     spec = quantization_spec(llm.engine.params)
-    assert spec["fmt"] == fmt and spec["mode"] == ("w8a8" if fmt == "int8" else "weight_only")
+    # int8 on CPU: weight-only where the CPU kernels load, else W8A8 (quantization.default_mode)
+    assert spec["fmt"] == fmt and spec["mode"] == default_mode(fmt)
     assert "embed" in spec["weights"] and "layers.1.w_down" in spec["weights"]
     toks = [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(**GREEDY))]
     agree = np.mean([a == b for x, y in zip(toks, f32_tokens) for a, b in zip(x, y)])
@@ -329,7 +331,7 @@ def test_llm_keep_embeddings_and_bf16_int8(tiny_dir, f32_tokens):
 
     llm = LLM(str(tiny_dir), quantization="int8", quantize_embeddings=False, dtype="bfloat16",
               max_slots=4, page_size=8, max_model_len=128)
-    p = llm.engine.params
+    p = llm.get_weights()
     assert p.embed.dtype == jnp.bfloat16 and p.lm_head.dtype == jnp.bfloat16
     assert isinstance(p.layers[0].wq, QuantizedArray)
     toks = [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(**GREEDY))]
@@ -465,7 +467,7 @@ def test_llm_int8_is_smoothed_at_load_weight_only_is_not(tiny_dir, tiny_llm):
 
     kw = dict(max_slots=1, page_size=8, max_model_len=64)
     f32 = tiny_llm.engine.params  # the f32 weights: an engine's slots and length do not change them
-    w8a8 = LLM(str(tiny_dir), quantization="int8", **kw).engine.params
+    w8a8 = LLM(str(tiny_dir), quantization="int8", quant_mode="w8a8", **kw).engine.params
     wo = LLM(str(tiny_dir), quantization="int8", quant_mode="weight_only", **kw).engine.params
     for lf, lq, lw in zip(f32.layers, w8a8.layers, wo.layers):
         for norm in ("attn_norm", "mlp_norm"):
