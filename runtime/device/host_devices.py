@@ -67,12 +67,18 @@ def auto_tensor_parallel(cfg, ecfg, *, platform: str, devices: int, processes: i
     CPU host with several devices, the largest count <= devices that splits both the query and
     the KV heads evenly (heads stay whole on a device), for models of hidden size >= MIN_HIDDEN;
     else 1 (accelerators: one device unless asked; speculative decoding, a Pallas attention
-    backend and int4 / GGUF-block weights run on one device)."""
+    backend and int4 / GGUF-block weights run on one device, and so do weight-only int8 / fp8
+    weights where the CPU kernels load)."""
     if platform != "cpu" or processes != 1 or devices < 2:
         return 1
     if (ecfg.speculative is not None or ecfg.attention_backend not in (None, "xla")
             or ecfg.quantization not in SPLIT_FORMATS):
         return 1
+    if ecfg.quantization is not None and ecfg.quant_mode != "w8a8":
+        from jaxinfer.runtime.device import cpu_matmul
+
+        if cpu_matmul.available(platform):  # weight-only int8 / fp8 on one device: the CPU
+            return 1  # kernels use every core themselves (runtime/device/cpu_matmul.py)
     if cfg.hidden_size < MIN_HIDDEN:
         return 1
     g = math.gcd(cfg.num_heads, cfg.num_kv_heads)
