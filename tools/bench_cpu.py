@@ -18,6 +18,9 @@
 3. --profile: XLA:CPU op time of the decode-32 steps by kind (matmuls, attention's page
    gathers, collectives, the rest), from a jax.profiler trace.
 4. --compare-hf: greedy decode tokens/s at batch 1 and 16, ours and HF transformers'.
+5. --compare-llamacpp: greedy decode tokens/s at batch 1 and 16 (64 tokens each, prefill
+   included), ours and llama.cpp's (tools/llamacpp_peer.py: llama-cpp-python, not a
+   dependency) on the same GGUF file, alternating in one process, medians of --peer-repeats.
 """
 
 from __future__ import annotations
@@ -223,6 +226,40 @@ def decode_vs_hf(llm, source, tokens: int = 64, batches=(1, 16), repeats: int = 
     return out
 
 
+def decode_vs_llamacpp(llm, gguf: str, tokens: int = 64, batches=(1, 16), repeats: int = 3
+                       ) -> dict:
+    """Greedy decode tokens/s (`tokens` per sequence, prefill included, one prompt repeated `b`
+    times, medians of `repeats`) of ours and of llama.cpp on the same GGUF, and how many of the
+    first sequence's tokens agree before they part."""
+    from jaxinfer.runtime.host.requests import SamplingParams
+    from jaxinfer.tools.llamacpp_peer import Peer
+
+    prompt = "Tell me about the sea."
+    ids = llm.tokenizer.encode(prompt)
+    sp = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    peer = Peer(gguf)
+    out = {}
+    try:
+        for b in batches:
+            if b > llm.config.max_slots:
+                continue
+            llm.generate([ids] * b, sp)  # compiles its shapes
+            ours = []
+            for _ in range(repeats):
+                t = time.perf_counter()
+                got = llm.generate([ids] * b, sp)
+                ours.append(sum(len(o.token_ids) for o in got) / (time.perf_counter() - t))
+            theirs, their_ids = peer.decode(ids, b, tokens, repeats)
+            mine = list(got[0].token_ids)
+            same = next((i for i, (x, y) in enumerate(zip(mine, their_ids)) if x != y),
+                        min(len(mine), len(their_ids)))
+            out[b] = {"ours": float(np.median(ours)), "llama.cpp": theirs,
+                      "same_prefix_tokens": same}
+    finally:
+        peer.close()
+    return out
+
+
 _GATHER = re.compile(r"(copy_bitcast|bitcast_select|broadcast_select|bitcast_gather)")
 _COLLECTIVE = re.compile(r"(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)")
 _NOT_OPS = re.compile(r"^[$]|^(Pjit|np\.|Thunk)|::|Execute|Wait|Rendezvous|shard_arg")
@@ -267,6 +304,12 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true")
     p.add_argument("--compare-hf", action="store_true",
                    help="greedy decode at batch 1 and 16 against HF transformers")
+    p.add_argument("--compare-llamacpp", action="store_true",
+                   help="greedy decode at batch 1 and 16 against llama.cpp on the same GGUF "
+                        "(needs llama-cpp-python; see tools/llamacpp_peer.py)")
+    p.add_argument("--peer-repeats", type=int, default=3)
+    p.add_argument("--skip-steps", action="store_true",
+                   help="skip the step-kind table (the peer comparisons only)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     request_host_devices()  # before JAX starts: one device per core for the split row
@@ -283,7 +326,7 @@ def main(argv=None) -> int:
         opts["tensor_parallel"] = a.tensor_parallel
     llm = LLM(a.model, **opts)
     rep["model"], rep["tensor_parallel"] = a.model, llm.config.tensor_parallel
-    rep["steps"] = step_kinds(llm, max(2, a.repeats // 10))
+    rep["steps"] = {} if a.skip_steps else step_kinds(llm, max(2, a.repeats // 10))
     one = rep["matmul_us"]["XLA, one device"]
     print(f"\n{a.model} (tensor parallel {llm.config.tensor_parallel}): matmul GFLOP/s by step")
     for kind, r in rep["steps"].items():
@@ -300,6 +343,21 @@ def main(argv=None) -> int:
         for b, r in rep["decode_vs_hf"].items():
             print(f"greedy decode, batch {b}: ours {r['ours']:.1f} tok/s, HF transformers "
                   f"{r['hf']:.1f} ({r['ours'] / r['hf']:.2f}x)")
+    if a.compare_llamacpp:
+        from jaxinfer.checkpoints.loader import is_gguf_file, resolve
+        from jaxinfer.tools.llamacpp_peer import available
+
+        path = resolve(a.model)
+        if available() is None or not is_gguf_file(path):
+            print("--compare-llamacpp needs llama-cpp-python (tools/llamacpp_peer.py says how "
+                  "to build it) and a GGUF model")
+            return 2
+        rep["decode_vs_llamacpp"] = decode_vs_llamacpp(llm, str(path),
+                                                       repeats=a.peer_repeats)
+        for b, r in rep["decode_vs_llamacpp"].items():
+            print(f"greedy decode, batch {b}: ours {r['ours']:.1f} tok/s, llama.cpp "
+                  f"{r['llama.cpp']:.1f} ({r['ours'] / r['llama.cpp']:.2f}x); the first "
+                  f"sequence's first {r['same_prefix_tokens']} tokens agree")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(rep, f, indent=1)
