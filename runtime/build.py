@@ -70,6 +70,11 @@ def load(model: str, options: dict) -> Prepared:
         init_distributed()
     request_host_devices()  # before anything starts JAX's backends
     import jax
+
+    if jax.default_backend() == "cpu":  # the CPU kernels compile (first use) while it loads
+        from jaxinfer.runtime.device import cpu_kernels
+
+        cpu_kernels.prebuild()
     if q == "gguf":
         from jaxinfer.checkpoints.loader import is_gguf_file, resolve
 

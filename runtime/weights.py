@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.runtime.device import cpu_matmul
+from jaxinfer.runtime.device import cpu_kernels
 from jaxinfer.runtime.device.cpu_matmul import PackedWeight
 from jaxinfer.runtime.device.quantization import QuantizedArray
 from jaxinfer.runtime.device.tree_paths import path_str
@@ -65,7 +65,7 @@ def engine_form(params, config, mesh=None, consume: bool = False):
     if output_major:
         # layer weights stored [out, in], a piece per core (runtime/device/weight_layout.py).
         # Not when split over host devices: the mixed workload measured 282 vs 288 tok/s there
-        params = output_major_layers(params, cpu_pieces(), kernels=cpu_matmul.available(),
+        params = output_major_layers(params, cpu_pieces(), kernels=cpu_kernels.available(),
                                      consume=consume)
     # committed to the device, as the cache and every step's outputs are: a later version put
     # on the same device keeps the programs' signatures

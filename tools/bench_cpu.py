@@ -129,7 +129,7 @@ QUANTIZED = (("int8 per channel", "int8", {}), ("fp8 per channel", "fp8", {}),
 def _quantized_rows(ws: list, repeats: int, rng) -> dict:
     """us per product of the chain with quantized weights: XLA's path (the weight widened in
     the program) and the CPU kernels (runtime/device/cpu_matmul.py) where they load."""
-    from jaxinfer.runtime.device import cpu_matmul
+    from jaxinfer.runtime.device import cpu_kernels, cpu_matmul
     from jaxinfer.runtime.device.quantization import quantize
 
     @jax.jit
@@ -139,7 +139,7 @@ def _quantized_rows(ws: list, repeats: int, rng) -> dict:
         return x
 
     out = {}
-    isa = cpu_matmul.load()
+    isa = cpu_kernels.load()
     for name, fmt, kw in QUANTIZED:
         qs = [quantize(jnp.asarray(w), fmt, (0,), mode="weight_only", **kw) for w in ws]
         forms = {f"XLA, {name} (widened)": qs}

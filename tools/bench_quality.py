@@ -19,9 +19,12 @@ import math
 import time
 from pathlib import Path
 
+# the float variants dequantize whatever the checkpoint keeps (a GGUF's blocks stay quantized
+# by default where the CPU kernels load)
+F = dict(quantization="dequantize")
 VARIANTS = {
-    "f32": dict(dtype="float32"),
-    "bf16": dict(dtype="bfloat16"),
+    "f32": dict(dtype="float32", **F),
+    "bf16": dict(dtype="bfloat16", **F),
     # the platform default: weight-only on CPU where its kernels load (cpu_matmul.py), else W8A8
     "int8": dict(dtype="float32", quantization="int8"),
     "int8-w8a8": dict(dtype="float32", quantization="int8", quant_mode="w8a8"),
@@ -36,9 +39,9 @@ VARIANTS = {
     # a GGUF file's own blocks kept quantized (GGUF models only; f32 there is those blocks
     # dequantized, so quality equals f32 and the row shows what keeping the blocks costs)
     "gguf": dict(dtype="float32", quantization="gguf"),
-    "f32+kv8": dict(dtype="float32", kv_cache_dtype="int8"),
+    "f32+kv8": dict(dtype="float32", kv_cache_dtype="int8", **F),
     "int8+kv8": dict(dtype="float32", quantization="int8", kv_cache_dtype="int8"),
-    "f32+kvfp8": dict(dtype="float32", kv_cache_dtype="fp8"),
+    "f32+kvfp8": dict(dtype="float32", kv_cache_dtype="fp8", **F),
 }
 PROMPTS = [
     "The capital of France is", "Once upon a time", "To be, or not to be, that is",

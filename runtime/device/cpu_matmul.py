@@ -5,13 +5,7 @@ weight out on every step, and runs each small product on one core. `cpu_matmul.c
 file) reads the narrow values in registers and splits each product over the host's cores
 (XLA's own intra-op threads). Its reference is `QuantizedArray.dequantize` followed by a dot.
 
-Build: compiled on first use with the host's C++ compiler (`$CXX`, else g++ / c++) for this
-CPU's instruction set (`-march=native`: AVX-512 where the host has it, the compiler's own
-vectorisation of the portable path elsewhere, ARM included), into `$JAXINFER_CACHE/kernels/`
-keyed by the source, the compiler, the CPU's feature flags and jaxlib's version. A compile on
-the host that runs it, rather than a wheel: hosts of one machine kind differ in instruction
-sets, and `pip install` needs no compiler. Without a compiler (or with
-`JAXINFER_CPU_KERNELS=0`) the engine runs XLA's path and says so once.
+Built and loaded by runtime/device/cpu_kernels.py (compiled on first use for the host).
 
 `PackedWeight` is a weight in the kernel's layout: output channels in panels of 16, each panel
 input by input (one 16-byte load = one input of 16 channels), with one f32 scale (and offset)
@@ -28,122 +22,18 @@ QuantizedArray it was made from, value for value (get_weights, update_weights).
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxinfer.runtime.device.cpu_kernels import TARGET, load
 from jaxinfer.runtime.device.quantization import QuantizedArray, pack_nibbles, parse_einsum
 
-log = logging.getLogger("jaxinfer")
-
-TARGET = "jaxinfer_qmatmul"
 KINDS = {"i8": 0, "u4": 1, "s4": 2, "e4m3": 3}
-_SOURCE = Path(__file__).with_name("cpu_matmul.cc")
 _E4M3_SCALE = 256.0  # e4m3 bits read as f16 are the value / 2^8 (cpu_matmul.cc)
-
-
-# ------------------------------------------------------------------------- build and load
-
-
-def _compiler() -> str | None:
-    for c in (os.environ.get("CXX"), "g++", "c++", "clang++"):
-        if c and shutil.which(c):
-            return c
-    return None
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line
-    except OSError:
-        pass
-    import platform
-
-    return platform.machine() + platform.processor()
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("JAXINFER_CACHE")
-    return (Path(base) if base else Path.home() / ".cache" / "jaxinfer") / "kernels"
-
-
-def library_path() -> Path | None:
-    """The compiled kernel library for this host, compiled now if it is not there yet; None
-    without a compiler (or if it fails: the error is logged)."""
-    cxx = _compiler()
-    if cxx is None:
-        _warn_once("no C++ compiler found (set $CXX or install g++)")
-        return None
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    import jaxlib
-
-    key = hashlib.sha256(b"\0".join(s.encode() if isinstance(s, str) else s for s in (
-        _SOURCE.read_bytes(), version, _cpu_flags(), jaxlib.__version__))).hexdigest()[:20]
-    out = _cache_dir() / f"cpu_matmul-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    base = [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-w",
-            "-isystem", jax.ffi.include_dir(), str(_SOURCE), "-o", tmp]
-    for arch in (["-march=native"], ["-mcpu=native"], []):
-        r = subprocess.run(base[:1] + arch + base[1:], capture_output=True, text=True)
-        if r.returncode == 0:
-            os.replace(tmp, out)  # atomic: a concurrent build writes the same file
-            return out
-    os.unlink(tmp)
-    _warn_once(f"compiling {_SOURCE.name} failed:\n{r.stderr[-2000:]}")
-    return None
-
-
-_warned: set[str] = set()
-
-
-def _warn_once(why: str) -> None:
-    if why not in _warned:
-        _warned.add(why)
-        log.warning("jaxinfer: CPU quantized-matmul kernels unavailable (%s); quantized weights "
-                    "run on XLA's slower path. Set JAXINFER_CPU_KERNELS=0 to silence this.", why)
-
-
-@functools.cache
-def load() -> str | None:
-    """Register the kernels with XLA; the instruction set they were built for ("avx512",
-    "portable"), or None when they are switched off or cannot be built."""
-    if os.environ.get("JAXINFER_CPU_KERNELS", "1") == "0":
-        return None
-    path = library_path()
-    if path is None:
-        return None
-    try:
-        lib = ctypes.CDLL(str(path))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxinferQMatmul),
-                                    platform="cpu")
-        lib.jaxinfer_cpu_matmul_isa.restype = ctypes.c_char_p
-        return lib.jaxinfer_cpu_matmul_isa().decode()
-    except (OSError, AttributeError) as e:
-        _warn_once(f"loading {path} failed: {e}")
-        return None
-
-
-def available(platform: str | None = None) -> bool:
-    """Whether this process multiplies quantized weights with the kernels (CPU only)."""
-    return (platform or jax.default_backend()) == "cpu" and load() is not None
 
 
 def qmatmul(x: jax.Array, q: jax.Array, scale: jax.Array, offset: jax.Array | None, kind: str,

@@ -75,9 +75,9 @@ def auto_tensor_parallel(cfg, ecfg, *, platform: str, devices: int, processes: i
             or ecfg.quantization not in SPLIT_FORMATS):
         return 1
     if ecfg.quantization is not None and ecfg.quant_mode != "w8a8":
-        from jaxinfer.runtime.device import cpu_matmul
+        from jaxinfer.runtime.device import cpu_kernels
 
-        if cpu_matmul.available(platform):  # weight-only int8 / fp8 on one device: the CPU
+        if cpu_kernels.available(platform):  # weight-only int8 / fp8 on one device: the CPU
             return 1  # kernels use every core themselves (runtime/device/cpu_matmul.py)
     if cfg.hidden_size < MIN_HIDDEN:
         return 1

@@ -364,9 +364,9 @@ def default_mode(fmt: str, platform: str | None = None) -> str:
     platform = platform or jax.default_backend()
     if fmt != "int8" or platform != "cpu":
         return "weight_only"
-    from jaxinfer.runtime.device import cpu_matmul  # it imports this module
+    from jaxinfer.runtime.device import cpu_kernels
 
-    return "weight_only" if cpu_matmul.available(platform) else "w8a8"
+    return "weight_only" if cpu_kernels.available(platform) else "w8a8"
 
 
 def keeps_gguf_blocks(platform: str | None = None) -> bool:
@@ -378,9 +378,9 @@ def keeps_gguf_blocks(platform: str | None = None) -> bool:
     platform = platform or jax.default_backend()
     if platform != "cpu":
         return True
-    from jaxinfer.runtime.device import cpu_matmul  # it imports this module
+    from jaxinfer.runtime.device import cpu_kernels
 
-    return cpu_matmul.available(platform)
+    return cpu_kernels.available(platform)
 
 
 def check_mode(fmt: str, mode: str, platform: str | None = None) -> None:

@@ -94,12 +94,12 @@ def test_rows_that_are_not_whole_blocks_and_w8a8_are_refused():
 
 
 def test_platform_default_keeps_blocks_where_they_run_fast():
-    from jaxinfer.runtime.device import cpu_matmul
+    from jaxinfer.runtime.device import cpu_kernels
     from jaxinfer.runtime.device.quantization import keeps_gguf_blocks
 
     assert keeps_gguf_blocks("tpu") and keeps_gguf_blocks("gpu")
     # CPU: only with the kernels that multiply them narrow (runtime/device/cpu_matmul.py)
-    assert keeps_gguf_blocks("cpu") == (cpu_matmul.load() is not None)
+    assert keeps_gguf_blocks("cpu") == (cpu_kernels.load() is not None)
 
 
 def test_grouped_einsum_and_take_rows_match_numpy():

@@ -28,11 +28,11 @@ import pytest
 
 from jaxinfer.checkpoints import gguf_blocks
 from jaxinfer.checkpoints.gguf import KeptBlocks
-from jaxinfer.runtime.device import cpu_matmul
+from jaxinfer.runtime.device import cpu_kernels
 from jaxinfer.runtime.device.cpu_matmul import PackedWeight, kernel_kind, pack, qmatmul
 from jaxinfer.runtime.device.quantization import QuantizedArray, quantize, quantize_int4
 
-if cpu_matmul.load() is None:
+if cpu_kernels.load() is None:
     pytest.skip("the CPU matmul kernels are not available here (no C++ compiler, a failed "
                 "build, or JAXINFER_CPU_KERNELS=0)", allow_module_level=True)
 

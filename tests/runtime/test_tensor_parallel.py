@@ -172,9 +172,9 @@ def test_automatic_split_over_cpu_devices_only_where_it_can_gain():
         assert tp(ecfg=EngineConfig(**kw)) == 1, kw
     assert tp(ecfg=EngineConfig(quantization="int8", quant_mode="w8a8")) == 2
     # weight-only int8 / fp8 stay on one device where the CPU kernels (every core) run them
-    from jaxinfer.runtime.device import cpu_matmul
+    from jaxinfer.runtime.device import cpu_kernels
 
-    split = 1 if cpu_matmul.load() is not None else 2
+    split = 1 if cpu_kernels.load() is not None else 2
     assert tp(ecfg=EngineConfig(quantization="int8")) == split
     assert tp(ecfg=EngineConfig(quantization="fp8")) == split
 

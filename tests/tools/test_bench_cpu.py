@@ -12,9 +12,9 @@ def test_layer_weights_and_step_kinds(tiny_llm):
     assert "XLA, one device" in table and "torch, 1 thread" in table
     assert any(name.startswith("XLA, output-major in") for name in table)
     assert "XLA, int4, groups of 64 (widened)" in table
-    from jaxinfer.runtime.device import cpu_matmul
+    from jaxinfer.runtime.device import cpu_kernels
 
-    if cpu_matmul.load() is not None:  # the kernels' rows beside XLA's
+    if cpu_kernels.load() is not None:  # the kernels' rows beside XLA's
         assert sum(name.startswith("kernel (") for name in table) == len(bench_cpu.QUANTIZED)
     assert all(set(row) == set(bench_cpu.ROWS) and min(row.values()) > 0
                for row in table.values())
