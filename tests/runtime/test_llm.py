@@ -314,27 +314,32 @@ def test_unknown_options(tiny_dir):
 
 
 def test_gguf_blocks_kept_serve_the_same_tokens(tiny_dir, hf, tmp_path):
-    """The tiny model as a Q8_0 GGUF: quantization="gguf" keeps its blocks, the CPU default
-    dequantizes them at load; both serve the same greedy tokens. Block weights run weight-only."""
+    """The tiny model as a Q8_0 GGUF: quantization="gguf" keeps its blocks (run by the CPU
+    kernels where they load), "dequantize" widens them at load; both serve the same greedy
+    tokens. The CPU default keeps them where the kernels load. Block weights run weight-only."""
     from gguf import GGMLQuantizationType as QT
 
+    from jaxinfer.runtime.device import cpu_kernels
     from jaxinfer.runtime.device.quantization import QuantizationError, QuantizedArray
     from tests.gemma_fixtures import write_gguf_like_llama_cpp
 
     path = write_gguf_like_llama_cpp(hf, tmp_path / "tiny.gguf", "llama", qtype=QT.Q8_0,
                                      sp_model=tiny_dir / "tokenizer.model")
     kw = dict(max_slots=2, page_size=8, max_model_len=64)
-    kept, dense = LLM(str(path), quantization="gguf", **kw), LLM(str(path), **kw)
-    assert kept.config.quantization == "gguf" and dense.config.quantization is None
-    wq = kept.model.params.layers[0].wq
+    kept, dense = LLM(str(path), quantization="gguf", **kw), \
+        LLM(str(path), quantization="dequantize", **kw)
+    assert kept.config.quantization == "gguf" and dense.config.quantization == "dequantize"
+    wq = kept.get_weights().layers[0].wq  # the model's own layout (the engine's: the kernels')
     assert isinstance(wq, QuantizedArray) and wq.fmt == "gguf" and wq.group_size == 32
-    assert not isinstance(dense.model.params.layers[0].wq, QuantizedArray)
+    assert not isinstance(dense.get_weights().layers[0].wq, QuantizedArray)
     # o_proj's 32-weight groups span two 16-wide heads: that weight alone is dequantized
-    assert not isinstance(kept.model.params.layers[0].wo, QuantizedArray)
+    assert not isinstance(kept.get_weights().layers[0].wo, QuantizedArray)
     sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompts = [PROMPTS[0], PROMPTS[3]]
     assert [o.token_ids for o in kept.generate(prompts, sp)] == \
         [o.token_ids for o in dense.generate(prompts, sp)]
+    default = LLM(str(path), **kw)
+    assert default.config.quantization == ("gguf" if cpu_kernels.load() else None)
     with pytest.raises(QuantizationError, match="weight-only"):
         LLM(str(path), quantization="gguf", quant_mode="w8a8", **kw)
 

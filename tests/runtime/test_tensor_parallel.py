@@ -409,9 +409,11 @@ def test_int8_smoothing_under_tp_equals_single_device(tmp_path):
     from jaxinfer import LLM
 
     d = _write_model(tmp_path / "llama", "llama")
-    one = LLM(str(d), quantization="int8", max_slots=2, page_size=8, max_model_len=64)
-    tp = LLM(str(d), quantization="int8", tensor_parallel=4, max_slots=2, page_size=8,
-             max_model_len=64)
+    # W8A8 (what smoothing is for; int8's CPU default is weight-only where the kernels load)
+    one = LLM(str(d), quantization="int8", quant_mode="w8a8", max_slots=2, page_size=8,
+              max_model_len=64)
+    tp = LLM(str(d), quantization="int8", quant_mode="w8a8", tensor_parallel=4, max_slots=2,
+             page_size=8, max_model_len=64)
     plain = LLM(str(d), max_slots=2, page_size=8, max_model_len=64)
     a, b = one.engine.params.layers[0], tp.engine.params.layers[0]
     assert not np.allclose(np.asarray(a.attn_norm), np.asarray(plain.engine.params.layers[0].attn_norm))
