@@ -170,6 +170,25 @@ def test_real_blocks_kept_quantized_equal_the_dequantized_model(gemma_ours, gemm
     assert np.abs(pk - pd).max() <= 1e-4 and (pk.argmax(-1) == pd.argmax(-1)).all()
 
 
+def test_real_engine_as_shipped_equals_hf(llm_for, gemma_hf, gemma_tokenizer):
+    """The default model through the engine as a user runs it: its GGUF blocks kept and, where
+    they load, multiplied by the CPU kernels (runtime/device/cpu_matmul.py); the greedy
+    continuations of every prompt, two at a time in two slots, equal HF transformers' on the
+    dequantized weights."""
+    from jaxinfer import SamplingParams
+    from jaxinfer.runtime.device import cpu_kernels
+    from jaxinfer.runtime.device.cpu_matmul import PackedWeight
+
+    llm = llm_for("gemma3-270m", max_slots=2, page_size=16, max_model_len=128)
+    kernels = cpu_kernels.load() is not None
+    assert isinstance(llm.engine.params.embed, PackedWeight) == kernels
+    assert isinstance(llm.engine.params.layers[0].w_down, PackedWeight) == kernels
+    ids = [gemma_tokenizer.encode(prompt) for prompt in PROMPTS]
+    outs = llm.generate(ids, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    for prompt, p_ids, o in zip(PROMPTS, ids, outs):
+        assert list(o.token_ids) == hf_greedy(gemma_hf, p_ids, 16), prompt
+
+
 def test_real_greedy_continuations(gemma_ours, gemma_hf, gemma_tokenizer):
     cfg, params = gemma_ours
     ids = [gemma_tokenizer.encode(prompt) for prompt in PROMPTS]
