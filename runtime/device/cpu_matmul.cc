@@ -8,7 +8,6 @@
 //   q [P, K, 16]        I8    int8                (int8 per channel, GGUF Q8_0 / Q5_x / Q6_K)
 //                       E4M3  fp8 e4m3fn bytes, read as f16 bits: the value / 2^8 (the caller
 //                             folds 2^8 into the scales)
-//                       F32   f32, no scales (G = K, scale 1): dense products with few rows
 //   q [P, K / 2, 16]    U4    byte: input 2t in the low nibble, 2t + 1 in the high (0..15)
 //                       S4    as U4, the value minus 8 (symmetric int4, GGUF Q4_0)
 //   scale / offset [P, K / G, 16]
@@ -37,7 +36,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-enum Kind : int32_t { I8 = 0, U4 = 1, S4 = 2, E4M3 = 3, F32 = 4 };
+enum Kind : int32_t { I8 = 0, U4 = 1, S4 = 2, E4M3 = 3 };
 
 // ------------------------------------------------------------------ 16 f32 lanes
 
@@ -157,24 +156,20 @@ constexpr int kStep = (kKind == U4 || kKind == S4) ? 2 : 1;  // inputs per 16-by
 // offsets o (16 channels).
 template <Kind kKind, bool kOffset>
 inline void widen(const uint8_t* pq, int64_t k, const float* s, const float* o, V* w) {
-  if constexpr (kKind == F32) {
-    w[0] = vload(reinterpret_cast<const float*>(pq) + k * 16);
+  const V sv = vload(s);
+  if constexpr (kKind == U4 || kKind == S4) {
+    dec_4<kKind == S4>(pq + k / 2 * 16, w[0], w[1]);
+    w[1] = vmul(w[1], sv);
+  } else if constexpr (kKind == I8) {
+    w[0] = dec_i8(pq + k * 16);
   } else {
-    const V sv = vload(s);
-    if constexpr (kKind == U4 || kKind == S4) {
-      dec_4<kKind == S4>(pq + k / 2 * 16, w[0], w[1]);
-      w[1] = vmul(w[1], sv);
-    } else if constexpr (kKind == I8) {
-      w[0] = dec_i8(pq + k * 16);
-    } else {
-      w[0] = dec_e4m3(pq + k * 16);
-    }
-    w[0] = vmul(w[0], sv);
-    if constexpr (kOffset) {
-      const V ov = vload(o);
-      w[0] = vadd(w[0], ov);
-      if constexpr (kKind == U4 || kKind == S4) w[1] = vadd(w[1], ov);
-    }
+    w[0] = dec_e4m3(pq + k * 16);
+  }
+  w[0] = vmul(w[0], sv);
+  if constexpr (kOffset) {
+    const V ov = vload(o);
+    w[0] = vadd(w[0], ov);
+    if constexpr (kKind == U4 || kKind == S4) w[1] = vadd(w[1], ov);
   }
 }
 
@@ -283,7 +278,6 @@ PanelsFn pick(Kind kind, bool offset) {
     case U4: return offset ? run_panels<U4, true> : run_panels<U4, false>;
     case S4: return offset ? run_panels<S4, true> : run_panels<S4, false>;
     case E4M3: return offset ? run_panels<E4M3, true> : run_panels<E4M3, false>;
-    case F32: return run_panels<F32, false>;
   }
   return nullptr;
 }
@@ -352,23 +346,23 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
   p.n = yd[1];
   p.g = group;
   const Kind kd = static_cast<Kind>(kind);
-  if (kd < I8 || kd > F32) return ffi::Error::InvalidArgument("jaxinfer_qmatmul: unknown kind");
+  if (kd < I8 || kd > E4M3) return ffi::Error::InvalidArgument("jaxinfer_qmatmul: unknown kind");
   const bool four = kd == U4 || kd == S4;
-  p.panel_bytes = 16 * (four ? p.k / 2 : (kd == F32 ? p.k * 4 : p.k));
-  if (p.g <= 0 || p.k % p.g || (four && p.g % 2) || (kd == F32 && p.g != p.k))
+  p.panel_bytes = 16 * (four ? p.k / 2 : p.k);
+  if (p.g <= 0 || p.k % p.g || (four && p.g % 2))
     return ffi::Error::InvalidArgument("jaxinfer_qmatmul: the group must divide K (evenly for 4-bit)");
   const int64_t groups = p.k / p.g;
   const int64_t q_bytes = qd[1] * static_cast<int64_t>(ffi::ByteWidth(q.element_type()));
   if (yd[0] != p.m || p.n % 16 || qd[0] * 16 != p.n || q_bytes != p.panel_bytes ||
-      (kd != F32 && (sd[0] * 16 != p.n || sd[1] != groups * 16)))
+      sd[0] * 16 != p.n || sd[1] != groups * 16)
     return ffi::Error::InvalidArgument("jaxinfer_qmatmul: weight shapes do not match x and y");
   const bool has_offset = offset.element_count() > 0;
-  if (has_offset && (kd == F32 || offset.element_count() != p.n * groups))
+  if (has_offset && static_cast<int64_t>(offset.element_count()) != p.n * groups)
     return ffi::Error::InvalidArgument("jaxinfer_qmatmul: offsets must match the scales");
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
   p.x = x.typed_data();
   p.q = static_cast<const uint8_t*>(q.untyped_data());
-  p.scale = kd == F32 ? nullptr : scale.typed_data();
+  p.scale = scale.typed_data();
   p.offset = has_offset ? offset.typed_data() : nullptr;
   p.y = y->typed_data();
   run(pool, p, pick(kd, has_offset));
