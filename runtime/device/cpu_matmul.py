@@ -103,13 +103,17 @@ class PackedWeight:
             return jnp.swapaxes(a, 1, 2).reshape(-1, a.shape[1])
         return a[ids // 16, :, ids % 16]
 
+    def _nibbles(self, q: jax.Array) -> jax.Array:
+        """4-bit kinds: bytes [n, K / 2] -> int8 values [n, K] (input 2t low, 2t + 1 high)."""
+        v = jnp.stack([q & 0xF, q >> 4], axis=-1).reshape(q.shape[0], -1).astype(jnp.int8)
+        return v - 8 if self.kind == "s4" else v
+
     def _widened(self, ids=None) -> jax.Array:
         """f32 weights [n, K] of channels `ids` (stored order), as the kernel widens them."""
         q = self._channels(self.q, ids)
         scale = self._channels(self.scale, ids)
         if self.kind in ("u4", "s4"):
-            v = jnp.stack([q & 0xF, q >> 4], axis=-1).reshape(q.shape[0], -1)
-            v = v.astype(jnp.float32) - (8.0 if self.kind == "s4" else 0.0)
+            v = self._nibbles(q).astype(jnp.float32)
         elif self.kind == "e4m3":
             v = jax.lax.bitcast_convert_type(q, jnp.float8_e4m3fn).astype(jnp.float32)
             scale = scale / _E4M3_SCALE
@@ -142,11 +146,7 @@ class PackedWeight:
         n = self.n
         four = self.kind in ("u4", "s4")
         q = self._channels(self.q, None)[:n]
-        if four:
-            v = jnp.stack([q & 0xF, q >> 4], axis=-1).reshape(n, -1)
-            v = v.astype(jnp.int8) - (8 if self.kind == "s4" else 0)
-        else:
-            v = q
+        v = self._nibbles(q) if four else q
         v = jnp.transpose(v.reshape(self.dims), inverse)
         if four:
             v = pack_nibbles(v, group_axis)
