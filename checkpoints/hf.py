@@ -73,8 +73,9 @@ def _strip(name: str) -> str:
     return name
 
 
-def hf_tensor_plan(cfg: ModelConfig) -> dict[str, tuple[str, Callable]]:
-    """HF tensor name (prefix stripped) -> (our param path, transform to our layout)."""
+def hf_tensor_plan(cfg: ModelConfig) -> dict[str, tuple[str, Callable] | list]:
+    """HF tensor name (prefix stripped) -> (our param path, transform to our layout), or a list
+    of them where one tensor holds several params (gpt-oss's interleaved gate_up)."""
     d, hq, hkv, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     gemma = cfg.family == "gemma3"
     norm = (lambda w: w + 1.0) if gemma else (lambda w: w)  # Gemma stores w, applies (1 + w)
@@ -113,8 +114,13 @@ def hf_tensor_plan(cfg: ModelConfig) -> dict[str, tuple[str, Callable]]:
                 "self_attn.k_proj.bias": ("bk", lambda b: b.reshape(hkv, dh)),
                 "self_attn.v_proj.bias": ("bv", lambda b: b.reshape(hkv, dh)),
             }
-        for k, (field, fn) in layer.items():
-            plan[pre + k] = (pre + field, fn)
+        if cfg.attn_out_bias:
+            layer["self_attn.o_proj.bias"] = ("bo", lambda b: b)
+        if cfg.attn_sinks:
+            layer["self_attn.sinks"] = ("sinks", lambda b: b)
+        for k, v in layer.items():
+            plan[pre + k] = ([(pre + f, fn) for f, fn in v] if isinstance(v, list)
+                             else (pre + v[0], v[1]))
     return plan
 
 
@@ -129,6 +135,8 @@ def _expert_plan(cfg: ModelConfig) -> dict[str, tuple[str, Callable]]:
     projections, stacked by expert (`field#e`: row e of the [E, ...] param); Qwen2-MoE's
     shared expert and its [1, D] gate."""
     t = lambda w: w.T  # noqa: E731
+    if cfg.expert_bias:  # gpt-oss
+        return _gpt_oss_expert_plan()
     if cfg.architecture.startswith("Mixtral"):  # w1 gate, w3 up, w2 down
         pre, names = "block_sparse_moe.", ("w1", "w3", "w2")
     else:  # Qwen2-MoE, Qwen3-MoE
@@ -142,6 +150,27 @@ def _expert_plan(cfg: ModelConfig) -> dict[str, tuple[str, Callable]]:
     if cfg.shared_expert_gate:
         plan[f"{pre}shared_expert_gate.weight"] = ("shared_gate", lambda w: w[0])
     return plan
+
+
+def _gpt_oss_expert_plan() -> dict[str, tuple[str, Callable] | list]:
+    """gpt-oss's MoE block: the router [E, D] + bias [E], and every expert stacked in one tensor:
+    gate_up_proj [E, D, 2F] (gate at even columns, up at odd), down_proj [E, F, D], with their
+    biases [E, 2F] / [E, D]. MXFP4 checkpoints (`_blocks` + `_scales`) arrive decoded in this
+    orientation (checkpoints/mxfp4.py)."""
+    even, odd = (lambda w: w[..., 0::2]), (lambda w: w[..., 1::2])
+    pre = "mlp.experts."
+    return {
+        "mlp.router.weight": ("router", lambda w: w.T),
+        "mlp.router.bias": ("router_b", lambda b: b),
+        pre + "gate_up_proj": [("we_gate", even), ("we_up", odd)],
+        pre + "gate_up_proj_bias": [("we_gate_b", even), ("we_up_b", odd)],
+        pre + "down_proj": ("we_down", lambda w: w),
+        pre + "down_proj_bias": ("we_down_b", lambda b: b),
+    }
+
+
+def _targets(entry) -> list[tuple[str, Callable]]:
+    return entry if isinstance(entry, list) else [entry]
 
 
 def assemble_params(
@@ -163,19 +192,10 @@ def assemble_params(
             if re.search(r"rotary_emb|vision|multi_modal|mm_", key):
                 continue
             raise CheckpointError(f"{src}: unexpected tensor {name!r} for {cfg.architecture}")
-        target, fn = plan[key]
-        if hasattr(arr, "layout"):  # gguf.KeptBlocks, hf_int4.Int4Linear
-            value = arr.layout(fn, target, dtype, jnp.float32 if place else dtype)
-            if value is not None:
-                got[target] = place(target, value) if place else value
-                continue
-            arr = arr.dense()  # its groups do not fit the param's layout: dequantized
-        value = fn(jnp.asarray(arr, jnp.float32))
-        if "#" in target:  # one expert's slice of a stacked [E, ...] weight
-            got[target] = value if place else jnp.asarray(value, dtype)
-            continue
-        got[target] = place(target, value) if place else jnp.asarray(value, dtype)
-    missing = [name for name, (target, _) in plan.items() if target not in got]
+        for target, fn in _targets(plan[key]):
+            _assemble_one(got, target, fn, arr, dtype, place)
+    missing = [name for name, entry in plan.items()
+               if any(target not in got for target, _ in _targets(entry))]
     if missing:
         raise CheckpointError(
             f"checkpoint is missing {len(missing)} tensor(s) for {cfg.architecture}, e.g. "
@@ -191,6 +211,20 @@ def assemble_params(
         embed=got["embed"], layers=tuple(layers), final_norm=got["final_norm"],
         lm_head=got.get("lm_head"),
     )
+
+
+def _assemble_one(got: dict, target: str, fn: Callable, arr, dtype, place) -> None:
+    if hasattr(arr, "layout"):  # gguf.KeptBlocks, hf_int4.Int4Linear
+        value = arr.layout(fn, target, dtype, jnp.float32 if place else dtype)
+        if value is not None:
+            got[target] = place(target, value) if place else value
+            return
+        arr = arr.dense()  # its groups do not fit the param's layout: dequantized
+    value = fn(jnp.asarray(arr, jnp.float32))
+    if "#" in target:  # one expert's slice of a stacked [E, ...] weight
+        got[target] = value if place else jnp.asarray(value, dtype)
+        return
+    got[target] = place(target, value) if place else jnp.asarray(value, dtype)
 
 
 def _stack_experts(got: dict, place: Callable | None) -> None:

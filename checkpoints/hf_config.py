@@ -16,6 +16,7 @@ _FAMILIES = {
     "qwen3_moe": "llama",
     "qwen2_moe": "llama",
     "mixtral": "llama",
+    "gpt_oss": "llama",
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",
 }
@@ -67,7 +68,23 @@ def _rope_scaling(hf: dict[str, Any]) -> RopeScaling | None:
         )
     if kind == "linear":
         return RopeScaling(kind="linear", factor=float(rs["factor"]))
+    if kind == "yarn":
+        af = rs.get("attention_factor")
+        if rs.get("mscale") or rs.get("mscale_all_dim"):
+            raise ConfigError("yarn rope_scaling with mscale / mscale_all_dim is not supported")
+        return RopeScaling(
+            kind="yarn", factor=float(rs["factor"]),
+            original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
+            beta_fast=float(rs.get("beta_fast") or 32.0), beta_slow=float(rs.get("beta_slow") or 1.0),
+            truncate=_bool(rs.get("truncate", True), "rope_scaling.truncate"),
+            attention_factor=None if af is None else float(af))
     raise ConfigError(f"unsupported rope_scaling type {kind!r}")
+
+
+def _bool(v, name: str) -> bool:
+    if not isinstance(v, bool):
+        raise ConfigError(f"{name} must be true or false, got {v!r}")
+    return v
 
 
 def _rope_theta(hf: dict[str, Any], default: float) -> float:
@@ -115,8 +132,9 @@ def _from_hf(hf: dict[str, Any], family: str, model_type: str) -> ModelConfig:
             qk_norm=model_type in ("qwen3", "qwen3_moe"),  # per-head RMSNorm of q, k before RoPE
             activation=_activation(hf.get("hidden_act", "silu")),
             sliding_window=window,
-            layer_types=("local",) * common["num_layers"] if window else (),
+            layer_types=_layer_types(hf, model_type, common["num_layers"]) if window else (),
             **_experts(hf, model_type, common["num_layers"]),
+            **(_gpt_oss(hf) if model_type == "gpt_oss" else {}),
         )
     # gemma3
     n = common["num_layers"]
@@ -151,10 +169,33 @@ def _from_hf(hf: dict[str, Any], family: str, model_type: str) -> ModelConfig:
     )
 
 
+def _layer_types(hf: dict[str, Any], model_type: str, n: int) -> tuple[str, ...]:
+    """Per layer "local" (sliding window) or "global": HF's `layer_types` where given (gpt-oss
+    alternates them; Qwen2 windows the layers from max_window_layers), else every layer local
+    (Mistral, whose HF model ignores layer_types)."""
+    types = hf.get("layer_types")
+    if types is None or model_type == "mistral":
+        return ("local",) * n
+    names = {"sliding_attention": "local", "full_attention": "global"}
+    if not isinstance(types, list) or len(types) != n or any(t not in names for t in types):
+        raise ConfigError(f"layer_types must list {n} of {sorted(names)}, got {types!r}")
+    return tuple(names[t] for t in types)
+
+
+def _gpt_oss(hf: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss: attention sinks, q/k/v/o biases, a biased router whose top-k logits are
+    softmaxed (= softmax, top k, renormalised), biased experts with the clamped GLU."""
+    if not _bool(hf.get("attention_bias", True), "attention_bias"):
+        raise ConfigError("gpt_oss without attention_bias is not supported")
+    return dict(attn_sinks=True, attn_out_bias=True, router_bias=True, expert_bias=True,
+                norm_topk_prob=True, swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+                swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)))
+
+
 def _qkv_bias(hf: dict[str, Any], model_type: str) -> bool:
     if model_type == "qwen2_moe":  # its config says qkv_bias (default on)
         return bool(hf.get("qkv_bias", True))
-    return bool(hf.get("attention_bias", model_type == "qwen2"))
+    return bool(hf.get("attention_bias", model_type in ("qwen2", "gpt_oss")))
 
 
 def _experts(hf: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
@@ -162,6 +203,10 @@ def _experts(hf: dict[str, Any], model_type: str, num_layers: int) -> dict[str, 
     (`num_experts`, `moe_intermediate_size`, `norm_topk_prob`; dense layers from
     `decoder_sparse_step` and `mlp_only_layers`; Qwen2-MoE's gated shared expert) and Mixtral
     (`num_local_experts`, experts of `intermediate_size`, weights always renormalised)."""
+    if model_type == "gpt_oss":  # experts of intermediate_size, in every layer
+        return dict(num_experts=int(hf["num_local_experts"]),
+                    experts_per_token=int(hf["num_experts_per_tok"]),
+                    moe_intermediate_size=int(hf["intermediate_size"]))
     if model_type == "mixtral":
         return dict(num_experts=int(hf["num_local_experts"]),
                     experts_per_token=int(hf["num_experts_per_tok"]),

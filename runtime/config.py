@@ -43,13 +43,26 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style frequency-dependent rope scaling (`rope_type: llama3`) or linear scaling."""
+    """Llama-3 style frequency-dependent rope scaling (`rope_type: llama3`), linear scaling, or
+    YaRN (`rope_type: yarn`: interpolated low frequencies, extrapolated high ones, a linear ramp
+    between the dims rotating beta_fast and beta_slow times over the original context, and
+    cos / sin scaled by `attention_factor`)."""
 
-    kind: str  # "llama3" | "linear"
+    kind: str  # "llama3" | "linear" | "yarn"
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0
+    truncate: bool = True  # yarn: the ramp's ends rounded to whole dims
+    attention_factor: float | None = None  # yarn: None = 0.1 * ln(factor) + 1
+
+    def __post_init__(self):
+        if self.kind not in ("llama3", "linear", "yarn"):
+            raise ConfigError(f"unsupported rope_scaling type {self.kind!r}")
+        if not (math.isfinite(self.factor) and self.factor > 0):
+            raise ConfigError(f"rope_scaling factor must be > 0, got {self.factor}")
 
 
 @dataclass(frozen=True)
@@ -89,6 +102,15 @@ class ModelConfig:
     shared_expert_size: int = 0
     shared_expert_gate: bool = False
     dense_layers: tuple[int, ...] = ()  # layers of an MoE model with a dense MLP instead
+    # gpt-oss: a learned logit per q head joins every softmax (LayerParams.sinks, its value 0);
+    # a bias on the o projection (bo); the router's bias; every expert's biases; the experts'
+    # clamped GLU: (clip(up, -l, l) + 1) * g * sigmoid(alpha * g), g = min(gate, l)
+    attn_sinks: bool = False
+    attn_out_bias: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.0
     # tokens
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -112,6 +134,8 @@ class ModelConfig:
                               f"moe_intermediate_size > 0 ({self.moe_intermediate_size})")
         if self.shared_expert_size < 0:
             raise ConfigError(f"shared_expert_size {self.shared_expert_size} must be >= 0")
+        if self.swiglu_limit is not None and not self.swiglu_limit > 0:
+            raise ConfigError(f"swiglu_limit {self.swiglu_limit} must be > 0")
         if any(not 0 <= i < self.num_layers for i in self.dense_layers):
             raise ConfigError(f"dense_layers {list(self.dense_layers)} outside the "
                               f"{self.num_layers} layers")
@@ -135,7 +159,11 @@ class ModelConfig:
         return self.rope_theta
 
     def layer_rope_scaling(self, i: int) -> RopeScaling | None:
-        return None if self.layer_is_local(i) else self.rope_scaling
+        """Local layers with their own theta (Gemma 3) rotate unscaled; one rotary for every
+        layer (gpt-oss, Mistral) scales them all."""
+        if self.layer_is_local(i) and self.rope_local_theta is not None:
+            return None
+        return self.rope_scaling
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

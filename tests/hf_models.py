@@ -52,6 +52,17 @@ FAMILIES = {
         kw=dict(num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
                 num_experts_per_tok=2, sliding_window=None, tie_word_embeddings=False),
     ),
+    # 8 experts, top 2, biased router and experts, a clamp that bites (limit 0.3), attention
+    # sinks, sliding (window 8) and full layers alternating, YaRN rope
+    "gpt_oss": dict(
+        cls="GptOssForCausalLM", cfg="GptOssConfig",
+        kw=dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_local_experts=8,
+                num_experts_per_tok=2, sliding_window=8, swiglu_limit=0.3,
+                rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=8.0,
+                                     beta_fast=8.0, beta_slow=1.0, truncate=False,
+                                     original_max_position_embeddings=64),
+                tie_word_embeddings=False, attn_implementation="eager"),
+    ),
 }
 
 
@@ -70,10 +81,13 @@ def make_hf_model(family: str, out: Path, *, seed: int = 0, hidden=128, layers=2
     # random-init norms/biases are 1/0: perturb them so a mapping error cannot hide
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith(".bias"):
+            if name.endswith(("norm.weight", "bias", "sinks")):
                 p.add_(0.1 * torch.randn_like(p))
-            if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+            if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight",
+                              "mlp.router.weight")):
                 p.mul_(50.0)  # routers far from uniform: no near-ties in the top-k choice
+            if name.endswith("sinks"):
+                p.mul_(20.0)  # sinks near the scores' scale: they take a real share
     model = model.to(dtype)
     model.save_pretrained(out, safe_serialization=True)
     return model

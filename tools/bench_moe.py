@@ -60,13 +60,14 @@ def main(argv=None) -> int:
     dg, du, dd = w(4, d, k * f), w(5, d, k * f), w(6, k * f, d)
     if a.quantization:
         wg, wu, wd = (quantize(x, a.quantization, (1,), mode="weight_only") for x in (wg, wu, wd))
-    kw = dict(k=k, norm_topk=True, act=jax.nn.silu)
+    glu = lambda g, u: jax.nn.silu(g) * u  # noqa: E731
+    kw = dict(k=k, norm_topk=True, glu=glu)
     # weights are arguments, not constants folded into the programs
     served = jax.jit(lambda h, ws: moe_mlp(h, *ws[:4], **kw))
-    grouped = jax.jit(lambda h, ws: _grouped(h, *route(h, ws[0], k, True), *ws[1:4], jax.nn.silu))
-    blocked = jax.jit(lambda h, ws: _blocked(h, *route(h, ws[0], k, True), *ws[1:4], jax.nn.silu))
+    grouped = jax.jit(lambda h, ws: _grouped(h, *route(h, ws[0], k, True), *ws[1:4], None, glu))
+    blocked = jax.jit(lambda h, ws: _blocked(h, *route(h, ws[0], k, True), *ws[1:4], None, glu))
     gathered = jax.jit(
-        lambda h, ws: _gathered(h, *route(h, ws[0], k, True), *ws[1:4], jax.nn.silu))
+        lambda h, ws: _gathered(h, *route(h, ws[0], k, True), *ws[1:4], None, glu))
     every = jax.jit(lambda h, ws: moe_mlp_dense(h, *ws[:4], **kw))
     dense = jax.jit(lambda h, ws: (jax.nn.silu(h @ ws[4]) * (h @ ws[5])) @ ws[6])
     ws = (router, wg, wu, wd, dg, du, dd)

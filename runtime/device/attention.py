@@ -104,8 +104,11 @@ def attend(
     soft_cap: float | None,
     backend: str,  # a resolve_backend() result
     row_tiles: bool = False,  # XLA path: a query row per tile (batch-invariant numerics)
+    sinks: jax.Array | None = None,  # [Hq] a logit per q head in the softmax (gpt-oss)
 ) -> jax.Array:  # [T, Hq, Dh]
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if sinks is not None:
+        kw.update(sinks=sinks.astype(jnp.float32))
     if hasattr(k_pages, "scales"):  # int8 KV (runtime.device.kv_cache.QuantizedPages)
         kw.update(k_scale=k_pages.scales, v_scale=v_pages.scales)
         k_pages, v_pages = k_pages.values, v_pages.values
@@ -150,6 +153,7 @@ def xla_ragged_paged_attention(
     v_scale=None,
     every_chunk: bool = False,
     row_tiles: bool = False,
+    sinks=None,  # [Hq] f32
 ):
     """Query tiles: each sequence's queries are cut into tiles of B rows (B = 1 on decode-only
     steps, else min(max_q_len, 32)); a tile reads only the pages its queries can see (with a
@@ -165,7 +169,9 @@ def xla_ragged_paged_attention(
     chunks past a tile's last position are fully masked and change nothing.
     row_tiles (batch-invariant numerics): a tile is one query row and a group one tile, so every
     row's scores, softmax and products have the same shapes and order whatever the step holds
-    (the chunks past a row's own, run for its group, are fully masked: no-ops, bit for bit)."""
+    (the chunks past a row's own, run for its group, are fully masked: no-ops, bit for bit).
+    sinks: head h's softmax also holds the logit sinks[h] (raw: not scaled, capped or masked),
+    whose value is 0; folded into each tile's (max, sum, output) after its last chunk."""
     t, hq, dh = q.shape
     hkv, _, ps, _ = k_pages.shape
     s, p = page_indices.shape
@@ -254,7 +260,12 @@ def xla_ragged_paged_attention(
                  jnp.zeros((c, hkv, b * g, 1), jnp.float32),
                  jnp.zeros((c, hkv, b * g, dh), jnp.float32))
         step = jax.vmap(chunk_update, in_axes=(0, None, 0))
-        _, den, acc = jax.lax.fori_loop(0, n_chunks, lambda j, cr: step(xg, j, cr), carry)
+        mx, den, acc = jax.lax.fori_loop(0, n_chunks, lambda j, cr: step(xg, j, cr), carry)
+        if sinks is not None:  # [Hq] -> [Hkv, B*G, 1] (rows b-major, then g)
+            sk = jnp.broadcast_to(sinks.reshape(hkv, 1, g), (hkv, b, g)).reshape(hkv, b * g, 1)
+            new = jnp.maximum(mx, sk)
+            scale = jnp.exp(mx - new)  # 0 while mx is -inf
+            den, acc = den * scale + jnp.exp(sk - new), acc * scale
         o = acc / jnp.where(den > 0, den, 1)  # [c, Hkv, B*G, Dh]
         return o.reshape(c, hkv, b, g, dh).transpose(0, 2, 1, 3, 4).reshape(c, b, hq, dh)
 

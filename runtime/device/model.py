@@ -51,6 +51,13 @@ class LayerParams:
     k_norm: jax.Array | None = None  # [Dh]
     post_attn_norm: jax.Array | None = None  # [D]
     post_mlp_norm: jax.Array | None = None  # [D]
+    # gpt-oss (ModelConfig.attn_sinks, attn_out_bias, router_bias, expert_bias)
+    sinks: jax.Array | None = None  # [Hq] a logit per q head in the softmax, its value 0
+    bo: jax.Array | None = None  # [D]
+    router_b: jax.Array | None = None  # [E]
+    we_gate_b: jax.Array | None = None  # [E, Fe]
+    we_up_b: jax.Array | None = None  # [E, Fe]
+    we_down_b: jax.Array | None = None  # [E, D]
 
 
 @struct.dataclass
@@ -71,12 +78,14 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
     """[Dh/2] f32 inverse frequencies (HF convention: computed in f32)."""
-    inv = 1.0 / (np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
-    inv = inv.astype(np.float32)
+    freqs = np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
+    inv = (1.0 / freqs).astype(np.float32)
     if scaling is None:
         return inv
     if scaling.kind == "linear":
         return (inv / scaling.factor).astype(np.float32)
+    if scaling.kind == "yarn":
+        return _yarn_inv_freq(freqs, head_dim, theta, scaling)
     # llama3: keep high frequencies, divide low ones by `factor`, interpolate between
     old = scaling.original_max_position_embeddings
     low_wavelen = old / scaling.low_freq_factor
@@ -91,11 +100,42 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> n
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """x [T, H, Dh] rotated by position (rotate-half layout: pairs (i, i + Dh/2))."""
+def _yarn_inv_freq(freqs: np.ndarray, dim: int, theta: float, s: RopeScaling) -> np.ndarray:
+    """YaRN: dims rotating fewer than beta_slow times over the original context are
+    interpolated (/ factor), more than beta_fast times kept, a linear ramp between."""
+    def dim_of(rotations):  # the dim that rotates `rotations` times over the original context
+        return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+            2 * math.log(theta))
+
+    low, high = dim_of(s.beta_fast), dim_of(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low or 0.001), 0, 1)
+    keep = (1 - ramp).astype(np.float32)  # 1: extrapolate (the original frequency)
+    inv_extra = (1.0 / freqs).astype(np.float32)
+    inv_inter = (1.0 / (np.float32(s.factor) * freqs)).astype(np.float32)
+    return (inv_inter * (1 - keep) + inv_extra * keep).astype(np.float32)
+
+
+def rope_attention_factor(scaling: RopeScaling | None) -> float:
+    """What cos and sin are multiplied by (YaRN's attention temperature; 1 otherwise)."""
+    if scaling is None or scaling.kind != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+    return 1.0 if scaling.factor <= 1 else 0.1 * math.log(scaling.factor) + 1.0
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray,
+               factor: float = 1.0) -> jax.Array:
+    """x [T, H, Dh] rotated by position (rotate-half layout: pairs (i, i + Dh/2)); cos and sin
+    scaled by `factor` (rope_attention_factor)."""
     angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, Dh/2]
     cos = jnp.cos(angles)[:, None, :]
     sin = jnp.sin(angles)[:, None, :]
+    if factor != 1.0:
+        cos, sin = cos * np.float32(factor), sin * np.float32(factor)
     xf = x.astype(jnp.float32)
     x1, x2 = jnp.split(xf, 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -139,6 +179,7 @@ def layer(
         sm_scale=cfg.sm_scale,
         sliding_window=cfg.layer_window(i),
         soft_cap=cfg.attn_logit_softcap,
+        sinks=lp.sinks,
         backend=backend,
         row_tiles=cfg.batch_invariant,
     )  # [T, Hq, Dh]
@@ -161,8 +202,10 @@ def _qkv(lp: LayerParams, x, positions, cfg: ModelConfig, i: int, lora, lora_mas
         q, k, v = q + lp.bq.astype(q.dtype), k + lp.bk.astype(k.dtype), v + lp.bv.astype(v.dtype)
     if lp.q_norm is not None:
         q, k = rms_norm(q, lp.q_norm, eps), rms_norm(k, lp.k_norm, eps)
-    inv_freq = rope_inv_freq(cfg.head_dim, cfg.layer_rope_theta(i), cfg.layer_rope_scaling(i))
-    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+    scaling = cfg.layer_rope_scaling(i)
+    inv_freq = rope_inv_freq(cfg.head_dim, cfg.layer_rope_theta(i), scaling)
+    f = rope_attention_factor(scaling)
+    return apply_rope(q, positions, inv_freq, f), apply_rope(k, positions, inv_freq, f), v
 
 
 def _out_and_mlp(lp: LayerParams, x, o, cfg: ModelConfig, lora, lora_mask):
@@ -170,12 +213,15 @@ def _out_and_mlp(lp: LayerParams, x, o, cfg: ModelConfig, lora, lora_mask):
     eps = cfg.rms_norm_eps
     ad = lambda y, x_, t: lora_ops.add(y, x_, lora, t, lora_mask)  # noqa: E731
     o = ad(einsum("thk,hkd->td", o, lp.wo), o, "o")  # [T, D]
+    if lp.bo is not None:
+        o = o + lp.bo.astype(o.dtype)
     if lp.post_attn_norm is not None:
         o = rms_norm(o, lp.post_attn_norm, eps)
     x = x + o
 
     h = rms_norm(x, lp.mlp_norm, eps)
     act = _activation(cfg.activation)
+    glu = lambda g, u: act(g) * u  # noqa: E731
     m = None
     if lp.w_down is not None:  # the dense MLP, or an MoE layer's shared expert
         if lp.w_gate_up is not None:
@@ -183,18 +229,33 @@ def _out_and_mlp(lp: LayerParams, x, o, cfg: ModelConfig, lora, lora_mask):
             gate, up = gu[..., 0], gu[..., 1]
         else:
             gate, up = einsum("td,df->tf", h, lp.w_gate), einsum("td,df->tf", h, lp.w_up)
-        m = act(ad(gate, h, "gate")) * ad(up, h, "up")  # [T, F]
+        m = glu(ad(gate, h, "gate"), ad(up, h, "up"))  # [T, F]
         m = ad(einsum("tf,fd->td", m, lp.w_down), m, "down")  # [T, D]
         if lp.shared_gate is not None:
             gate = jnp.einsum("td,d->t", h.astype(jnp.float32), lp.shared_gate.astype(jnp.float32))
             m = (m * jax.nn.sigmoid(gate)[:, None]).astype(h.dtype)
     if lp.router is not None:  # routed experts (runtime/device/moe.py)
-        e = moe_mlp(h, lp.router, lp.we_gate, lp.we_up, lp.we_down,
-                    k=cfg.experts_per_token, norm_topk=cfg.norm_topk_prob, act=act)  # [T, D]
+        biases = None if lp.we_gate_b is None else (lp.we_gate_b, lp.we_up_b, lp.we_down_b)
+        e = moe_mlp(h, lp.router, lp.we_gate, lp.we_up, lp.we_down, k=cfg.experts_per_token,
+                    norm_topk=cfg.norm_topk_prob, glu=_expert_glu(cfg, glu),
+                    router_bias=lp.router_b, biases=biases)  # [T, D]
         m = e if m is None else m + e
     if lp.post_mlp_norm is not None:
         m = rms_norm(m, lp.post_mlp_norm, eps)
     return x + m
+
+
+def _expert_glu(cfg: ModelConfig, glu):
+    """The experts' gate-and-up: act(gate) * up, or gpt-oss's clamped form."""
+    if cfg.swiglu_limit is None:
+        return glu
+    lim, alpha = cfg.swiglu_limit, cfg.swiglu_alpha
+
+    def clamped(g, u):
+        g = jnp.minimum(g, lim)
+        return (jnp.clip(u, -lim, lim) + 1) * (g * jax.nn.sigmoid(alpha * g))
+
+    return clamped
 
 
 # Rows per block under cfg.batch_invariant (by_rows)
@@ -308,7 +369,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: floa
         cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
         cfg.intermediate_size, cfg.vocab_size,
     )
-    keys = iter(jax.random.split(key, 24 * cfg.num_layers + 4))
+    keys = iter(jax.random.split(key, 40 * cfg.num_layers + 4))
 
     def w(*shape):
         return (scale * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
@@ -323,6 +384,10 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: floa
         if cfg.layer_has_experts(i):
             mlp = dict(router=w(d, ne), we_gate=w(ne, d, fe), we_up=w(ne, d, fe),
                        we_down=w(ne, fe, d))
+            if cfg.router_bias:
+                mlp |= dict(router_b=w(ne))
+            if cfg.expert_bias:
+                mlp |= dict(we_gate_b=w(ne, fe), we_up_b=w(ne, fe), we_down_b=w(ne, d))
             if fs:
                 mlp |= dict(w_gate=w(d, fs), w_up=w(d, fs), w_down=w(fs, d),
                             shared_gate=w(d) if cfg.shared_expert_gate else None)
@@ -337,6 +402,8 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: floa
                 k_norm=norm(dh) if cfg.qk_norm else None,
                 post_attn_norm=norm(d) if cfg.sandwich_norms else None,
                 post_mlp_norm=norm(d) if cfg.sandwich_norms else None,
+                sinks=w(hq) if cfg.attn_sinks else None,
+                bo=w(d) if cfg.attn_out_bias else None,
             )
         )
     return Params(

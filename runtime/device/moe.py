@@ -1,5 +1,5 @@
 """Mixture-of-experts feed-forward: a softmax router picks k of E experts per token, each a gated
-MLP, and the token's output is their routing-weighted sum (Qwen3-MoE, Mixtral).
+MLP, and the token's output is their routing-weighted sum (Qwen3-MoE, Mixtral, gpt-oss).
 
 `moe_mlp` is the serving path. Each (token, expert) pair meets only its own expert's weights and
 no token is dropped. On TPU/GPU up to E pairs (decode) gather the chosen experts' weights per
@@ -10,9 +10,11 @@ experts it reads. `moe_mlp_dense` computes every expert for every token and mask
 the work, kept as the test
 reference.
 
-    logits = h @ router                        # [T, E], f32
+    logits = h @ router (+ router_bias)        # [T, E], f32
     w, e = top_k(softmax(logits), k)           # [T, k] (renormalised to sum 1 if norm_topk)
-    out[t] = sum_j w[t, j] * down_e(act(gate_e(h[t])) * up_e(h[t]))   with e = e[t, j]
+    out[t] = sum_j w[t, j] * down_e(glu(gate_e(h[t]), up_e(h[t])))   with e = e[t, j]
+glu(g, u) is act(g) * u (gpt-oss: a clamped form, runtime/device/model.py); with `biases`
+(gpt-oss) each expert's gate / up / down add their own bias [E, F] / [E, F] / [E, D].
 """
 
 from __future__ import annotations
@@ -25,9 +27,12 @@ import jax.numpy as jnp
 from jaxinfer.runtime.device.quantization import QuantizedArray, dequantize
 
 
-def route(h: jax.Array, router: jax.Array, k: int, norm_topk: bool):
-    """h [T, D], router [D, E] -> (weights [T, k] f32, experts [T, k] int32)."""
+def route(h: jax.Array, router: jax.Array, k: int, norm_topk: bool, bias=None):
+    """h [T, D], router [D, E], bias [E] | None -> (weights [T, k] f32, experts [T, k] int32).
+    Softmax, top k, renormalised equals gpt-oss's softmax over the top k logits."""
     logits = jnp.einsum("td,de->te", h.astype(jnp.float32), router.astype(jnp.float32))
+    if bias is not None:
+        logits = logits + bias.astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
     w, e = jax.lax.top_k(probs, k)
     if norm_topk:
@@ -36,7 +41,7 @@ def route(h: jax.Array, router: jax.Array, k: int, norm_topk: bool):
 
 
 def moe_mlp(h: jax.Array, router, we_gate, we_up, we_down, *, k: int, norm_topk: bool,
-            act) -> jax.Array:
+            glu, router_bias=None, biases=None) -> jax.Array:
     """h [T, D]; we_gate / we_up [E, D, F], we_down [E, F, D] (arrays or QuantizedArrays) ->
     [T, D]. TPU/GPU: at most E pairs (a decode step) gather their experts' weights
     (`_gathered`), more are grouped by expert through ragged_dot (`_grouped`). CPU: blocks
@@ -45,25 +50,34 @@ def moe_mlp(h: jax.Array, router, we_gate, we_up, we_down, *, k: int, norm_topk:
     All read only the chosen experts. Traced on a mesh whose "model" axis
     divides E (the engine's tensor-parallel steps), each device runs its own E / tp experts on
     the (replicated) tokens and the partial outputs are summed: `_expert_parallel`."""
-    w, e = route(h, router, k, norm_topk)
-    args = (h, w, e, we_gate, we_up, we_down)
+    w, e = route(h, router, k, norm_topk, router_bias)
+    args = (h, w, e, we_gate, we_up, we_down, biases)
     mesh = jax.sharding.get_abstract_mesh()
     tp = 1 if mesh.empty or "model" not in mesh.axis_names else mesh.shape["model"]
     if tp > 1 and we_gate.shape[0] % tp == 0:
-        return _expert_parallel(mesh, *args, act=act).astype(h.dtype)
-    return _forms(*args, act=act).astype(h.dtype)
+        return _expert_parallel(mesh, *args, glu=glu).astype(h.dtype)
+    return _forms(*args, glu=glu).astype(h.dtype)
 
 
-def _forms(h, w, e, we_gate, we_up, we_down, *, act) -> jax.Array:
+def _forms(h, w, e, we_gate, we_up, we_down, biases, *, glu) -> jax.Array:
     """f32 [T, D] by the platform's form for T * k pairs over these E experts; experts e >= E
     are held elsewhere and add nothing."""
     small = h.shape[0] * e.shape[1] <= we_gate.shape[0]
     return jax.lax.platform_dependent(
-        h, w, e, we_gate, we_up, we_down, cpu=functools.partial(_blocked, act=act),
-        default=functools.partial(_gathered if small else _grouped, act=act))
+        h, w, e, we_gate, we_up, we_down, biases, cpu=functools.partial(_blocked, glu=glu),
+        default=functools.partial(_gathered if small else _grouped, glu=glu))
 
 
-def _expert_parallel(mesh, h, w, e, we_gate, we_up, we_down, *, act) -> jax.Array:
+def _bias(biases, i: int, idx: jax.Array) -> jax.Array | float:
+    """Bias i (0 gate, 1 up, 2 down) of experts idx (any int shape S; clamped): f32 S + [F|D],
+    or 0 without biases."""
+    if biases is None:
+        return 0.0
+    b = biases[i]
+    return b[jnp.minimum(idx, b.shape[0] - 1)].astype(jnp.float32)
+
+
+def _expert_parallel(mesh, h, w, e, we_gate, we_up, we_down, biases, *, glu) -> jax.Array:
     """Expert parallelism over the mesh's "model" axis: device i holds experts
     [i * E/tp, (i + 1) * E/tp) whole and the routed tokens are replicated, so each device
     applies its experts to the pairs that chose them (the others map past its last expert and
@@ -71,15 +85,16 @@ def _expert_parallel(mesh, h, w, e, we_gate, we_up, we_down, *, act) -> jax.Arra
     between devices."""
     local = we_gate.shape[0] // mesh.shape["model"]
 
-    def on_device(h, w, e, we_gate, we_up, we_down):
+    def on_device(h, w, e, we_gate, we_up, we_down, biases):
         le = e - jax.lax.axis_index("model") * local  # [T, k] expert ids on this device
         le = jnp.where((le >= 0) & (le < local), le, local)
-        y = _forms(h, w, le, we_gate, we_up, we_down, act=act)
+        y = _forms(h, w, le, we_gate, we_up, we_down, biases, glu=glu)
         return jax.lax.psum(y, "model")
 
     rep, split = jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec("model")
-    return jax.shard_map(on_device, mesh=mesh, in_specs=(rep, rep, rep, split, split, split),
-                         out_specs=rep, check_vma=False)(h, w, e, we_gate, we_up, we_down)
+    return jax.shard_map(on_device, mesh=mesh,
+                         in_specs=(rep, rep, rep, split, split, split, split),
+                         out_specs=rep, check_vma=False)(h, w, e, we_gate, we_up, we_down, biases)
 
 
 def _experts(w, idx: jax.Array) -> jax.Array:
@@ -91,13 +106,14 @@ def _experts(w, idx: jax.Array) -> jax.Array:
     return w[idx].astype(jnp.float32)
 
 
-def _gathered(h, w, e, we_gate, we_up, we_down, act) -> jax.Array:
+def _gathered(h, w, e, we_gate, we_up, we_down, biases, glu) -> jax.Array:
     """Pair (t, j) multiplies h[t] by expert e[t, j]'s own weights, gathered: [T, k, D, F]."""
     x = h.astype(jnp.float32)
     w = jnp.where(e < we_gate.shape[0], w, 0.0)  # [T, k] (held elsewhere: 0)
-    g = jnp.einsum("td,tkdf->tkf", x, _experts(we_gate, e))
-    u = jnp.einsum("td,tkdf->tkf", x, _experts(we_up, e))
-    y = jnp.einsum("tkf,tkfd->tkd", act(g) * u, _experts(we_down, e))  # [T, k, D]
+    g = jnp.einsum("td,tkdf->tkf", x, _experts(we_gate, e)) + _bias(biases, 0, e)
+    u = jnp.einsum("td,tkdf->tkf", x, _experts(we_up, e)) + _bias(biases, 1, e)
+    y = jnp.einsum("tkf,tkfd->tkd", glu(g, u), _experts(we_down, e))  # [T, k, D]
+    y = y + _bias(biases, 2, e)
     return jnp.einsum("tkd,tk->td", y, w)
 
 
@@ -110,7 +126,7 @@ def _sorted_pairs(e: jax.Array, e_count: int):
     return order, flat_e[order], sizes
 
 
-def _grouped(h, w, e, we_gate, we_up, we_down, act) -> jax.Array:
+def _grouped(h, w, e, we_gate, we_up, we_down, biases, glu) -> jax.Array:
     """The pairs sorted by expert, each group multiplied by its expert with ragged_dot."""
     t, _ = h.shape
     k = e.shape[1]
@@ -119,7 +135,11 @@ def _grouped(h, w, e, we_gate, we_up, we_down, act) -> jax.Array:
     x = h[tok]  # [P, D]
     g = _ragged(x, we_gate, sizes, row_e)  # [P, F]
     u = _ragged(x, we_up, sizes, row_e)
-    y = _ragged(act(g) * u, we_down, sizes, row_e).astype(jnp.float32)  # [P, D]
+    if biases is not None:
+        g = g + _bias(biases, 0, row_e).astype(g.dtype)
+        u = u + _bias(biases, 1, row_e).astype(u.dtype)
+    y = _ragged(glu(g, u), we_down, sizes, row_e).astype(jnp.float32)  # [P, D]
+    y = y + _bias(biases, 2, row_e)
     y = jnp.where((row_e < we_gate.shape[0])[:, None], y * w.reshape(-1)[order][:, None], 0.0)
     return jnp.zeros((t, h.shape[1]), jnp.float32).at[tok].add(y)
 
@@ -140,7 +160,7 @@ def block_rows(pairs: int, e_count: int) -> int:
     return max(8, min(128, 1 << max(0, (pairs // e_count).bit_length() - 1)))
 
 
-def _blocked(h, w, e, we_gate, we_up, we_down, act) -> jax.Array:
+def _blocked(h, w, e, we_gate, we_up, we_down, biases, glu) -> jax.Array:
     """The sorted pairs padded per expert to whole blocks of B rows; each block is multiplied by
     its expert's weights, read where they lie (`lax.map` over the blocks: XLA:CPU ran the
     batched product over gathered weights 4-7x slower). Padded rows <= P + B per used expert,
@@ -162,8 +182,9 @@ def _blocked(h, w, e, we_gate, we_up, we_down, act) -> jax.Array:
 
     def block(args):  # x [B, D], one expert
         x, i = args
-        g, u = x @ _experts(we_gate, i), x @ _experts(we_up, i)  # [B, F]
-        return (act(g) * u) @ _experts(we_down, i)  # [B, D]
+        g = x @ _experts(we_gate, i) + _bias(biases, 0, i)  # [B, F]
+        u = x @ _experts(we_up, i) + _bias(biases, 1, i)
+        return glu(g, u) @ _experts(we_down, i) + _bias(biases, 2, i)  # [B, D]
 
     y = jax.lax.map(block, (x.reshape(nb, b, d), block_e)).reshape(nb * b, d)
     y = jnp.take(y, dest, axis=0, mode="fill", fill_value=0.0)  # [P, D]
@@ -172,13 +193,14 @@ def _blocked(h, w, e, we_gate, we_up, we_down, act) -> jax.Array:
 
 
 def moe_mlp_dense(h: jax.Array, router, we_gate, we_up, we_down, *, k: int, norm_topk: bool,
-                  act) -> jax.Array:
+                  glu, router_bias=None, biases=None) -> jax.Array:
     """The reference: every expert on every token, weighted by the (sparse) routing weights."""
-    w, e = route(h, router, k, norm_topk)
+    w, e = route(h, router, k, norm_topk, router_bias)
     dense_w = jnp.zeros((h.shape[0], we_gate.shape[0]), jnp.float32)
     dense_w = dense_w.at[jnp.arange(h.shape[0])[:, None], e].set(w)  # [T, E]
     hf = h.astype(jnp.float32)
-    g = jnp.einsum("td,edf->tef", hf, dequantize(we_gate))
-    u = jnp.einsum("td,edf->tef", hf, dequantize(we_up))
-    y = jnp.einsum("tef,efd->ted", act(g) * u, dequantize(we_down))  # [T, E, D]
+    b = (0.0, 0.0, 0.0) if biases is None else [x.astype(jnp.float32) for x in biases]
+    g = jnp.einsum("td,edf->tef", hf, dequantize(we_gate)) + b[0]
+    u = jnp.einsum("td,edf->tef", hf, dequantize(we_up)) + b[1]
+    y = jnp.einsum("tef,efd->ted", glu(g, u), dequantize(we_down)) + b[2]  # [T, E, D]
     return jnp.einsum("ted,te->td", y, dense_w).astype(h.dtype)

@@ -67,6 +67,12 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "bq": ("heads", "head_dim"),
     "bk": ("kv_heads", "head_dim"),
     "bv": ("kv_heads", "head_dim"),
+    "sinks": ("heads",),  # [Hq]
+    "bo": ("embed",),  # [D]
+    "router_b": (None,),  # [E]
+    "we_gate_b": ("expert", "mlp"),  # [E, Fe]
+    "we_up_b": ("expert", "mlp"),
+    "we_down_b": ("expert", "embed"),  # [E, D]
     "q_norm": ("head_dim",),
     "k_norm": ("head_dim",),
     "attn_norm": ("embed",),
@@ -251,18 +257,21 @@ def shard_kv_heads(attention: Callable, mesh: Mesh | AbstractMesh) -> Callable:
       KV heads divide tp:  q [T, Hq/tp, Dh], pages [Hkv/tp, N, ps, Dh] (groups stay whole)
       one KV head, q heads divide tp: q [T, Hq/tp, Dh], the (replicated) pool whole
       otherwise:           every operand whole on every device (the kernel runs replicated)
-    int8 pages' `k_scale` / `v_scale` [Hkv, N, ps] split like the pages; the metadata is
+    int8 pages' `k_scale` / `v_scale` [Hkv, N, ps] split like the pages, `sinks` [Hq] like q's
+    heads; the metadata is
     replicated; the output [T, Hq, Dh] comes back split like q. No mesh, or no "model" axis
     over several devices: the call as it is."""
     tp = 1 if mesh.empty or "model" not in mesh.axis_names else mesh.shape["model"]
 
     def wrapped(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
-                k_scale=None, v_scale=None, **kw):
+                k_scale=None, v_scale=None, sinks=None, **kw):
         meta = (kv_lens, page_indices, cu_q_lens, num_seqs)
         scales = () if k_scale is None else (k_scale, v_scale)
+        sk = () if sinks is None else (sinks,)
         if tp == 1:
             return attention(q, k_pages, v_pages, *meta, **kw,
-                             **dict(zip(("k_scale", "v_scale"), scales)))
+                             **dict(zip(("k_scale", "v_scale"), scales)),
+                             **dict(zip(("sinks",), sk)))
         hkv, hq = k_pages.shape[0], q.shape[1]
         heads, split, whole = P(None, "model"), P("model"), P()
         if hkv % tp == 0:
@@ -272,12 +281,15 @@ def shard_kv_heads(attention: Callable, mesh: Mesh | AbstractMesh) -> Callable:
         else:
             q_spec, pool = whole, whole
 
-        def local(q, k, v, *rest):
-            sc = dict(zip(("k_scale", "v_scale"), rest[4:]))
-            return attention(q, k, v, *rest[:4], **kw, **sc)
+        def local(q, k, v, *rest):  # rest: the metadata, the scales, the sinks
+            sc = dict(zip(("k_scale", "v_scale"), rest[4:4 + len(scales)]))
+            return attention(q, k, v, *rest[:4], **kw, **sc,
+                             **dict(zip(("sinks",), rest[4 + len(scales):])))
 
+        sk_spec = split if q_spec == heads else whole  # sinks [Hq] split like q's heads
         fn = jax.shard_map(local, mesh=mesh, out_specs=q_spec, check_vma=False,
-                           in_specs=(q_spec, pool, pool) + (whole,) * 4 + (pool,) * len(scales))
-        return fn(q, k_pages, v_pages, *meta, *scales)
+                           in_specs=(q_spec, pool, pool) + (whole,) * 4 + (pool,) * len(scales)
+                           + (sk_spec,) * len(sk))
+        return fn(q, k_pages, v_pages, *meta, *scales, *sk)
 
     return wrapped

@@ -47,11 +47,14 @@ def test_config_fields_from_hf(family_model):
     name, hf, cfg, _ = family_model
     assert cfg.num_kv_heads == hf.config.num_key_value_heads
     assert cfg.tie_word_embeddings == bool(hf.config.tie_word_embeddings)
-    assert cfg.qkv_bias == (name in ("qwen2", "qwen2_moe"))
-    assert (cfg.rope_scaling is not None) == (name == "llama3_rope")
+    assert cfg.qkv_bias == (name in ("qwen2", "qwen2_moe", "gpt_oss"))
+    assert (cfg.rope_scaling is not None) == (name in ("llama3_rope", "gpt_oss"))
     assert cfg.qk_norm == (name in ("qwen3", "qwen3_moe"))
-    assert cfg.num_experts == {"qwen3_moe": 16, "qwen2_moe": 8, "mixtral": 8}.get(name, 0)
+    assert cfg.num_experts == {"qwen3_moe": 16, "qwen2_moe": 8, "mixtral": 8, "gpt_oss": 8}.get(name, 0)
     assert (cfg.shared_expert_size, cfg.dense_layers) == (
         (80, (1,)) if name == "qwen2_moe" else (0, ()))
+    assert cfg.attn_sinks == cfg.attn_out_bias == cfg.expert_bias == (name == "gpt_oss")
+    if name == "gpt_oss":  # sliding and full layers alternate
+        assert cfg.layer_types == ("local", "global") and cfg.layer_window(0) == 8
     c = hf.config
     assert cfg.head_dim == (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)

@@ -19,6 +19,10 @@ from jaxinfer.runtime.device.quantization import QuantizedArray, quantize
 D, F, T = 32, 24, 13
 
 
+def silu_glu(g, u):
+    return jax.nn.silu(g) * u
+
+
 def _weights(e: int, seed: int):
     ks = jax.random.split(jax.random.key(seed), 5)
     n = lambda k, *s, scale=0.3: scale * jax.random.normal(k, s, jnp.float32)  # noqa: E731
@@ -29,7 +33,7 @@ def _weights(e: int, seed: int):
 @pytest.mark.parametrize("e,k", [(8, 2), (8, 8), (64, 2), (64, 8), (128, 2), (128, 8)])
 def test_grouped_and_gathered_experts_equal_the_dense_reference(e, k):
     h, router, wg, wu, wd = _weights(e, seed=e + k)
-    kw = dict(k=k, norm_topk=k == 2, act=jax.nn.silu)
+    kw = dict(k=k, norm_topk=k == 2, glu=silu_glu)
     want = jax.jit(lambda *a: moe_mlp_dense(*a, **kw))(h, router, wg, wu, wd)
 
     for fn in (_grouped, _gathered, _blocked, None):
@@ -39,7 +43,7 @@ def test_grouped_and_gathered_experts_equal_the_dense_reference(e, k):
     used = np.unique(np.asarray(route(h, router, k, False)[1]))
     assert len(used) < e or e == 8  # experts that receive no token are in the mix
     # hand-worked: one token, top-1 with renormalisation is exactly its expert's MLP
-    one = jax.jit(lambda *a: moe_mlp(*a, k=1, norm_topk=True, act=jax.nn.silu))(
+    one = jax.jit(lambda *a: moe_mlp(*a, k=1, norm_topk=True, glu=silu_glu))(
         h[:1], router, wg, wu, wd)
     x = np.asarray(h[0], np.float64)
     j = int(np.argmax(x @ np.asarray(router, np.float64)))
@@ -50,7 +54,45 @@ def test_grouped_and_gathered_experts_equal_the_dense_reference(e, k):
 
 def _form(fn, k, norm_topk):
     """One of moe_mlp's forms alone, whatever T * k is."""
-    return jax.jit(lambda h, *ws: fn(h, *route(h, ws[0], k, norm_topk), *ws[1:], jax.nn.silu))
+    return jax.jit(lambda h, *ws: fn(h, *route(h, ws[0], k, norm_topk), *ws[1:], None, silu_glu))
+
+
+def test_biased_clamped_experts_every_form_equals_numpy():
+    """gpt-oss's experts: a router bias, per-expert gate / up / down biases and the clamped GLU,
+    through every form, against a plain numpy loop over tokens (softmax over the top-k biased
+    logits)."""
+    from jaxinfer.runtime.config import ModelConfig
+    from jaxinfer.runtime.device.model import _expert_glu
+
+    e, k, lim, alpha = 8, 2, 0.5, 1.702
+    h, router, wg, wu, wd = _weights(e, seed=11)
+    ks = jax.random.split(jax.random.key(12), 4)
+    rb, bg, bu, bd = (0.3 * jax.random.normal(kk, s) for kk, s in
+                      zip(ks, [(e,), (e, F), (e, F), (e, D)]))
+    cfg = ModelConfig(family="llama", vocab_size=8, hidden_size=D, intermediate_size=F,
+                      num_layers=1, num_heads=1, num_kv_heads=1, head_dim=D,
+                      swiglu_limit=lim, swiglu_alpha=alpha)
+    glu = _expert_glu(cfg, None)
+    kw = dict(k=k, norm_topk=True, glu=glu, router_bias=rb, biases=(bg, bu, bd))
+    x, r = np.asarray(h, np.float64), np.asarray(router, np.float64)
+    want = np.zeros((T, D))
+    for t in range(T):
+        logits = x[t] @ r + np.asarray(rb)
+        top = np.argsort(-logits)[:k]
+        p = np.exp(logits[top] - logits[top].max())
+        for j, wj in zip(top, p / p.sum()):
+            g = np.minimum(x[t] @ np.asarray(wg[j]) + np.asarray(bg[j]), lim)
+            u = np.clip(x[t] @ np.asarray(wu[j]) + np.asarray(bu[j]), -lim, lim)
+            m = (u + 1) * g / (1 + np.exp(-alpha * g))
+            want[t] += wj * (m @ np.asarray(wd[j]) + np.asarray(bd[j]))
+    assert np.mean(np.abs(x @ np.asarray(wg[0]) + np.asarray(bg[0])) > lim) > 0.1  # it clamps
+    got = jax.jit(lambda *a: moe_mlp_dense(*a, **kw))(h, router, wg, wu, wd)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
+    w, ex = route(h, router, k, True, rb)
+    for fn in (_grouped, _gathered, _blocked):
+        got = jax.jit(lambda *a: fn(h, w, ex, *a, (bg, bu, bd), glu))(wg, wu, wd)
+        np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5,
+                                   err_msg=fn.__name__)
 
 
 def test_blocks_hold_every_pair_in_their_static_count():
@@ -60,7 +102,7 @@ def test_blocks_hold_every_pair_in_their_static_count():
     assert block_rows(104, 8) == 8 and block_rows(104, 128) == 8 and block_rows(4096, 8) == 128
     h, router, wg, wu, wd = _weights(8, seed=3)
     router = router.at[:, 0].add(100.0)  # expert 0 first for every token
-    want = moe_mlp_dense(h, router, wg, wu, wd, k=8, norm_topk=False, act=jax.nn.silu)
+    want = moe_mlp_dense(h, router, wg, wu, wd, k=8, norm_topk=False, glu=silu_glu)
     got = _form(_blocked, 8, False)(h, router, wg, wu, wd)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
 
@@ -74,13 +116,13 @@ def test_quantized_experts_equal_the_reference_on_their_widened_weights(fmt):
     qs = [quantize(w, fmt, (1,), mode="weight_only", group_size=8) for w in ws]
     assert all(isinstance(q, QuantizedArray) and q.shape == w.shape for q, w in zip(qs, ws))
     widened = [q.dequantize() for q in qs]
-    want = moe_mlp_dense(h, router, *widened, k=k, norm_topk=True, act=jax.nn.silu)
+    want = moe_mlp_dense(h, router, *widened, k=k, norm_topk=True, glu=silu_glu)
     for fn in (_grouped, _gathered, _blocked):
         got = _form(fn, k, True)(h, router, *qs)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5,
                                    err_msg=f"{fmt} {fn.__name__}")
     # the quantized experts are not the float ones: the check above could tell them apart
-    exact = moe_mlp_dense(h, router, *ws, k=k, norm_topk=True, act=jax.nn.silu)
+    exact = moe_mlp_dense(h, router, *ws, k=k, norm_topk=True, glu=silu_glu)
     assert np.abs(np.asarray(exact) - np.asarray(want)).max() > 1e-4
 
 
@@ -88,7 +130,7 @@ def test_quantized_experts_equal_the_reference_on_their_widened_weights(fmt):
 def test_grouped_experts_lower_for_accelerators(platform):
     args = [jax.ShapeDtypeStruct(a.shape, jnp.bfloat16) for a in _weights(64, 0)]
     for k in (2, 8):  # T * k = 26 <= E: gathered; 104 > E: grouped (ragged_dot)
-        fn = jax.jit(lambda *a: moe_mlp(*a, k=k, norm_topk=True, act=jax.nn.silu))
+        fn = jax.jit(lambda *a: moe_mlp(*a, k=k, norm_topk=True, glu=silu_glu))
         exported = jax.export.export(fn, platforms=[platform])(*args)
         assert exported.platforms == (platform,) and exported.out_avals[0].shape == (T, D)
         assert ("ragged" in exported.mlir_module()) == (k == 8) or platform == "cuda"
