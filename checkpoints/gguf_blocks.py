@@ -12,22 +12,38 @@ weights along a row (a row = one output channel, its elements = the inputs the m
   Q4_K   144          256            nibble        32  d * sc[j]    -(dmin * m[j])
   Q5_K   176          256            5 bits        32  d * sc[j]    -(dmin * m[j])
   Q6_K   210          256            6 bits - 32   16  d * sc[j]    -
+  MXFP4  17           32             2 * e2m1      32  2**(e - 128) -
 
 (d, dmin, m: f16 in the block; sc[j], m[j]: 6-bit sub-block factors, 8 per K block, packed into
 12 bytes; Q6_K's sc[j]: 16 int8.) The products d * sc[j] and dmin * m[j] are formed in f32 as
 ggml does, so `q * scale + offset` in f32 equals the gguf package's dequantized values bit for
-bit (negating the min is exact). q fits int8 in every format; 4-bit types also fit int4.
+bit (negating the min is exact). q fits int8 in every format; 4-bit types also fit int4, except
+MXFP4, whose q (ggml's kvalues_mxfp4, twice the E2M1 value of the nibble) spans -12..12.
+
+MXFP4 (ggml type 39, gpt-oss; checkpoints/mxfp4.py has the format and HF's layout): byte 0 is
+e, an E8M0 exponent, bytes 1-16 are qs, element j (j < 16) in the low nibble of qs[j] and
+element j + 16 in its high nibble (the Q4_0 order). ggml's GGML_E8M0_TO_FP32_HALF gives
+2**(e - 128) for every e, 255 included (2**127: ggml has no NaN scale, the spec's e = 255 NaN),
+and so does this.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from jaxinfer.checkpoints.mxfp4 import E2M1_X2
+
 PACKED_KINDS = ("Q4_0", "Q4_1", "Q4_K")  # kept two values a byte (runtime.device.quantization)
 GROUP_SIZES = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32,
                "Q4_K": 32, "Q5_K": 32, "Q6_K": 16}
 _BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
-          "Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+          "Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
+          "MXFP4": (32, 17)}
+# MXFP4 decodes here (`decode`, `dequantize`) but is not in GROUP_SIZES yet: that table opts a
+# kind into checkpoints/gguf.py's kept path and tests/runtime/test_cpu_matmul.py's kinds (whose
+# raw-block maker and kernel-kind table have no MXFP4 entry); gguf.py dequantizes MXFP4 tensors
+# through the gguf package meanwhile (the same values).
+_GROUPS = {**GROUP_SIZES, "MXFP4": 32}
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -95,6 +111,9 @@ def _decode(kind: str, blk: np.ndarray):
         q = (low | (high << 4)).reshape(n, 256).astype(np.int8) - np.int8(32)
         sc = blk[:, 192:208].view(np.int8).astype(np.float32)
         return q, _f16(blk[:, 208:210])[:, None] * sc, None
+    if kind == "MXFP4":
+        e = blk[:, :1].astype(np.int32)
+        return E2M1_X2[_nibbles(blk[:, 1:])], np.ldexp(np.float32(1.0), e - 128), None
     raise KeyError(kind)
 
 
@@ -106,7 +125,7 @@ def decode(data: np.ndarray, kind: str, shape: tuple[int, ...]):
         raise ValueError(f"{kind} rows of {shape[-1]} weights are not whole {per}-weight blocks")
     blocks = np.asarray(data, np.uint8).reshape(-1, nbytes)
     q, scale, offset = _decode(kind, blocks)
-    g = GROUP_SIZES[kind]
+    g = _GROUPS[kind]
     groups = shape[:-1] + (shape[-1] // g,)
     q = q.reshape(shape)
     scale = np.ascontiguousarray(scale.reshape(groups), np.float32)
@@ -124,7 +143,7 @@ def dequantize(data: np.ndarray, kind: str, shape: tuple[int, ...]) -> np.ndarra
     out = np.empty(shape, np.float32)
     rows_out = out.reshape(-1, shape[-1])
     rows_in = np.asarray(data, np.uint8).reshape(rows_out.shape[0], -1)
-    g = GROUP_SIZES[kind]
+    g = _GROUPS[kind]
     step = max(1, _SLAB_ROWS_BYTES // (4 * shape[-1]))
     for r in range(0, rows_out.shape[0], step):
         src = rows_in[r:r + step]

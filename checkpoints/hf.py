@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import jax.numpy as jnp
+import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from jaxinfer.checkpoints.errors import CheckpointError, read_json_object
@@ -93,7 +94,7 @@ def hf_tensor_plan(cfg: ModelConfig) -> dict[str, tuple[str, Callable] | list]:
             "self_attn.v_proj.weight": ("wv", lambda w: w.T.reshape(d, hkv, dh)),
             "self_attn.o_proj.weight": ("wo", lambda w: w.T.reshape(hq, dh, d)),
             "input_layernorm.weight": ("attn_norm", norm),
-        }
+        } if not cfg.latent_attention else _latent_plan(cfg)
         layer |= _expert_plan(cfg) if cfg.layer_has_experts(i) else _mlp_plan("mlp.")
         if gemma:
             layer |= {
@@ -124,6 +125,39 @@ def hf_tensor_plan(cfg: ModelConfig) -> dict[str, tuple[str, Callable] | list]:
     return plan
 
 
+def _latent_plan(cfg: ModelConfig) -> dict[str, tuple[str, Callable] | list]:
+    """DeepSeek-V3's latent attention (runtime/device/mla.py). Its rope dims come interleaved
+    ((x0, x1), (x2, x3) rotated by one frequency each): reordered here to evens then odds, which
+    is the rotate-half layout of the same rotation (q and k alike, so their products hold)."""
+    d, h, c, r = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    n, v = cfg.qk_nope_head_dim, cfg.v_head_dim
+    perm = np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2)])
+
+    def q_out(w):  # [..., H * (N + R)] -> [..., H, N + R], rope dims reordered
+        w = w.reshape(*w.shape[:-1], h, n + r)
+        return jnp.concatenate([w[..., :n], w[..., n:][..., perm]], axis=-1)
+
+    def kv_b(w):  # [H * (N + V), C] -> [H, N + V, C]
+        return w.reshape(h, n + v, c)
+
+    plan = {
+        "self_attn.kv_a_proj_with_mqa.weight": (
+            "wkv_a", lambda w: jnp.concatenate([w.T[:, :c], w.T[:, c:][:, perm]], axis=1)),
+        "self_attn.kv_a_layernorm.weight": ("kv_a_norm", lambda w: w),
+        "self_attn.kv_b_proj.weight": [("w_uk", lambda w: kv_b(w)[:, :n]),
+                                       ("w_uv", lambda w: kv_b(w)[:, n:].transpose(0, 2, 1))],
+        "self_attn.o_proj.weight": ("wo", lambda w: w.T.reshape(h, v, d)),
+        "input_layernorm.weight": ("attn_norm", lambda w: w),
+    }
+    if cfg.q_lora_rank:
+        return plan | {
+            "self_attn.q_a_proj.weight": ("wq_a", lambda w: w.T),
+            "self_attn.q_a_layernorm.weight": ("q_a_norm", lambda w: w),
+            "self_attn.q_b_proj.weight": ("wq_b", lambda w: q_out(w.T)),
+        }
+    return plan | {"self_attn.q_proj.weight": ("wq", lambda w: q_out(w.T))}
+
+
 def _mlp_plan(pre: str) -> dict[str, tuple[str, Callable]]:
     """A gated MLP's [out, in] projections -> w_gate / w_up [D, F], w_down [F, D]."""
     return {f"{pre}{name}_proj.weight": (field, lambda w: w.T)
@@ -145,8 +179,11 @@ def _expert_plan(cfg: ModelConfig) -> dict[str, tuple[str, Callable]]:
     for e in range(cfg.num_experts):
         for name, field in zip(names, ("we_gate", "we_up", "we_down")):
             plan[f"{pre}experts.{e}.{name}.weight"] = (f"{field}#{e}", t)
+    deepseek = cfg.router_scoring == "sigmoid"
+    if deepseek:
+        plan[f"{pre}gate.e_score_correction_bias"] = ("router_choice_b", lambda b: b)
     if cfg.shared_expert_size:
-        plan |= _mlp_plan(f"{pre}shared_expert.")
+        plan |= _mlp_plan(f"{pre}shared_experts." if deepseek else f"{pre}shared_expert.")
     if cfg.shared_expert_gate:
         plan[f"{pre}shared_expert_gate.weight"] = ("shared_gate", lambda w: w[0])
     return plan
@@ -206,7 +243,7 @@ def assemble_params(
     fields = LayerParams.__dataclass_fields__
     for i in range(cfg.num_layers):
         kw = {f: got.pop(f"layers.{i}.{f}") for f in fields if f"layers.{i}.{f}" in got}
-        layers.append(LayerParams(**kw))
+        layers.append(LayerParams(**(dict(wq=None, wk=None, wv=None) | kw)))  # (latent: no k / v)
     return Params(
         embed=got["embed"], layers=tuple(layers), final_norm=got["final_norm"],
         lm_head=got.get("lm_head"),

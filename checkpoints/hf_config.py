@@ -17,6 +17,7 @@ _FAMILIES = {
     "qwen2_moe": "llama",
     "mixtral": "llama",
     "gpt_oss": "llama",
+    "deepseek_v3": "llama",
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",
 }
@@ -70,8 +71,9 @@ def _rope_scaling(hf: dict[str, Any]) -> RopeScaling | None:
         return RopeScaling(kind="linear", factor=float(rs["factor"]))
     if kind == "yarn":
         af = rs.get("attention_factor")
-        if rs.get("mscale") or rs.get("mscale_all_dim"):
-            raise ConfigError("yarn rope_scaling with mscale / mscale_all_dim is not supported")
+        if af is None and rs.get("mscale") and rs.get("mscale_all_dim"):
+            af = (_yarn_mscale(float(rs["factor"]), float(rs["mscale"]))
+                  / _yarn_mscale(float(rs["factor"]), float(rs["mscale_all_dim"])))
         return RopeScaling(
             kind="yarn", factor=float(rs["factor"]),
             original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
@@ -79,6 +81,10 @@ def _rope_scaling(hf: dict[str, Any]) -> RopeScaling | None:
             truncate=_bool(rs.get("truncate", True), "rope_scaling.truncate"),
             attention_factor=None if af is None else float(af))
     raise ConfigError(f"unsupported rope_scaling type {kind!r}")
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _bool(v, name: str) -> bool:
@@ -103,6 +109,7 @@ def _from_hf(hf: dict[str, Any], family: str, model_type: str) -> ModelConfig:
     num_heads = int(hf["num_attention_heads"])
     hidden = int(hf["hidden_size"])
     head_dim = int(hf.get("head_dim") or hidden // num_heads)
+    latent = _latent(hf) if model_type == "deepseek_v3" else {}
     common = dict(
         family=family,
         architecture=(hf.get("architectures") or [model_type])[0],
@@ -117,7 +124,7 @@ def _from_hf(hf: dict[str, Any], family: str, model_type: str) -> ModelConfig:
         max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=_eos_ids(hf.get("eos_token_id")),
-    )
+    ) | latent
     if family == "llama":
         window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
         if model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe") and not hf.get(
@@ -135,6 +142,7 @@ def _from_hf(hf: dict[str, Any], family: str, model_type: str) -> ModelConfig:
             layer_types=_layer_types(hf, model_type, common["num_layers"]) if window else (),
             **_experts(hf, model_type, common["num_layers"]),
             **(_gpt_oss(hf) if model_type == "gpt_oss" else {}),
+            **(_deepseek_routing(hf) if model_type == "deepseek_v3" else {}),
         )
     # gemma3
     n = common["num_layers"]
@@ -190,6 +198,46 @@ def _gpt_oss(hf: dict[str, Any]) -> dict[str, Any]:
     return dict(attn_sinks=True, attn_out_bias=True, router_bias=True, expert_bias=True,
                 norm_topk_prob=True, swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
                 swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)))
+
+
+def _latent(hf: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V3's multi-head latent attention: the cache's one head is the latent + the rope
+    dims; the softmax scale is (nope + rope)^-0.5, times YaRN's mscale(mscale_all_dim)^2."""
+    if _bool(hf.get("attention_bias", False), "attention_bias"):
+        raise ConfigError("deepseek_v3 with attention_bias is not supported")
+    c, r = int(hf["kv_lora_rank"]), int(hf["qk_rope_head_dim"])
+    nope, v = int(hf["qk_nope_head_dim"]), int(hf["v_head_dim"])
+    scalar = float(nope + r)
+    rs = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if rs.get("rope_type", rs.get("type", "default")) != "default" and rs.get("mscale_all_dim"):
+        scalar /= _yarn_mscale(float(rs["factor"]), float(rs["mscale_all_dim"])) ** 4
+    if c < 1 or r < 1 or r % 2:
+        raise ConfigError(f"kv_lora_rank {c} must be >= 1 and qk_rope_head_dim {r} even >= 2")
+    return dict(num_kv_heads=1, head_dim=c + r, kv_lora_rank=c,
+                q_lora_rank=int(hf.get("q_lora_rank") or 0), qk_nope_head_dim=nope,
+                qk_rope_head_dim=r, v_head_dim=v, query_pre_attn_scalar=scalar)
+
+
+def _deepseek_routing(hf: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V3's MoE: sigmoid scores chosen with a bias among the best groups, a shared
+    expert of n_shared_experts x moe_intermediate_size, the first layers dense."""
+    scoring = hf.get("scoring_func", "sigmoid")
+    if scoring != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise ConfigError(f"deepseek_v3 routing {scoring!r} / {hf.get('topk_method')!r} is not "
+                          f"supported (sigmoid / noaux_tc)")
+    n, f = int(hf["n_routed_experts"]), int(hf["moe_intermediate_size"])
+    layers = int(hf["num_hidden_layers"])
+    first_dense = int(hf.get("first_k_dense_replace") or 0)
+    if not 0 <= first_dense <= layers:
+        raise ConfigError(f"first_k_dense_replace {first_dense} outside 0..{layers}")
+    return dict(num_experts=n, experts_per_token=int(hf["num_experts_per_tok"]),
+                moe_intermediate_size=f, norm_topk_prob=_bool(hf.get("norm_topk_prob", True),
+                                                              "norm_topk_prob"),
+                shared_expert_size=f * int(hf.get("n_shared_experts") or 0),
+                dense_layers=tuple(range(first_dense)), router_scoring="sigmoid",
+                router_groups=int(hf.get("n_group") or 1),
+                router_topk_groups=int(hf.get("topk_group") or 1),
+                routed_scaling=float(hf.get("routed_scaling_factor", 1.0)))
 
 
 def _qkv_bias(hf: dict[str, Any], model_type: str) -> bool:

@@ -13,6 +13,11 @@ Layouts (T query rows, S sequence rows, P pages per sequence, N pages in the poo
   k/v_scale     f32[Hkv, N, ps]       optional, with int8 (round(x / scale)) or float8_e4m3fn
                                       (x / scale) k/v_pages: x = value * scale, one scale per
                                       token per kv head
+  sinks         f32[Hq]               optional (gpt-oss): one logit per q head joining each of its
+                                      softmaxes, with a zero value vector; used raw (not scaled,
+                                      capped or masked). With s_j the visible keys' scores (after
+                                      sm_scale and soft_cap), m = max(max_j s_j, sinks[h]):
+                                      out = sum_j e^(s_j - m) v_j / (sum_j e^(s_j - m) + e^(sinks[h] - m))
 
 Query i of sequence s sits at position p = kv_len_s - q_len_s + i and attends KV positions j with
 j <= p and, with a sliding window w, p - j < w (the window counts the token itself). Rows owned by
@@ -21,7 +26,8 @@ no live sequence come back 0. GQA: q head h reads kv head h // (Hq // Hkv).
 The kernels live beside this file: `ragged_paged_attention_tpu` (Mosaic) and
 `ragged_paged_attention_gpu` (Triton). Both run on CPU with `interpret=True`, and both read int8
 and fp8 (e4m3) pages: widened to q's dtype in the kernel, the scales applied to the score columns (K) and to the
-probabilities before p @ V (V); no dequantized copy of the pages is made.
+probabilities before p @ V (V); no dequantized copy of the pages is made. Sinks join a row's
+online softmax (m, l, acc) once its keys are done: out = acc / (l + e^(sink - m)).
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ def validate_static(
     platform: str | None = None,
     k_scale=None,
     v_scale=None,
+    sinks=None,
 ) -> None:
     """Shape, dtype and option checks that need no array values (safe under jit tracing).
 
@@ -105,6 +112,11 @@ def validate_static(
     elif jnp.dtype(k_pages.dtype) != jnp.dtype(q.dtype):
         raise ValueError(f"k/v_pages dtype {k_pages.dtype} must equal q dtype {q.dtype} "
                          "(int8 / fp8 pages need k_scale / v_scale)")
+    if sinks is not None:
+        if tuple(sinks.shape) != (num_q_heads,):
+            raise ValueError(f"sinks shape {sinks.shape} must be ({num_q_heads},) (one logit per q head)")
+        if not jnp.issubdtype(sinks.dtype, jnp.floating):
+            raise ValueError(f"sinks dtype must be a float dtype, got {sinks.dtype}")
     if page_indices.ndim != 2:
         raise ValueError(f"page_indices must be [num_seqs, pages_per_seq], got shape {page_indices.shape}")
     max_seqs, _ = page_indices.shape
@@ -225,16 +237,18 @@ def ragged_paged_attention_reference(
     soft_cap: float | None = None,
     k_scale: jax.Array | None = None,  # f32[Hkv, N, ps] with int8 k/v_pages
     v_scale: jax.Array | None = None,
+    sinks: jax.Array | None = None,  # f32[Hq]
 ) -> jax.Array:  # [T, Hq, D], q.dtype
     """Plain-jnp ragged paged attention, computed in f32. Jittable (all shapes static).
-    int8 K/V pages (with k_scale / v_scale) are dequantized as value * scale.
+    int8 K/V pages (with k_scale / v_scale) are dequantized as value * scale. `sinks` add one
+    zero-value logit per q head to each softmax.
 
     Each query row gathers its own sequence's pages: vmapped over all rows when that is small,
     else lax.map over batches of rows so memory stays O(256 MiB), not O(T * P * ps * Hkv * D).
     """
     validate_static(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
                     sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                    k_scale=k_scale, v_scale=v_scale)
+                    k_scale=k_scale, v_scale=v_scale, sinks=sinks)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     max_seqs, pages_per_seq = page_indices.shape
@@ -271,9 +285,14 @@ def ragged_paged_attention_reference(
         if soft_cap is not None:
             scores = soft_cap * jnp.tanh(scores / soft_cap)
         scores = jnp.where(mask, scores, -jnp.inf)  # [Hkv, G, L]
-        mx = jnp.maximum(jnp.max(scores, axis=-1, keepdims=True), MASK_FLOOR)
+        mx = jnp.maximum(jnp.max(scores, axis=-1, keepdims=True), MASK_FLOOR)  # [Hkv, G, 1]
+        if sinks is not None:
+            sink = sinks.astype(jnp.float32).reshape(num_kv_heads, group, 1)  # [Hkv, G, 1]
+            mx = jnp.maximum(mx, sink)
         p = jnp.where(mask, jnp.exp(scores - mx), 0.0)
         denom = jnp.sum(p, axis=-1, keepdims=True)
+        if sinks is not None:
+            denom += jnp.exp(sink - mx)
         out = jnp.einsum("hgl,hld->hgd", p, v, precision=lax.Precision.HIGHEST)
         out = out / jnp.where(denom > 0, denom, 1.0)
         return out.reshape(num_q_heads, head_dim)  # [Hq, D]
@@ -307,10 +326,12 @@ def ragged_paged_attention(
     interpret: bool = False,
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
+    sinks: jax.Array | None = None,  # f32[Hq]
     **block_options: Any,
 ) -> jax.Array:  # [T, Hq, D]
     """Run the Pallas kernel of `platform` ("tpu" Mosaic | "gpu" Triton).
     int8 K/V: pass int8 k/v_pages with both k_scale and v_scale (f32[Hkv, N, ps]).
+    sinks: f32[Hq] attention-sink logits (gpt-oss), or None.
 
     platform None: the current default backend's kernel ("tpu" under interpret on CPU).
     block_options: TPU `block_q`, `pages_per_block`, `vmem_limit_bytes`;
@@ -333,7 +354,7 @@ def ragged_paged_attention(
         raise ValueError(f"platform must be one of {PLATFORMS} or None, got {platform!r}")
     validate_static(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
                     sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                    platform=platform, k_scale=k_scale, v_scale=v_scale)
+                    platform=platform, k_scale=k_scale, v_scale=v_scale, sinks=sinks)
     if platform == "tpu":
         from jaxinfer.pallas_kernels.ragged_paged_attention_tpu import ragged_paged_attention_tpu as kernel
     else:
@@ -342,4 +363,5 @@ def ragged_paged_attention(
                   sm_scale=float(sm_scale),
                   sliding_window=None if sliding_window is None else int(sliding_window),
                   soft_cap=None if soft_cap is None else float(soft_cap),
-                  interpret=interpret, k_scale=k_scale, v_scale=v_scale, **block_options)
+                  interpret=interpret, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
+                  **block_options)

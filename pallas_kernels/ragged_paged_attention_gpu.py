@@ -16,6 +16,9 @@ q's dtype in registers; the per-token scales f32[Hkv, N, ps] are gather-loaded w
 ids as a [BK] row and applied as scores[:, l] *= k_scale[l] and p[:, l] *= v_scale[l] before
 p @ V. Scales of slots at or past kv_end (NaN allowed) are replaced by 0 with a select; so is fp8
 V there (e4m3 has NaN codes, int8 has none).
+
+Sinks: the wrapper lays sinks[Hq] out as one f32 per tile row, [Hkv, BQ * Gp]; a sequence's rows
+end as out = acc / (l + exp(sink - m)).
 """
 
 from __future__ import annotations
@@ -39,8 +42,10 @@ def _kernel(
     page_table_ref,  # i32[S, P_pad]
     cu_q_lens_ref,  # i32[C], C = pow2 >= S + 1
     num_seqs_ref,  # i32[1]
-    *refs,  # quantized: ks_ref, vs_ref f32[N, ps] (this kv head's scales); then o_ref [R, D]
+    *refs,  # quantized: ks_ref, vs_ref f32[N, ps] (this kv head's scales); sinks: sinks_ref
+    # f32[R] (this kv head's sink per row); then o_ref [R, D]
     quantized: bool,
+    has_sinks: bool,
     block_q: int,
     group_pad: int,
     pages_per_block: int,
@@ -48,7 +53,9 @@ def _kernel(
     sliding_window: int | None,
     soft_cap: float | None,
 ):
-    ks_ref, vs_ref, o_ref = refs if quantized else (None, None, *refs)
+    ks_ref, vs_ref = refs[:2] if quantized else (None, None)
+    sinks_ref = refs[2 * quantized] if has_sinks else None
+    o_ref = refs[-1]
     q_blk = pl.program_id(0)
     rows, head_dim = q_ref.shape
     page_size = k_ref.shape[1]
@@ -123,7 +130,9 @@ def _kernel(
         acc0 = jnp.zeros((rows, head_dim), jnp.float32)
         m0 = jnp.full((rows,), MASK_FLOOR, jnp.float32)
         l0 = jnp.zeros((rows,), jnp.float32)
-        acc, _, l = lax.fori_loop(kv_blk_lo, kv_blk_hi, kv_step, (acc0, m0, l0))
+        acc, m, l = lax.fori_loop(kv_blk_lo, kv_blk_hi, kv_step, (acc0, m0, l0))
+        if has_sinks:  # the sink's zero-value logit, relative to the running max
+            l = l + jnp.exp(sinks_ref[...] - m)
         res = acc / jnp.where(l > 0, l, 1.0)[:, None]
         return jnp.where(row_owned[:, None], res, out)
 
@@ -161,6 +170,7 @@ def ragged_paged_attention_gpu(
     num_stages: int = 2,
     k_scale: jax.Array | None = None,  # f32[Hkv, N, ps] with int8 / fp8 k/v_pages (x = value * scale)
     v_scale: jax.Array | None = None,  # f32[Hkv, N, ps]
+    sinks: jax.Array | None = None,  # f32[Hq]
 ) -> jax.Array:  # [T, Hq, D]
     """Triton ragged paged attention. Call through `ragged_paged_attention` (validates)."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -192,8 +202,9 @@ def ragged_paged_attention_gpu(
 
     rows = block_q * group_pad
     quantized = k_scale is not None
+    has_sinks = sinks is not None
     kernel = functools.partial(
-        _kernel, quantized=quantized, block_q=block_q, group_pad=group_pad,
+        _kernel, quantized=quantized, has_sinks=has_sinks, block_q=block_q, group_pad=group_pad,
         pages_per_block=pages_per_block, sm_scale=sm_scale, sliding_window=sliding_window,
         soft_cap=soft_cap)
     tile = pl.BlockSpec((None, rows, head_dim), lambda i, h: (h, i, 0))
@@ -204,6 +215,11 @@ def ragged_paged_attention_gpu(
     if quantized:  # this kv head's scales, gathered with the same page ids as its pages
         operands += [k_scale, v_scale]
         in_specs += [pl.BlockSpec((None, *k_scale.shape[1:]), lambda i, h: (h, 0, 0))] * 2
+    if has_sinks:  # [Hq] -> [Hkv, BQ * Gp]: row t * Gp + g holds sinks[h * G + g] (0 for g >= G)
+        sink_rows = jnp.pad(sinks.astype(jnp.float32).reshape(num_kv_heads, 1, group),
+                            ((0, 0), (0, 0), (0, group_pad - group)))
+        operands.append(jnp.tile(sink_rows, (1, block_q, 1)).reshape(num_kv_heads, rows))
+        in_specs.append(pl.BlockSpec((None, rows), lambda i, h: (h, 0)))
     out = pl.pallas_call(
         kernel,
         grid=(num_q_blocks, num_kv_heads),

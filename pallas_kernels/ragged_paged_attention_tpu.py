@@ -19,6 +19,9 @@ turned into that [1, BK] row on the MXU (a 0/1 expand matmul at fp32 precision, 
 sublane sum), which avoids a sublane->lane reshape. Scales of slots past kv_end (unused or not
 fetched: NaN allowed) are replaced by 0 with a select before the expand matmul; fp8 V there is
 zeroed like float V (e4m3 has NaN codes, int8 has none).
+
+Sinks: f32[Hq] whole in SMEM; each program selects its tile rows' sinks into an [R, 1] column
+(row g * BQ + i: sinks[h * G + g]), and a sequence's rows end as out = acc / (l + exp(sink - m)).
 """
 
 from __future__ import annotations
@@ -46,18 +49,18 @@ def _kernel(
     q_ref,  # [G, BQ, D]
     k_hbm_ref,  # [Hkv, N, ps, D] (HBM; int8 or float8_e4m3fn when quantized)
     v_hbm_ref,  # [Hkv, N, ps, D] (HBM)
-    *refs,  # quantized: k/v_scale (HBM) f32[Hkv, N, ps]; then o_ref and the scratch below
+    *refs,  # quantized: k/v_scale (HBM) f32[Hkv, N, ps]; sinks: sinks_ref; then o_ref, scratch
     pages_per_seq: int,
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
     quantized: bool,
+    has_sinks: bool,
 ):
-    if quantized:
-        ks_hbm_ref, vs_hbm_ref, o_ref, k_buf, v_buf, sems, m_ref, l_ref, acc_ref, ks_buf, vs_buf = refs
-    else:
-        o_ref, k_buf, v_buf, sems, m_ref, l_ref, acc_ref = refs
-        ks_hbm_ref = vs_hbm_ref = ks_buf = vs_buf = None
+    ks_hbm_ref, vs_hbm_ref = refs[:2] if quantized else (None, None)
+    sinks_ref = refs[2 * quantized] if has_sinks else None  # f32[Hq] (SMEM)
+    o_ref, k_buf, v_buf, sems, m_ref, l_ref, acc_ref, *scale_bufs = refs[2 * quantized + has_sinks:]
+    ks_buf, vs_buf = scale_bufs if quantized else (None, None)
     # o_ref   [G, BQ, D]        output tile
     # k/v_buf [2, PB, ps, D]    page blocks (slot, page, row, lane), k_pages dtype
     # sems    DMA [2, 2]        (buffer slot, k|v); a page's scale copy shares its page's semaphore
@@ -79,6 +82,11 @@ def _kernel(
     q = q_ref[...].reshape(rows, head_dim)  # [R, D]
     # token row of each tile row; block_q is a power of two
     row_tok = blk_start + (lax.broadcasted_iota(jnp.int32, (rows, 1), 0) & (block_q - 1))  # [R, 1]
+    if has_sinks:  # [R, 1]: row g * BQ + i takes sinks[head * G + g]
+        row = lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+        sink = jnp.full((rows, 1), sinks_ref[head * group], jnp.float32)
+        for g in range(1, group):
+            sink = jnp.where(row >= g * block_q, sinks_ref[head * group + g], sink)
 
     def page_copies(seq, kv_blk, slot, num_pages_needed):
         """(condition, [copies]) for each page of KV block `kv_blk` of `seq`."""
@@ -209,7 +217,9 @@ def _kernel(
 
         lax.fori_loop(kv_blk_lo, kv_blk_hi, kv_step, 0)
 
-        l = l_ref[:, :1]
+        l = l_ref[:, :1]  # [R, 1]
+        if has_sinks:  # the sink's zero-value logit, relative to the running max
+            l = l + jnp.exp(sink - m_ref[:, :1])
         out = acc_ref[...] / jnp.where(l > 0, l, 1.0)  # [R, D]
         prev = o_ref[...].reshape(rows, head_dim)
         o_ref[...] = jnp.where(row_owned, out.astype(o_ref.dtype), prev).reshape(
@@ -256,6 +266,7 @@ def ragged_paged_attention_tpu(
     vmem_limit_bytes: int | None = None,
     k_scale: jax.Array | None = None,  # f32[Hkv, N, ps] with int8 / fp8 k/v_pages (x = value * scale)
     v_scale: jax.Array | None = None,  # f32[Hkv, N, ps]
+    sinks: jax.Array | None = None,  # f32[Hq]
 ) -> jax.Array:  # [T, Hq, D]
     """Mosaic-TPU ragged paged attention. Call through `ragged_paged_attention` (validates)."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -279,9 +290,11 @@ def ragged_paged_attention_tpu(
     qk = jnp.pad(qk, ((0, 0), (0, 0), (0, padded - num_tokens), (0, 0)))
 
     quantized = k_scale is not None
+    has_sinks = sinks is not None
     kernel = functools.partial(
         _kernel, pages_per_seq=pages_per_seq, sm_scale=sm_scale,
-        sliding_window=sliding_window, soft_cap=soft_cap, quantized=quantized)
+        sliding_window=sliding_window, soft_cap=soft_cap, quantized=quantized,
+        has_sinks=has_sinks)
     tile = pl.BlockSpec((None, group, block_q, head_dim), lambda h, i, *_: (h, 0, i, 0))
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     rows = group * block_q
@@ -294,15 +307,20 @@ def ragged_paged_attention_tpu(
         pltpu.VMEM((rows, head_dim), jnp.float32),
     ]
     operands = [qk, k_pages, v_pages]
+    in_specs = [tile, hbm, hbm]
     if quantized:  # scales stay in HBM in the pool's page indexing; DMA'd per page with the pages
         scratch += [pltpu.VMEM((2, pages_per_block, page_size), jnp.float32)] * 2
         operands += [k_scale, v_scale]
+        in_specs += [hbm, hbm]
+    if has_sinks:  # f32[Hq], read as scalars
+        operands.append(sinks.astype(jnp.float32))
+        in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
             grid=(num_kv_heads, num_q_blocks),
-            in_specs=[tile] + [hbm] * (len(operands) - 1),
+            in_specs=in_specs,
             out_specs=tile,
             scratch_shapes=scratch,
         ),

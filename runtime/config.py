@@ -111,6 +111,22 @@ class ModelConfig:
     expert_bias: bool = False
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.0
+    # DeepSeek-V3 routing: sigmoid scores, the experts chosen by score + a per-expert bias
+    # (LayerParams.router_choice_b) among the best `router_topk_groups` of `router_groups`
+    # groups (a group's worth: its two best), weighted by their unbiased scores (renormalised
+    # if norm_topk_prob) x routed_scaling
+    router_scoring: str = "softmax"  # "softmax" | "sigmoid"
+    router_groups: int = 1
+    router_topk_groups: int = 1
+    routed_scaling: float = 1.0
+    # multi-head latent attention (DeepSeek-V3; runtime/device/mla.py) when kv_lora_rank > 0:
+    # per token the cache keeps one "head" of kv_lora_rank latent + qk_rope_head_dim rotated
+    # dims (num_kv_heads 1, head_dim their sum) that is both its K and its V
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0  # 0: q projected directly
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
     # tokens
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -134,11 +150,37 @@ class ModelConfig:
                               f"moe_intermediate_size > 0 ({self.moe_intermediate_size})")
         if self.shared_expert_size < 0:
             raise ConfigError(f"shared_expert_size {self.shared_expert_size} must be >= 0")
+        if self.router_scoring not in ("softmax", "sigmoid"):
+            raise ConfigError(f"router_scoring {self.router_scoring!r}: softmax or sigmoid")
+        if self.num_experts and (self.router_groups < 1 or self.num_experts % self.router_groups
+                                 or not 1 <= self.router_topk_groups <= self.router_groups):
+            raise ConfigError(f"{self.num_experts} experts in {self.router_groups} groups, "
+                              f"the best {self.router_topk_groups} kept: groups must divide the "
+                              f"experts and 1 <= topk_group <= n_group")
+        if self.kv_lora_rank and (self.num_kv_heads != 1 or self.head_dim != self.kv_lora_rank
+                                  + self.qk_rope_head_dim or min(
+                                      self.qk_nope_head_dim, self.qk_rope_head_dim,
+                                      self.v_head_dim) < 1 or self.qk_rope_head_dim % 2):
+            raise ConfigError(
+                f"latent attention needs num_kv_heads 1, head_dim = kv_lora_rank + "
+                f"qk_rope_head_dim, positive even qk_rope_head_dim and positive nope / v dims; "
+                f"got kv_lora_rank {self.kv_lora_rank}, qk_rope_head_dim "
+                f"{self.qk_rope_head_dim}, qk_nope_head_dim {self.qk_nope_head_dim}, "
+                f"v_head_dim {self.v_head_dim}")
         if self.swiglu_limit is not None and not self.swiglu_limit > 0:
             raise ConfigError(f"swiglu_limit {self.swiglu_limit} must be > 0")
         if any(not 0 <= i < self.num_layers for i in self.dense_layers):
             raise ConfigError(f"dense_layers {list(self.dense_layers)} outside the "
                               f"{self.num_layers} layers")
+
+    @property
+    def latent_attention(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def rope_dim(self) -> int:
+        """The dims RoPE rotates (latent attention: the decoupled rope part only)."""
+        return self.qk_rope_head_dim if self.latent_attention else self.head_dim
 
     @property
     def sm_scale(self) -> float:

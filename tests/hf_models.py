@@ -56,12 +56,27 @@ FAMILIES = {
     # sinks, sliding (window 8) and full layers alternating, YaRN rope
     "gpt_oss": dict(
         cls="GptOssForCausalLM", cfg="GptOssConfig",
-        kw=dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_local_experts=8,
+        kw=dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_local_experts=8,
                 num_experts_per_tok=2, sliding_window=8, swiglu_limit=0.3,
                 rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=8.0,
                                      beta_fast=8.0, beta_slow=1.0, truncate=False,
                                      original_max_position_embeddings=64),
                 tie_word_embeddings=False, attn_implementation="eager"),
+    ),
+    # latent attention (q compressed, rope dims interleaved, YaRN with mscale), 8 routed experts
+    # in 4 groups (best 2 kept), top 2 by sigmoid score + bias, x2.5, a shared expert, layer 0
+    # dense
+    "deepseek_v3": dict(
+        cls="DeepseekV3ForCausalLM", cfg="DeepseekV3Config", router_scale=5.0,
+        kw=dict(num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+                n_shared_experts=1, moe_intermediate_size=32, kv_lora_rank=48, q_lora_rank=40,
+                qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=24, n_group=4,
+                topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1,
+                routed_scaling_factor=2.5,
+                rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=8.0,
+                                     mscale=1.0, mscale_all_dim=0.8, beta_fast=8.0,
+                                     beta_slow=1.0, original_max_position_embeddings=64),
+                tie_word_embeddings=False),
     ),
 }
 
@@ -85,7 +100,11 @@ def make_hf_model(family: str, out: Path, *, seed: int = 0, hidden=128, layers=2
                 p.add_(0.1 * torch.randn_like(p))
             if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight",
                               "mlp.router.weight")):
-                p.mul_(50.0)  # routers far from uniform: no near-ties in the top-k choice
+                # routers far from uniform: no near-ties in the top-k choice
+                p.mul_(spec.get("router_scale", 50.0))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.add_(0.1 * torch.randn_like(b))
             if name.endswith("sinks"):
                 p.mul_(20.0)  # sinks near the scores' scale: they take a real share
     model = model.to(dtype)

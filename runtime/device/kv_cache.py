@@ -1,6 +1,7 @@
 """Device page pools for the KV cache and their update.
 
-Per layer, K and V live in page pools `[num_kv_heads, num_pages, page_size, head_dim]`. Page 0 is
+Per layer, K and V live in page pools `[num_kv_heads, num_pages, page_size, head_dim]` (latent
+attention: one pool, the latent head that is both K and V; `KVCache.v` None there). Page 0 is
 the null page: unused page-table entries point at it and padding tokens write into it, and it is
 never read for a valid position. Sequences own pages through the host page allocator; the device
 side only sees page tables and flat slot indices (`page * page_size + offset`).
@@ -66,7 +67,9 @@ def quantize_kv(x: jax.Array, dtype=jnp.int8) -> tuple[jax.Array, jax.Array]:
 @struct.dataclass
 class KVCache:
     k: tuple  # per layer [Hkv, N, ps, Dh] array, or QuantizedPages for int8 / fp8 KV
-    v: tuple  # per layer [Hkv, N, ps, Dh] array, or QuantizedPages for int8 / fp8 KV
+    # per layer like k, or None where the layer's V is its K (latent attention: one cached
+    # head serves as both, runtime/device/mla.py)
+    v: tuple
 
     @property
     def num_pages(self) -> int:
@@ -78,7 +81,7 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.k + self.v)
+        return sum(a.nbytes for a in self.k + self.v if a is not None)
 
     @property
     def page_bytes(self) -> int:
@@ -104,7 +107,7 @@ def init_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float
         zeros = lambda: jnp.zeros(shape, dtype)  # noqa: E731
     return KVCache(
         k=tuple(zeros() for _ in range(cfg.num_layers)),
-        v=tuple(zeros() for _ in range(cfg.num_layers)),
+        v=tuple(None if cfg.latent_attention else zeros() for _ in range(cfg.num_layers)),
     )
 
 

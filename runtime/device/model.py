@@ -8,19 +8,19 @@ is folded in at load time).
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
 from jaxinfer.runtime.device.attention import AttentionMetadata, attend
-from jaxinfer.runtime.config import ModelConfig, RopeScaling
+from jaxinfer.runtime.config import ModelConfig
 from jaxinfer.runtime.device.fused_projections import split_qkv
 from jaxinfer.runtime.device import lora as lora_ops
 from jaxinfer.runtime.device.kv_cache import KVCache, write_pages
-from jaxinfer.runtime.device.moe import moe_mlp
+from jaxinfer.runtime.device.layer_ops import (apply_rope, rms_norm, rope_attention_factor,
+                                               rope_inv_freq)
+from jaxinfer.runtime.device.mla import latent_out, latent_qkv
+from jaxinfer.runtime.device.moe import moe_mlp, routing_of
 from jaxinfer.runtime.device.quantization import einsum, take_rows
 
 
@@ -58,6 +58,15 @@ class LayerParams:
     we_gate_b: jax.Array | None = None  # [E, Fe]
     we_up_b: jax.Array | None = None  # [E, Fe]
     we_down_b: jax.Array | None = None  # [E, D]
+    router_choice_b: jax.Array | None = None  # [E] DeepSeek-V3: added to the scores to choose
+    # latent attention (runtime/device/mla.py; wq [D, H, N + R] when q is not compressed)
+    wq_a: jax.Array | None = None  # [D, Cq]
+    q_a_norm: jax.Array | None = None  # [Cq]
+    wq_b: jax.Array | None = None  # [Cq, H, N + R]
+    wkv_a: jax.Array | None = None  # [D, C + R]
+    kv_a_norm: jax.Array | None = None  # [C]
+    w_uk: jax.Array | None = None  # [H, N, C]
+    w_uv: jax.Array | None = None  # [H, C, V]
 
 
 @struct.dataclass
@@ -68,78 +77,6 @@ class Params:
     lm_head: jax.Array | None = None  # [V, D]; None when tied to embed
     # LoRA adapter slots (runtime/device/lora.py), per layer; None: the engine serves no adapters
     lora: tuple[lora_ops.LoraLayer, ...] | None = None
-
-
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (xf * w.astype(jnp.float32)).astype(x.dtype)
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
-    """[Dh/2] f32 inverse frequencies (HF convention: computed in f32)."""
-    freqs = np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
-    inv = (1.0 / freqs).astype(np.float32)
-    if scaling is None:
-        return inv
-    if scaling.kind == "linear":
-        return (inv / scaling.factor).astype(np.float32)
-    if scaling.kind == "yarn":
-        return _yarn_inv_freq(freqs, head_dim, theta, scaling)
-    # llama3: keep high frequencies, divide low ones by `factor`, interpolate between
-    old = scaling.original_max_position_embeddings
-    low_wavelen = old / scaling.low_freq_factor
-    high_wavelen = old / scaling.high_freq_factor
-    wavelen = 2 * math.pi / inv
-    scaled = np.where(wavelen > low_wavelen, inv / scaling.factor, inv)
-    smooth = (old / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-    return np.where(medium, smoothed, scaled).astype(np.float32)
-
-
-def _yarn_inv_freq(freqs: np.ndarray, dim: int, theta: float, s: RopeScaling) -> np.ndarray:
-    """YaRN: dims rotating fewer than beta_slow times over the original context are
-    interpolated (/ factor), more than beta_fast times kept, a linear ramp between."""
-    def dim_of(rotations):  # the dim that rotates `rotations` times over the original context
-        return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
-            2 * math.log(theta))
-
-    low, high = dim_of(s.beta_fast), dim_of(s.beta_slow)
-    if s.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low or 0.001), 0, 1)
-    keep = (1 - ramp).astype(np.float32)  # 1: extrapolate (the original frequency)
-    inv_extra = (1.0 / freqs).astype(np.float32)
-    inv_inter = (1.0 / (np.float32(s.factor) * freqs)).astype(np.float32)
-    return (inv_inter * (1 - keep) + inv_extra * keep).astype(np.float32)
-
-
-def rope_attention_factor(scaling: RopeScaling | None) -> float:
-    """What cos and sin are multiplied by (YaRN's attention temperature; 1 otherwise)."""
-    if scaling is None or scaling.kind != "yarn":
-        return 1.0
-    if scaling.attention_factor is not None:
-        return scaling.attention_factor
-    return 1.0 if scaling.factor <= 1 else 0.1 * math.log(scaling.factor) + 1.0
-
-
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray,
-               factor: float = 1.0) -> jax.Array:
-    """x [T, H, Dh] rotated by position (rotate-half layout: pairs (i, i + Dh/2)); cos and sin
-    scaled by `factor` (rope_attention_factor)."""
-    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, Dh/2]
-    cos = jnp.cos(angles)[:, None, :]
-    sin = jnp.sin(angles)[:, None, :]
-    if factor != 1.0:
-        cos, sin = cos * np.float32(factor), sin * np.float32(factor)
-    xf = x.astype(jnp.float32)
-    x1, x2 = jnp.split(xf, 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
 
 
 def _activation(name: str):
@@ -173,9 +110,10 @@ def layer(
     q, k, v = by_rows(lambda x_, pos, m: _qkv(lp, x_, pos, cfg, i, lora, m), cfg,
                       x, md.positions, lora_mask, live=live)  # [T, Hq | Hkv | Hkv, Dh]
     k_pages = write_pages(k_pages, k, md.slot_mapping)
-    v_pages = write_pages(v_pages, v, md.slot_mapping)
+    if v is not None:  # (latent attention: V is K, stored once)
+        v_pages = write_pages(v_pages, v, md.slot_mapping)
     o = attend(
-        q, k_pages, v_pages, md,
+        q, k_pages, k_pages if v is None else v_pages, md,
         sm_scale=cfg.sm_scale,
         sliding_window=cfg.layer_window(i),
         soft_cap=cfg.attn_logit_softcap,
@@ -189,10 +127,13 @@ def layer(
 
 
 def _qkv(lp: LayerParams, x, positions, cfg: ModelConfig, i: int, lora, lora_mask):
-    """Rows x [T, D] -> their q [T, Hq, Dh], k, v [T, Hkv, Dh] (normed, projected, rotated)."""
+    """Rows x [T, D] -> their q [T, Hq, Dh], k, v [T, Hkv, Dh] (normed, projected, rotated);
+    latent attention: q and the cached head, v None."""
     eps = cfg.rms_norm_eps
     ad = lambda y, x_, t: lora_ops.add(y, x_, lora, t, lora_mask)  # noqa: E731
     h = rms_norm(x, lp.attn_norm, eps)
+    if cfg.latent_attention:
+        return (*latent_qkv(lp, h, positions, cfg, i), None)
     if lp.wqkv is not None:
         q, k, v = split_qkv(einsum("td,dhgk->thgk", h, lp.wqkv))
     else:
@@ -212,6 +153,8 @@ def _out_and_mlp(lp: LayerParams, x, o, cfg: ModelConfig, lora, lora_mask):
     """Rows x [T, D] and their attention output o [T, Hq, Dh] -> the layer's output [T, D]."""
     eps = cfg.rms_norm_eps
     ad = lambda y, x_, t: lora_ops.add(y, x_, lora, t, lora_mask)  # noqa: E731
+    if cfg.latent_attention:
+        o = latent_out(lp, o, cfg)  # [T, H, V]
     o = ad(einsum("thk,hkd->td", o, lp.wo), o, "o")  # [T, D]
     if lp.bo is not None:
         o = o + lp.bo.astype(o.dtype)
@@ -238,7 +181,8 @@ def _out_and_mlp(lp: LayerParams, x, o, cfg: ModelConfig, lora, lora_mask):
         biases = None if lp.we_gate_b is None else (lp.we_gate_b, lp.we_up_b, lp.we_down_b)
         e = moe_mlp(h, lp.router, lp.we_gate, lp.we_up, lp.we_down, k=cfg.experts_per_token,
                     norm_topk=cfg.norm_topk_prob, glu=_expert_glu(cfg, glu),
-                    router_bias=lp.router_b, biases=biases)  # [T, D]
+                    router_bias=lp.router_b, biases=biases, routing=routing_of(cfg),
+                    choice_bias=lp.router_choice_b)  # [T, D]
         m = e if m is None else m + e
     if lp.post_mlp_norm is not None:
         m = rms_norm(m, lp.post_mlp_norm, eps)
@@ -386,15 +330,25 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: floa
                        we_down=w(ne, fe, d))
             if cfg.router_bias:
                 mlp |= dict(router_b=w(ne))
+            if cfg.router_scoring == "sigmoid":
+                mlp |= dict(router_choice_b=w(ne))
             if cfg.expert_bias:
                 mlp |= dict(we_gate_b=w(ne, fe), we_up_b=w(ne, fe), we_down_b=w(ne, d))
             if fs:
                 mlp |= dict(w_gate=w(d, fs), w_up=w(d, fs), w_down=w(fs, d),
                             shared_gate=w(d) if cfg.shared_expert_gate else None)
+        attn = dict(wq=w(d, hq, dh), wk=w(d, hkv, dh), wv=w(d, hkv, dh), wo=w(hq, dh, d))
+        if cfg.latent_attention:
+            c, cq, nr = cfg.kv_lora_rank, cfg.q_lora_rank, cfg.qk_nope_head_dim + cfg.rope_dim
+            attn = dict(wq=None if cq else w(d, hq, nr), wk=None, wv=None,
+                        wo=w(hq, cfg.v_head_dim, d), wkv_a=w(d, c + cfg.rope_dim),
+                        kv_a_norm=norm(c), w_uk=w(hq, cfg.qk_nope_head_dim, c),
+                        w_uv=w(hq, c, cfg.v_head_dim))
+            if cq:
+                attn |= dict(wq_a=w(d, cq), q_a_norm=norm(cq), wq_b=w(cq, hq, nr))
         layers.append(
             LayerParams(
-                attn_norm=norm(d), wq=w(d, hq, dh), wk=w(d, hkv, dh), wv=w(d, hkv, dh),
-                wo=w(hq, dh, d), mlp_norm=norm(d), **mlp,
+                attn_norm=norm(d), **attn, mlp_norm=norm(d), **mlp,
                 bq=w(hq, dh) if cfg.qkv_bias else None,
                 bk=w(hkv, dh) if cfg.qkv_bias else None,
                 bv=w(hkv, dh) if cfg.qkv_bias else None,

@@ -19,29 +19,67 @@ glu(g, u) is act(g) * u (gpt-oss: a clamped form, runtime/device/model.py); with
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.runtime.config import ModelConfig
+
 from jaxinfer.runtime.device.quantization import QuantizedArray, dequantize
 
 
-def route(h: jax.Array, router: jax.Array, k: int, norm_topk: bool, bias=None):
-    """h [T, D], router [D, E], bias [E] | None -> (weights [T, k] f32, experts [T, k] int32).
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """How scores become choices beyond top-k of a softmax (DeepSeek-V3): sigmoid scores, the
+    choice made on score + a per-expert bias among the best `topk_groups` of `groups` expert
+    groups (a group's worth: the sum of its two best), weights scaled by `scale`."""
+
+    scoring: str = "softmax"  # "softmax" | "sigmoid"
+    groups: int = 1
+    topk_groups: int = 1
+    scale: float = 1.0
+
+
+def routing_of(cfg: ModelConfig) -> Routing:
+    return Routing(cfg.router_scoring, cfg.router_groups, cfg.router_topk_groups,
+                   cfg.routed_scaling)
+
+
+def route(h: jax.Array, router: jax.Array, k: int, norm_topk: bool, bias=None,
+          routing: Routing = Routing(), choice_bias=None):
+    """h [T, D], router [D, E], bias [E] | None (added to the logits), choice_bias [E] | None
+    (added to the scores for the choice only) -> (weights [T, k] f32, experts [T, k] int32).
     Softmax, top k, renormalised equals gpt-oss's softmax over the top k logits."""
     logits = jnp.einsum("td,de->te", h.astype(jnp.float32), router.astype(jnp.float32))
     if bias is not None:
         logits = logits + bias.astype(jnp.float32)
-    probs = jax.nn.softmax(logits, axis=-1)
-    w, e = jax.lax.top_k(probs, k)
+    if routing.scoring == "softmax":
+        scores = jax.nn.softmax(logits, axis=-1)
+    else:
+        scores = jax.nn.sigmoid(logits)
+    choice = scores if choice_bias is None else scores + choice_bias.astype(jnp.float32)
+    if routing.groups > 1:  # only the experts of the best topk_groups groups stay choosable
+        t, n = choice.shape
+        grouped = choice.reshape(t, routing.groups, n // routing.groups)
+        worth = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [T, G]
+        _, best = jax.lax.top_k(worth, routing.topk_groups)
+        keep = jnp.zeros_like(worth, bool).at[jnp.arange(t)[:, None], best].set(True)
+        choice = jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(t, n)
+    _, e = jax.lax.top_k(choice, k)
+    w = jnp.take_along_axis(scores, e, axis=-1)
     if norm_topk:
-        w = w / jnp.sum(w, axis=-1, keepdims=True)
+        w = w / (jnp.sum(w, axis=-1, keepdims=True) + (1e-20 if routing.scoring == "sigmoid"
+                                                         else 0.0))
+    if routing.scale != 1.0:
+        w = w * routing.scale
     return w, e.astype(jnp.int32)
 
 
 def moe_mlp(h: jax.Array, router, we_gate, we_up, we_down, *, k: int, norm_topk: bool,
-            glu, router_bias=None, biases=None) -> jax.Array:
+            glu, router_bias=None, biases=None, routing: Routing = Routing(),
+            choice_bias=None) -> jax.Array:
     """h [T, D]; we_gate / we_up [E, D, F], we_down [E, F, D] (arrays or QuantizedArrays) ->
     [T, D]. TPU/GPU: at most E pairs (a decode step) gather their experts' weights
     (`_gathered`), more are grouped by expert through ragged_dot (`_grouped`). CPU: blocks
@@ -50,7 +88,7 @@ def moe_mlp(h: jax.Array, router, we_gate, we_up, we_down, *, k: int, norm_topk:
     All read only the chosen experts. Traced on a mesh whose "model" axis
     divides E (the engine's tensor-parallel steps), each device runs its own E / tp experts on
     the (replicated) tokens and the partial outputs are summed: `_expert_parallel`."""
-    w, e = route(h, router, k, norm_topk, router_bias)
+    w, e = route(h, router, k, norm_topk, router_bias, routing, choice_bias)
     args = (h, w, e, we_gate, we_up, we_down, biases)
     mesh = jax.sharding.get_abstract_mesh()
     tp = 1 if mesh.empty or "model" not in mesh.axis_names else mesh.shape["model"]
@@ -193,9 +231,10 @@ def _blocked(h, w, e, we_gate, we_up, we_down, biases, glu) -> jax.Array:
 
 
 def moe_mlp_dense(h: jax.Array, router, we_gate, we_up, we_down, *, k: int, norm_topk: bool,
-                  glu, router_bias=None, biases=None) -> jax.Array:
+                  glu, router_bias=None, biases=None, routing: Routing = Routing(),
+                  choice_bias=None) -> jax.Array:
     """The reference: every expert on every token, weighted by the (sparse) routing weights."""
-    w, e = route(h, router, k, norm_topk, router_bias)
+    w, e = route(h, router, k, norm_topk, router_bias, routing, choice_bias)
     dense_w = jnp.zeros((h.shape[0], we_gate.shape[0]), jnp.float32)
     dense_w = dense_w.at[jnp.arange(h.shape[0])[:, None], e].set(w)  # [T, E]
     hf = h.astype(jnp.float32)

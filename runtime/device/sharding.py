@@ -73,6 +73,15 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "we_gate_b": ("expert", "mlp"),  # [E, Fe]
     "we_up_b": ("expert", "mlp"),
     "we_down_b": ("expert", "embed"),  # [E, D]
+    "router_choice_b": (None,),  # [E]
+    # latent attention (runtime/device/mla.py): heads split, the latent whole
+    "wq_a": ("embed", None),  # [D, Cq]
+    "q_a_norm": (None,),
+    "wq_b": (None, "heads", "head_dim"),  # [Cq, H, N + R]
+    "wkv_a": ("embed", None),  # [D, C + R]
+    "kv_a_norm": (None,),
+    "w_uk": ("heads", None, None),  # [H, N, C]
+    "w_uv": ("heads", None, None),  # [H, C, V]
     "q_norm": ("head_dim",),
     "k_norm": ("head_dim",),
     "attn_norm": ("embed",),

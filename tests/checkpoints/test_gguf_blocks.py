@@ -123,3 +123,89 @@ def test_grouped_einsum_and_take_rows_match_numpy():
     np.testing.assert_allclose(np.asarray(w.einsum("td,df->tf", jnp.asarray(x))), x @ dense.T,
                                rtol=1e-5, atol=1e-4)
     assert w.nbytes == q.nbytes + scale.nbytes + offset.nbytes
+
+
+# ------------------------------------------------------------------------------ MXFP4
+
+
+def mxfp4_gguf_blocks(codes: np.ndarray, e: np.ndarray) -> np.ndarray:
+    """ggml's block_mxfp4 from E2M1 codes [n, 32] and exponents [n]: byte e, then qs[j] with
+    element j in its low nibble and element j + 16 in its high nibble."""
+    qs = codes[:, :16] | (codes[:, 16:] << 4)
+    return np.concatenate([e[:, None], qs], axis=1).astype(np.uint8)
+
+
+def test_hand_worked_mxfp4_blocks():
+    # block 0: e = 128 -> scale 2**0, qs[j] = j | (15 - j) << 4: element j is kvalue[j], element
+    # j + 16 is kvalue[15 - j]; block 1: e = 125 -> 2**-3, every nibble 7 (kvalue 12) -> 1.5
+    kv = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]
+    qs = np.array([j | ((15 - j) << 4) for j in range(16)], np.uint8)
+    blk = np.stack([np.concatenate([[128], qs]), np.concatenate([[125], np.full(16, 0x77)])])
+    want = np.array([kv + kv[::-1], [1.5] * 32], np.float32)
+    q, scale, offset = gguf_blocks.decode(blk.astype(np.uint8).reshape(1, -1), "MXFP4", (1, 64))
+    assert q.dtype == np.int8 and offset is None
+    np.testing.assert_array_equal(q[0, :32], kv + kv[::-1])
+    np.testing.assert_array_equal(scale, [[1.0, 0.125]])
+    np.testing.assert_array_equal(gguf_blocks.dequantize(blk.astype(np.uint8), "MXFP4", (2, 32)),
+                                  want)
+    # ggml's half scale 2**(e - 128) at the ends: 2**-128 (subnormal) and, at e = 255, 2**127:
+    # ggml has no NaN scale (the OCP spec's, and checkpoints/mxfp4.py's, NaN)
+    ends = mxfp4_gguf_blocks(np.full((3, 32), 2, np.uint8), np.array([0, 1, 255]))
+    _, s, _ = gguf_blocks.decode(ends, "MXFP4", (3, 32))
+    assert s.ravel().tolist() == [2.0**-128, 2.0**-127, 2.0**127]
+
+
+def test_mxfp4_equals_gguf_and_hf_decoders():
+    """Random codes and exponents in ggml's layout: the gguf package's dequantizer bit for bit;
+    re-packed into HF's layout (element 2i low, 2i + 1 high nibble): checkpoints/mxfp4.py's
+    decode (up to -0.0, which ggml's integer table reads as +0.0) and its int8 form exactly."""
+    from jaxinfer.checkpoints import mxfp4
+
+    rng = np.random.default_rng(4)
+    rows, cols = 6, 256
+    codes = rng.integers(0, 16, (rows * cols // 32, 32), dtype=np.uint8)
+    e = rng.integers(0, 253, rows * cols // 32).astype(np.uint8)  # e > 252: 12 * 2**125 = inf
+    e[:3] = (0, 1, 252)
+    data = mxfp4_gguf_blocks(codes, e).reshape(rows, -1)
+    want = gguf.quants.dequantize(data, QT.MXFP4).reshape(rows, cols)
+    got = gguf_blocks.dequantize(data, "MXFP4", (rows, cols))
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    q, scale, offset = gguf_blocks.decode(data, "MXFP4", (rows, cols))
+    assert q.shape == (rows, cols) and scale.shape == (rows, cols // 32) and offset is None
+    assert -12 <= q.min() and q.max() <= 12
+
+    hf_blocks = mxfp4.pack(codes).reshape(rows, cols // 32, 16)
+    hf_scales = e.reshape(rows, cols // 32)
+    dense = mxfp4.decode(hf_blocks, hf_scales)
+    np.testing.assert_array_equal((dense + np.float32(0)).view(np.uint32), got.view(np.uint32))
+    values, group_scales = mxfp4.as_int8(hf_blocks, hf_scales)
+    np.testing.assert_array_equal(values, q)
+    np.testing.assert_array_equal(group_scales.view(np.uint32), scale.view(np.uint32))
+    # the kept form through the device's QuantizedArray: equal, except that XLA's CPU flushes
+    # f32 subnormals (scales 2**-128, 2**-127 and products below 2**-126) to zero
+    qa = QuantizedArray(values=jnp.asarray(q), scales=jnp.asarray(scale), offsets=None,
+                        fmt="gguf", mode="weight_only", reduce_axes=(1,), group_size=32,
+                        group_axis=1)
+    tiny = np.finfo(np.float32).tiny
+    normal = (np.abs(want) >= tiny) & np.repeat(scale >= tiny, 32, axis=1)
+    np.testing.assert_array_equal(np.asarray(qa.dequantize()), np.where(normal, want, 0))
+
+
+def test_mxfp4_tensor_read_from_a_gguf_file(tmp_path):
+    """gguf_header's type table is the gguf package's: MXFP4 is type 39, 17 bytes a block."""
+    from jaxinfer.checkpoints.gguf_header import GGUFFile
+
+    rng = np.random.default_rng(5)
+    codes = rng.integers(0, 16, (4 * 64 // 32, 32), dtype=np.uint8)
+    data = mxfp4_gguf_blocks(codes, rng.integers(100, 150, 8).astype(np.uint8)).reshape(4, -1)
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    w.add_tensor("blk.0.ffn_down_exps.weight", data, raw_dtype=QT.MXFP4)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    t, = GGUFFile(tmp_path / "m.gguf").tensors
+    assert int(QT.MXFP4) == 39 and t.tensor_type == QT.MXFP4
+    assert t.shape.tolist() == [64, 4] and t.n_bytes == 4 * 2 * 17
+    np.testing.assert_array_equal(gguf_blocks.dequantize(t.data, "MXFP4", (4, 64)),
+                                  gguf.quants.dequantize(data, QT.MXFP4).reshape(4, 64))

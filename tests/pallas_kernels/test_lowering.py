@@ -26,7 +26,7 @@ STEPS = {"decode8": 8, "prefill128": 128}  # T query rows: a decode batch of 8; 
 
 
 def export_kernel(platform, num_tokens, num_q_heads, num_kv_heads, head_dim, page_size, dtype,
-                  max_seqs=MAX_SEQS, kv_int8=False, **kw):
+                  max_seqs=MAX_SEQS, kv_int8=False, sinks=False, **kw):
     sds = jax.ShapeDtypeStruct
     kv_dtype = jnp.int8 if kv_int8 else dtype
     pool = (num_kv_heads, NUM_PAGES, page_size, head_dim)
@@ -39,13 +39,17 @@ def export_kernel(platform, num_tokens, num_q_heads, num_kv_heads, head_dim, pag
         sds((max_seqs + 1,), jnp.int32),
         sds((1,), jnp.int32),
     )
+    extra = []  # keyword array arguments after the seven positional ones
     if kv_int8:  # k_scale, v_scale f32[Hkv, N, ps]
         args += (sds(pool[:3], jnp.float32), sds(pool[:3], jnp.float32))
+        extra += ["k_scale", "v_scale"]
+    if sinks:  # f32[Hq]
+        args += (sds((num_q_heads,), jnp.float32),)
+        extra.append("sinks")
 
     def f(*a):
-        scales = dict(k_scale=a[7], v_scale=a[8]) if kv_int8 else {}
         return ragged_paged_attention(*a[:7], sm_scale=head_dim ** -0.5, platform=platform,
-                                      **scales, **kw)
+                                      **dict(zip(extra, a[7:])), **kw)
 
     with cuda_target() if platform == "gpu" else contextlib.nullcontext():
         exported = jax.export.export(
@@ -140,3 +144,15 @@ def test_export_int8_kv_options(platform):
     blocks = (dict(block_q=64, pages_per_block=8) if platform == "tpu"
               else dict(block_q=8, pages_per_block=4, num_warps=8))
     export_kernel(platform, 128, 8, 2, 128, 16, jnp.bfloat16, kv_int8=True, **blocks)
+
+
+@pytest.mark.parametrize("platform", ["tpu", "gpu"])
+def test_export_gpt_oss_sinks(platform):
+    """gpt-oss 20B attention: 64 q heads / 8 kv heads, head_dim 64, bf16, a sink logit per q
+    head; sliding window 128 on alternate layers; decode and prefill steps, int8 KV too."""
+    export_kernel(platform, STEPS["decode8"], 64, 8, 64, 16, jnp.bfloat16, sinks=True)
+    export_kernel(platform, STEPS["prefill128"], 64, 8, 64, 16, jnp.bfloat16, sinks=True,
+                  sliding_window=128)
+    export_kernel(platform, STEPS["decode8"], 64, 8, 64, 32, jnp.bfloat16, sinks=True,
+                  kv_int8=True, sliding_window=128)
+    export_kernel(platform, 40, 6, 2, 128, 16, jnp.float32, max_seqs=5, sinks=True, soft_cap=50.0)

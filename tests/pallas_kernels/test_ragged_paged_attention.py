@@ -102,8 +102,9 @@ def make_case(
     return Case(args, owned)
 
 
-def oracle(args, *, sm_scale, sliding_window=None, soft_cap=None) -> np.ndarray:
-    """Float64 loop over sequences, rows and heads: the definition, written out plainly."""
+def oracle(args, *, sm_scale, sliding_window=None, soft_cap=None, sinks=None) -> np.ndarray:
+    """Float64 loop over sequences, rows and heads: the definition, written out plainly.
+    sinks [Hq]: one more logit per head in the softmax, its value vector 0."""
     q, k, v, kv_lens, pt, cu, num_seqs = (np.asarray(a, np.float64) if i < 3 else np.asarray(a)
                                           for i, a in enumerate(args))
     num_q_heads, page_size = q.shape[1], k.shape[2]
@@ -121,8 +122,10 @@ def oracle(args, *, sm_scale, sliding_window=None, soft_cap=None) -> np.ndarray:
                 sc = kk @ q[cu[s] + i, h] * sm_scale
                 if soft_cap is not None:
                     sc = soft_cap * np.tanh(sc / soft_cap)
-                w = np.exp(sc - sc.max())
-                out[cu[s] + i, h] = (w / w.sum()) @ vv
+                sink = -np.inf if sinks is None else float(sinks[h])
+                top = max(sc.max(), sink)
+                w = np.exp(sc - top)
+                out[cu[s] + i, h] = w @ vv / (w.sum() + np.exp(sink - top))
     return out
 
 

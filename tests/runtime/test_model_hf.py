@@ -45,16 +45,22 @@ def test_greedy_32_tokens_identical_to_hf_generate(family_model):
 
 def test_config_fields_from_hf(family_model):
     name, hf, cfg, _ = family_model
-    assert cfg.num_kv_heads == hf.config.num_key_value_heads
+    latent = name == "deepseek_v3"  # one cached head: the latent + rope dims
+    assert cfg.num_kv_heads == (1 if latent else hf.config.num_key_value_heads)
     assert cfg.tie_word_embeddings == bool(hf.config.tie_word_embeddings)
     assert cfg.qkv_bias == (name in ("qwen2", "qwen2_moe", "gpt_oss"))
-    assert (cfg.rope_scaling is not None) == (name in ("llama3_rope", "gpt_oss"))
+    assert (cfg.rope_scaling is not None) == (name in ("llama3_rope", "gpt_oss", "deepseek_v3"))
     assert cfg.qk_norm == (name in ("qwen3", "qwen3_moe"))
-    assert cfg.num_experts == {"qwen3_moe": 16, "qwen2_moe": 8, "mixtral": 8, "gpt_oss": 8}.get(name, 0)
-    assert (cfg.shared_expert_size, cfg.dense_layers) == (
-        (80, (1,)) if name == "qwen2_moe" else (0, ()))
+    assert cfg.num_experts == {"qwen3_moe": 16, "qwen2_moe": 8, "mixtral": 8, "gpt_oss": 8,
+                              "deepseek_v3": 8}.get(name, 0)
+    assert (cfg.shared_expert_size, cfg.dense_layers) == {
+        "qwen2_moe": (80, (1,)), "deepseek_v3": (32, (0,))}.get(name, (0, ()))
     assert cfg.attn_sinks == cfg.attn_out_bias == cfg.expert_bias == (name == "gpt_oss")
     if name == "gpt_oss":  # sliding and full layers alternate
         assert cfg.layer_types == ("local", "global") and cfg.layer_window(0) == 8
     c = hf.config
+    if latent:
+        assert (cfg.head_dim, cfg.kv_lora_rank, cfg.router_groups, cfg.routed_scaling) == (
+            c.kv_lora_rank + c.qk_rope_head_dim, c.kv_lora_rank, 4, 2.5)
+        return
     assert cfg.head_dim == (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)

@@ -1,0 +1,51 @@
+"""Multi-head latent attention (DeepSeek-V3): keys and values come from one compressed latent per
+token, so the cache keeps that latent (C = kv_lora_rank dims) and a decoupled rotated part
+(R = qk_rope_head_dim dims), one "head" of C + R that serves as both K and V, instead of H heads of
+K and V. The up-projections are absorbed into the query and the output (H heads, N = nope dims,
+V = v dims):
+
+    c, k_r = split(h @ wkv_a)                       # [T, C], [T, R]
+    c, k_r = rms_norm(c, kv_a_norm), rope(k_r)      # the cached head: [c, k_r]    [T, 1, C + R]
+    q      = h @ wq  |  rms_norm(h @ wq_a) @ wq_b   # [T, H, N + R]
+    q      = [q[..., :N] @ w_uk, rope(q[..., N:])]  # "thn,hnc->thc": [T, H, C + R]
+    o      = attention(q, K = V = cache)            # MQA over the latent head: [T, H, C + R]
+    out    = o[..., :C] @ w_uv                      # "thc,hcv->thv": [T, H, V], then wo
+
+q . [c, k_r] = q_nope . (w_uk c) + q_r . k_r: exactly the expanded attention's scores, and
+o[..., :C] @ w_uv its values' weighted sum. The same absorbed form runs prefill and decode.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.runtime.config import ModelConfig
+from jaxinfer.runtime.device.layer_ops import (apply_rope, rms_norm, rope_attention_factor,
+                                               rope_inv_freq)
+from jaxinfer.runtime.device.quantization import einsum
+
+
+def latent_qkv(lp, h: jax.Array, positions: jax.Array, cfg: ModelConfig, i: int):
+    """Normed rows h [T, D] -> (q [T, H, C + R], the cached head [T, 1, C + R])."""
+    c_dim, n = cfg.kv_lora_rank, cfg.qk_nope_head_dim
+    scaling = cfg.layer_rope_scaling(i)
+    inv_freq = rope_inv_freq(cfg.rope_dim, cfg.layer_rope_theta(i), scaling)
+    f = rope_attention_factor(scaling)
+    rope = lambda x: apply_rope(x, positions, inv_freq, f)  # noqa: E731
+    if lp.wq_a is not None:
+        q = einsum("tr,rhk->thk", rms_norm(einsum("td,dr->tr", h, lp.wq_a), lp.q_a_norm,
+                                           cfg.rms_norm_eps), lp.wq_b)
+    else:
+        q = einsum("td,dhk->thk", h, lp.wq)  # [T, H, N + R]
+    q_lat = einsum("thn,hnc->thc", q[..., :n], lp.w_uk)  # [T, H, C]
+    q = jnp.concatenate([q_lat, rope(q[..., n:])], axis=-1)
+    kv = einsum("td,dc->tc", h, lp.wkv_a)  # [T, C + R]
+    c = rms_norm(kv[:, :c_dim], lp.kv_a_norm, cfg.rms_norm_eps)
+    k_r = rope(kv[:, None, c_dim:])[:, 0]
+    return q, jnp.concatenate([c, k_r], axis=-1)[:, None, :]
+
+
+def latent_out(lp, o: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Attention over the latent head o [T, H, C + R] -> the heads' values [T, H, V]."""
+    return einsum("thc,hcv->thv", o[..., :cfg.kv_lora_rank], lp.w_uv)
