@@ -44,6 +44,7 @@ from jaxinfer.pallas_kernels.masking import MASK_FLOOR
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 QUANTIZED_KV_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))  # with k/v_scale
 PLATFORMS = ("tpu", "gpu")
+GPU_HEAD_DIMS = (16, 32, 64, 128, 256)  # Triton tiles: a power of two in 16..256
 
 
 def _is_pow2(x: int) -> bool:
@@ -150,7 +151,7 @@ def validate_static(
                 f"TPU kernel: page_size {page_size} must be a multiple of {sublanes} for {q.dtype}"
             )
     else:
-        if head_dim not in (16, 32, 64, 128, 256):
+        if head_dim not in GPU_HEAD_DIMS:
             raise ValueError(
                 f"GPU kernel: head_dim {head_dim} unsupported; Triton tiles need a power of two in 16..256"
             )

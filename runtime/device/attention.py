@@ -113,6 +113,10 @@ def attend(
         kw.update(k_scale=k_pages.scales, v_scale=v_pages.scales)
         k_pages, v_pages = k_pages.values, v_pages.values
     args = (q, k_pages, v_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs)
+    from jaxinfer.pallas_kernels.ragged_paged_attention import GPU_HEAD_DIMS
+
+    if backend == "pallas_gpu" and q.shape[-1] not in GPU_HEAD_DIMS:
+        backend = "xla"  # a head the Triton kernel cannot tile (latent attention's 576)
     if backend in ("xla", "xla_every_chunk"):  # XLA SPMD partitions it on a mesh like any op
         return xla_ragged_paged_attention(*args, **kw, max_q_len=md.max_q_len,
                                           every_chunk=backend == "xla_every_chunk",

@@ -60,7 +60,7 @@ def fuse_layer(lp, tensor_parallel: int = 1):
     (a layer already fused stays as it is)."""
     upd = {}
     # K/V heads that do not split over the devices replicate while Q shards: kept apart
-    if lp.wq is not None and lp.wk.shape[1] % tensor_parallel == 0:
+    if lp.wk is not None and lp.wk.shape[1] % tensor_parallel == 0:  # (latent: no wk)
         hq, dh = lp.wq.shape[1:]
         hkv = lp.wk.shape[1]
         g = hq // hkv

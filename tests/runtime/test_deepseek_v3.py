@@ -1,0 +1,189 @@
+"""DeepSeek-V3 through the engine against HF transformers' DeepseekV3ForCausalLM (random init:
+latent attention with a compressed q, interleaved rope dims, YaRN with mscale; sigmoid routing
+over expert groups with a choice bias, a shared expert, the first layer dense). Logits over a
+prefill and 16 cached decode steps: tests/runtime/test_model_hf.py (the "deepseek_v3" family)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from jaxinfer.checkpoints.hf import load_hf
+from jaxinfer.runtime.config import ConfigError, ModelConfig
+from tests.aot import cuda_target
+from tests.hf_models import make_hf_model
+from tests.model_utils import run_sequence
+from tests.runtime.test_gpt_oss import PROMPTS, SECOND, _hf_greedy
+from tests.runtime.test_tensor_parallel import on_8_devices
+
+
+def _deepseek_dir(tiny_dir, out):
+    hf = make_hf_model("deepseek_v3", out, hidden=64, layers=2, vocab=2000)
+    for name in ("tokenizer.model", "tokenizer_config.json"):
+        shutil.copy(tiny_dir / name, out / name)
+    return out, hf
+
+
+@pytest.fixture(scope="module")
+def deepseek(tiny_dir, tmp_path_factory):
+    return _deepseek_dir(tiny_dir, tmp_path_factory.mktemp("deepseek_v3"))
+
+
+def test_served_greedy_equals_hf_with_two_slots_chunks_and_prefix_hits(deepseek):
+    from jaxinfer import LLM, SamplingParams
+
+    d, hf = deepseek
+    llm = LLM(str(d), max_slots=2, page_size=8, max_model_len=160, prefill_chunk=16)
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    outs = llm.generate(PROMPTS, greedy)
+    again = llm.generate(SECOND, greedy)
+    assert max(len(o.prompt_token_ids) for o in outs) > 16  # chunked
+    assert all(o.usage["cached_tokens"] >= 16 for o in again)  # prefix hits
+    for o in outs + again:
+        assert o.token_ids == _hf_greedy(hf, o.prompt_token_ids, 16), o.prompt
+    # the cache: one pool a layer (V is K), one head of latent + rope dims a token
+    cfg, cache = llm.engine.cfg, llm.engine.cache
+    assert all(v is None for v in cache.v) and cache.k[0].shape[0] == 1
+    assert cache.bytes_per_token == cfg.num_layers * (48 + 16) * 4
+
+
+def test_latent_cache_compression_at_deepseek_v3s_dims():
+    """Per token and layer the latent cache holds C + R = 512 + 64 values where the expanded
+    attention would hold K: H * (N + R) = 128 * 192 and V: H * V = 128 * 128 (71.1x)."""
+    from jaxinfer.runtime.device.kv_cache import init_cache
+
+    cfg = DEEPSEEK_V3_ATTN
+    cache = jax.eval_shape(lambda: init_cache(cfg, 4, 16, jnp.bfloat16))
+    per_token = sum(np.prod(a.shape) for a in cache.k) / (4 * 16) / cfg.num_layers
+    full = cfg.num_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
+    assert per_token == 576 and full / per_token == pytest.approx(71.11, abs=0.01)
+
+
+# DeepSeek-V3's attention and routing dims (hidden width, layers and vocabulary cut: lowering
+# only reads shapes)
+DEEPSEEK_V3_ATTN = ModelConfig(
+    family="llama", vocab_size=4096, hidden_size=1024, intermediate_size=2048, num_layers=2,
+    num_heads=128, num_kv_heads=1, head_dim=576, kv_lora_rank=512, q_lora_rank=1536,
+    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, query_pre_attn_scalar=192.0,
+    num_experts=256, experts_per_token=8, moe_intermediate_size=256, norm_topk_prob=True,
+    shared_expert_size=256, dense_layers=(0,), router_scoring="sigmoid", router_groups=8,
+    router_topk_groups=4, routed_scaling=2.5,
+)
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_decode_step_exports(platform):
+    """The whole decode step lowers for TPU (the Mosaic kernel over the 576-dim latent head)
+    and CUDA (the latent head is wider than Triton's tiles: XLA's attention there)."""
+    from jaxinfer.runtime.device.steps import step
+    from tests.runtime.test_attention_backends import TRITON_OK, _step_args
+
+    cfg = DEEPSEEK_V3_ATTN
+    backend = "pallas_tpu" if platform == "tpu" else "pallas_gpu"
+    f = functools.partial(step, cfg=cfg, backend=backend, max_q_len=1, num_logprobs=0,
+                          filtered=False)
+    with cuda_target() if platform == "cuda" else contextlib.nullcontext():
+        exported = jax.export.export(jax.jit(f), platforms=[platform],
+                                     disabled_checks=TRITON_OK if platform == "cuda" else ())(
+            *_step_args(cfg, jnp.bfloat16, 16, s=8, p=8, fused=True))
+    text = exported.mlir_module()
+    assert "tensor<1x64x16x576xbf16>" in text  # the latent pool: 1 head of 576
+    assert ("tpu_custom_call" in text) == (platform == "tpu")
+
+
+def test_pallas_interpret_attention_equals_xla(deepseek):
+    d, _ = deepseek
+    cfg, params = load_hf(d)
+    prompt = list(range(3, 30))
+    want, _, dec_want = run_sequence(params, cfg, prompt, page_size=8, decode_steps=3)
+    got, _, dec_got = run_sequence(params, cfg, prompt, page_size=8, decode_steps=3,
+                                   backend="pallas_interpret")
+    np.testing.assert_allclose(got, want, atol=2e-5)
+    np.testing.assert_allclose(dec_got, dec_want, atol=2e-5)
+
+
+def test_each_mechanism_moves_the_logits(deepseek):
+    """The HF comparison could fail: the choice bias, the group limit, the scaling, the rope
+    reordering and the shared expert each move the logits well past 1e-4."""
+    d, _ = deepseek
+    cfg, params = load_hf(d)
+    prompt = list(range(3, 40))
+    want, _, _ = run_sequence(params, cfg, prompt, page_size=8, decode_steps=0)
+    lay = lambda **kw: params.replace(layers=tuple(lp.replace(**{  # noqa: E731
+        k: f(getattr(lp, k)) for k, f in kw.items()} if lp.router is not None else {})
+        for lp in params.layers))
+    variants = {
+        "choice bias": (cfg, lay(router_choice_b=jnp.zeros_like)),
+        "groups": (dataclasses.replace(cfg, router_groups=1, router_topk_groups=1), params),
+        "scaling": (dataclasses.replace(cfg, routed_scaling=1.0), params),
+        "shared expert": (cfg, lay(w_down=jnp.zeros_like)),
+        "yarn mscale": (dataclasses.replace(cfg, query_pre_attn_scalar=48.0), params),
+    }
+    for name, (c, p) in variants.items():
+        got, _, _ = run_sequence(p, c, prompt, page_size=8, decode_steps=0)
+        assert np.abs(got - want).max() > 1e-3, name
+
+
+def test_int8_tracks_the_float_model(deepseek):
+    from jaxinfer.checkpoints.quantize import placer
+
+    d, _ = deepseek
+    cfg, f32 = load_hf(d)
+    _, q8 = load_hf(d, place=placer("int8", jnp.float32))
+    assert type(q8.layers[1].we_gate).__name__ == "QuantizedArray"
+    prompt = list(range(5, 40))
+    want, _, _ = run_sequence(f32, cfg, prompt, page_size=8, decode_steps=0)
+    got, _, _ = run_sequence(q8, cfg, prompt, page_size=8, decode_steps=0)
+    rel = np.abs(got - want).max() / np.abs(want).max()
+    assert 0 < rel < 0.05, rel
+
+
+@pytest.mark.parametrize("bad,word", [
+    ({"kv_lora_rank": 0}, "kv_lora_rank"),
+    ({"qk_rope_head_dim": 15}, "qk_rope_head_dim"),
+    ({"n_group": 3}, "groups"),
+    ({"topk_group": 9}, "topk_group"),
+    ({"scoring_func": "softmax"}, "routing"),
+    ({"first_k_dense_replace": 9}, "first_k_dense_replace"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"kv_lora_rank": "wide"}, "config.json"),
+])
+def test_bad_config_fields_are_config_errors(bad, word):
+    from jaxinfer.checkpoints.hf_config import from_hf_config
+
+    base = dict(model_type="deepseek_v3", vocab_size=100, hidden_size=32, intermediate_size=64,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=16,
+                kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                v_head_dim=8, n_group=4, topk_group=2, num_experts_per_tok=2,
+                first_k_dense_replace=1)
+    cfg = from_hf_config(base)
+    assert (cfg.head_dim, cfg.num_kv_heads, cfg.q_lora_rank, cfg.dense_layers) == (24, 1, 0, (0,))
+    with pytest.raises(ConfigError, match=word):
+        from_hf_config({**base, **bad})
+
+
+@on_8_devices
+def test_tp_2_and_4_give_one_devices_greedy_tokens(tiny_dir, tmp_path):
+    """Heads split by tp (the one latent head whole on every device), experts by expert."""
+    from jaxinfer import LLM, SamplingParams
+
+    (tmp_path / "deepseek").mkdir()
+    d, _ = _deepseek_dir(tiny_dir, tmp_path / "deepseek")
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    outs = {}
+    for tp in (1, 2, 4):
+        llm = LLM(str(d), tensor_parallel=tp, max_slots=2, page_size=8, max_model_len=96,
+                  prefill_chunk=16)
+        outs[tp] = [o.token_ids for o in llm.generate(PROMPTS, greedy)]
+        if tp > 1:
+            assert len(llm.engine.params.layers[0].w_uk.sharding.device_set) == tp
+    assert outs[2] == outs[1] and outs[4] == outs[1]
