@@ -18,6 +18,7 @@ from safetensors import SafetensorError, safe_open
 from jaxinfer.checkpoints.errors import CheckpointError, read_json_object
 from jaxinfer.checkpoints.hf_config import from_hf_config
 from jaxinfer.checkpoints.hf_int4 import group_linears, scheme_of
+from jaxinfer.checkpoints.mxfp4 import MXFP4Weight
 from jaxinfer.runtime.config import ConfigError, ModelConfig
 from jaxinfer.runtime.device.model import LayerParams, Params
 
@@ -77,6 +78,8 @@ def _strip(name: str) -> str:
 def hf_tensor_plan(cfg: ModelConfig) -> dict[str, tuple[str, Callable] | list]:
     """HF tensor name (prefix stripped) -> (our param path, transform to our layout), or a list
     of them where one tensor holds several params (gpt-oss's interleaved gate_up)."""
+    if cfg.family == "gemma4":
+        return _gemma4_plan(cfg)
     d, hq, hkv, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     gemma = cfg.family == "gemma3"
     norm = (lambda w: w + 1.0) if gemma else (lambda w: w)  # Gemma stores w, applies (1 + w)
@@ -122,6 +125,64 @@ def hf_tensor_plan(cfg: ModelConfig) -> dict[str, tuple[str, Callable] | list]:
         for k, v in layer.items():
             plan[pre + k] = ([(pre + f, fn) for f, fn in v] if isinstance(v, list)
                              else (pre + v[0], v[1]))
+    return plan
+
+
+def _gemma4_plan(cfg: ModelConfig) -> dict[str, tuple[str, Callable] | list]:
+    """Gemma 4 (text): norms store their multiplier (not Gemma 3's w - 1); each layer's head
+    dims and KV heads its type's; layers reading another's KV have no K / V / k_norm; global
+    layers with attention_k_eq_v no V; the experts stacked [E, 2F, D] (gate rows then up
+    rows) and [E, D, F]."""
+    d, hq = cfg.hidden_size, cfg.num_heads
+    same = lambda w: w  # noqa: E731
+    t = lambda w: w.T  # noqa: E731
+    plan = {"embed_tokens.weight": ("embed", same), "norm.weight": ("final_norm", same)}
+    if not cfg.tie_word_embeddings:
+        plan["lm_head.weight"] = ("lm_head", same)
+    if cfg.per_layer_input_size:
+        plan |= {"embed_tokens_per_layer.weight": ("embed_per_layer", same),
+                 "per_layer_model_projection.weight": ("ple_model_proj", t),
+                 "per_layer_projection_norm.weight": ("ple_proj_norm", same)}
+    f_e = cfg.moe_intermediate_size
+    for i in range(cfg.num_layers):
+        dh, hkv = cfg.layer_head_dim(i), cfg.layer_kv_heads(i)
+        layer = {
+            "input_layernorm.weight": ("attn_norm", same),
+            "self_attn.q_proj.weight": ("wq", lambda w, dh=dh: w.T.reshape(d, hq, dh)),
+            "self_attn.q_norm.weight": ("q_norm", same),
+            "self_attn.o_proj.weight": ("wo", lambda w, dh=dh: w.T.reshape(hq, dh, d)),
+            "post_attention_layernorm.weight": ("post_attn_norm", same),
+            "pre_feedforward_layernorm.weight": ("mlp_norm", same),
+            "post_feedforward_layernorm.weight": ("post_mlp_norm", same),
+            "layer_scalar": ("scalar", same),
+            **_mlp_plan("mlp."),
+        }
+        if cfg.layer_kv_source(i) == i:
+            kv = lambda w, dh=dh, hkv=hkv: w.T.reshape(d, hkv, dh)  # noqa: E731
+            layer |= {"self_attn.k_proj.weight": ("wk", kv),
+                      "self_attn.k_norm.weight": ("k_norm", same)}
+            if not cfg.layer_k_eq_v(i):
+                layer["self_attn.v_proj.weight"] = ("wv", kv)
+        if cfg.per_layer_input_size:
+            layer |= {"per_layer_input_gate.weight": ("ple_gate", t),
+                      "per_layer_projection.weight": ("ple_proj", t),
+                      "post_per_layer_input_norm.weight": ("ple_norm", same)}
+        if cfg.moe_block:
+            layer |= {
+                "router.proj.weight": ("router", t),
+                "router.scale": ("router_scale", same),
+                "router.per_expert_scale": ("expert_scale", same),
+                "experts.gate_up_proj": [
+                    ("we_gate", lambda w: w[:, :f_e].transpose(0, 2, 1)),
+                    ("we_up", lambda w: w[:, f_e:].transpose(0, 2, 1))],
+                "experts.down_proj": ("we_down", lambda w: w.transpose(0, 2, 1)),
+                "post_feedforward_layernorm_1.weight": ("mlp_out_norm", same),
+                "pre_feedforward_layernorm_2.weight": ("expert_in_norm", same),
+                "post_feedforward_layernorm_2.weight": ("expert_out_norm", same),
+            }
+        for k, v in layer.items():
+            plan[f"layers.{i}.{k}"] = ([(f"layers.{i}.{f}", fn) for f, fn in v]
+                                       if isinstance(v, list) else (f"layers.{i}.{v[0]}", v[1]))
     return plan
 
 
@@ -192,8 +253,8 @@ def _expert_plan(cfg: ModelConfig) -> dict[str, tuple[str, Callable]]:
 def _gpt_oss_expert_plan() -> dict[str, tuple[str, Callable] | list]:
     """gpt-oss's MoE block: the router [E, D] + bias [E], and every expert stacked in one tensor:
     gate_up_proj [E, D, 2F] (gate at even columns, up at odd), down_proj [E, F, D], with their
-    biases [E, 2F] / [E, D]. MXFP4 checkpoints (`_blocks` + `_scales`) arrive decoded in this
-    orientation (checkpoints/mxfp4.py)."""
+    biases [E, 2F] / [E, D]. MXFP4 checkpoints (`_blocks` + `_scales`) arrive under these names
+    in this orientation (`group_mxfp4`, checkpoints/mxfp4.py MXFP4Weight), kept or decoded."""
     even, odd = (lambda w: w[..., 0::2]), (lambda w: w[..., 1::2])
     pre = "mlp.experts."
     return {
@@ -220,8 +281,8 @@ def assemble_params(
     """Place streamed (name, array, source) tensors into Params via `plan`. Unknown names are
     ignored only when they are known extras (rotary caches); missing ones are an error.
     `place(path, f32_array)`, if given, makes each leaf (e.g. quantizes it as it streams in);
-    GGUF blocks and 4-bit HF linears (objects with `layout` and `dense`) arrive as a
-    QuantizedArray when kept, else as the f32 weight."""
+    GGUF blocks, 4-bit HF linears and MXFP4 tensors (objects with `layout` and `dense`) arrive
+    as a QuantizedArray when kept, else as the f32 weight."""
     got: dict[str, object] = {}
     for name, arr, src in tensors:
         key = _strip(name)
@@ -247,11 +308,12 @@ def assemble_params(
     return Params(
         embed=got["embed"], layers=tuple(layers), final_norm=got["final_norm"],
         lm_head=got.get("lm_head"),
+        **{k: got[k] for k in ("embed_per_layer", "ple_model_proj", "ple_proj_norm") if k in got},
     )
 
 
 def _assemble_one(got: dict, target: str, fn: Callable, arr, dtype, place) -> None:
-    if hasattr(arr, "layout"):  # gguf.KeptBlocks, hf_int4.Int4Linear
+    if hasattr(arr, "layout"):  # gguf.KeptBlocks, hf_int4.Int4Linear, mxfp4.MXFP4Weight
         value = arr.layout(fn, target, dtype, jnp.float32 if place else dtype)
         if value is not None:
             got[target] = place(target, value) if place else value
@@ -275,18 +337,56 @@ def _stack_experts(got: dict, place: Callable | None) -> None:
         got[base] = place(base, stacked) if place else stacked
 
 
+def group_mxfp4(tensors: Iterator[tuple[str, object, object]], keep: bool = True
+                ) -> Iterator[tuple[str, object, object]]:
+    """The tensor stream with each MXFP4 tensor's `<name>_blocks` and `<name>_scales` replaced
+    by one (`<name>`, MXFP4Weight, source) as soon as both have passed: the name of the dense
+    tensor it stands for (gpt-oss's `mlp.experts.gate_up_proj`, `down_proj`). `keep` False:
+    dequantized as they are placed."""
+    pending: dict[str, dict[str, object]] = {}
+    sources: dict[str, object] = {}
+    for name, arr, src in tensors:
+        base, _, part = name.rpartition("_")
+        if part not in ("blocks", "scales"):
+            yield name, arr, src
+            continue
+        got = pending.setdefault(base, {})
+        got[part] = np.asarray(arr)
+        sources[base] = src
+        if len(got) == 2:
+            del pending[base]
+            try:
+                w = MXFP4Weight(base, got["blocks"], got["scales"], keep)
+            except ValueError as e:
+                raise CheckpointError(f"{src}: MXFP4 tensor {base!r}: {e}") from None
+            yield base, w, src
+    for base, got in pending.items():
+        (have,) = got
+        lacks = "scales" if have == "blocks" else "blocks"
+        raise CheckpointError(f"{sources[base]}: MXFP4 tensor {base!r}: {base}_{have} without "
+                              f"{base}_{lacks}")
+
+
 def load_hf(path: str | Path, dtype=jnp.float32, place: Callable | None = None,
-            keep_int4: bool = True) -> tuple[ModelConfig, Params]:
+            keep_int4: bool = True, keep_mxfp4: bool = True) -> tuple[ModelConfig, Params]:
     """`keep_int4`: a 4-bit checkpoint's linears (checkpoints/hf_int4.py) stay int4
-    QuantizedArrays where their groups fit the param's layout; False: dequantized to f32."""
+    QuantizedArrays where their groups fit the param's layout; False: dequantized to f32.
+    `keep_mxfp4`: an MXFP4 checkpoint's tensors (quant_method "mxfp4", gpt-oss's experts) stay
+    QuantizedArrays of fmt "mxfp4" (int8 values, f32 scales: exact); False: dequantized to
+    `dtype`. (quantization_config's other fields, e.g. modules_to_not_convert, are not read:
+    which tensors are MXFP4 is told by their `_blocks` / `_scales` names.)"""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory")
     hf = read_hf_json(path)
     cfg = _translate(path, hf)
-    scheme = scheme_of(hf, str(path / "config.json"))
+    qc = hf.get("quantization_config")
+    mxfp4 = isinstance(qc, dict) and qc.get("quant_method") == "mxfp4"
+    scheme = None if mxfp4 else scheme_of(hf, str(path / "config.json"))
     files = safetensor_files(path)
     tensors = iter_tensors(files)
+    if mxfp4:
+        tensors = group_mxfp4(tensors, keep=keep_mxfp4)
     if scheme is not None:
         tensors = group_linears(tensors, scheme, keep=keep_int4)
     params = assemble_params(cfg, tensors, hf_tensor_plan(cfg), dtype, place)

@@ -20,14 +20,16 @@ _FAMILIES = {
     "deepseek_v3": "llama",
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",
+    "gemma4_text": "gemma4",
+    "gemma4": "gemma4",
 }
 
 
 def from_hf_config(hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
     """Build from an HF `config.json` dict. Raises ConfigError naming `source` on anything
     we cannot serve."""
-    if "text_config" in hf and hf.get("model_type") == "gemma3":
-        hf = {**hf["text_config"], "model_type": "gemma3_text"}
+    if "text_config" in hf and hf.get("model_type") in ("gemma3", "gemma4"):
+        hf = {**hf["text_config"], "model_type": hf["model_type"] + "_text"}
     model_type = hf.get("model_type")
     family = _FAMILIES.get(model_type or "")
     if family is None:
@@ -144,6 +146,8 @@ def _from_hf(hf: dict[str, Any], family: str, model_type: str) -> ModelConfig:
             **(_gpt_oss(hf) if model_type == "gpt_oss" else {}),
             **(_deepseek_routing(hf) if model_type == "deepseek_v3" else {}),
         )
+    if family == "gemma4":
+        return _gemma4(hf, common)
     # gemma3
     n = common["num_layers"]
     layer_types = hf.get("layer_types")
@@ -198,6 +202,69 @@ def _gpt_oss(hf: dict[str, Any]) -> dict[str, Any]:
     return dict(attn_sinks=True, attn_out_bias=True, router_bias=True, expert_bias=True,
                 norm_topk_prob=True, swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
                 swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)))
+
+
+def _gemma4(hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
+    """Gemma 4 (text): Gemma 3's sandwich norms and soft-capped head, plus per-layer-type head
+    dims and KV heads (`per_layer_config` on the global layers), proportional RoPE there, V from
+    K on global layers (`attention_k_eq_v`), KV shared by the last layers, per-layer input
+    embeddings, experts beside the MLP, a softmax scale of 1 (q and k are RMS-normed)."""
+    n = common["num_layers"]
+    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 6 else "full_attention"
+                                      for i in range(n)]
+    layer_types = _layer_types({"layer_types": types}, "gemma4", n)
+    glob = [i for i, t in enumerate(layer_types) if t == "global"]
+    per_layer = hf.get("per_layer_config") or {}
+    if not isinstance(per_layer, dict):
+        raise ConfigError(f"per_layer_config must be an object, got {per_layer!r}")
+    over = {}
+    for key, val in per_layer.items():
+        i = int(key)
+        if not 0 <= i < n or layer_types[i] != "global" or not isinstance(val, dict):
+            raise ConfigError(f"per_layer_config[{key!r}]: only global layers' head_dim / "
+                              f"num_key_value_heads may differ")
+        over[i] = (int(val.get("head_dim", common["head_dim"])),
+                   int(val.get("num_key_value_heads", common["num_kv_heads"])))
+    if over and (set(over) != set(glob) or len(set(over.values())) != 1):
+        raise ConfigError(f"per_layer_config {per_layer}: every global layer must take the same "
+                          f"head_dim / num_key_value_heads")
+    g_dim, g_kv = next(iter(over.values())) if over else (0, 0)
+    rp = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+    full, local = rp.get("full_attention") or {}, rp.get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        raise ConfigError(f"sliding layers' rope_type {local.get('rope_type')!r}: only default")
+    scaling = None
+    if full.get("rope_type", "default") == "proportional":
+        scaling = RopeScaling(kind="proportional", factor=float(full.get("factor", 1.0)),
+                              partial_rotary_factor=float(full.get("partial_rotary_factor", 1.0)))
+    elif full.get("rope_type", "default") != "default":
+        raise ConfigError(f"global layers' rope_type {full.get('rope_type')!r}: default or "
+                          f"proportional")
+    moe = _bool(hf.get("enable_moe_block", False), "enable_moe_block")
+    experts = {} if not moe else dict(
+        num_experts=int(hf["num_experts"]), experts_per_token=int(hf["top_k_experts"]),
+        moe_intermediate_size=int(hf["moe_intermediate_size"]), norm_topk_prob=True)
+    ple = int(hf.get("hidden_size_per_layer_input") or 0)
+    if hf.get("use_bidirectional_attention"):
+        raise ConfigError("use_bidirectional_attention is not supported")
+    if _bool(hf.get("attention_bias", False), "attention_bias"):
+        raise ConfigError("gemma4 with attention_bias is not supported")
+    return ModelConfig(
+        **common, rope_theta=float(full.get("rope_theta", 1_000_000.0)), rope_scaling=scaling,
+        rope_local_theta=float(local.get("rope_theta", 10_000.0)),
+        tie_word_embeddings=_bool(hf.get("tie_word_embeddings", True), "tie_word_embeddings"),
+        activation=_activation(hf.get("hidden_activation") or "gelu_pytorch_tanh"),
+        qk_norm=True, sandwich_norms=True, embed_scale=math.sqrt(common["hidden_size"]),
+        query_pre_attn_scalar=1.0, sliding_window=int(hf.get("sliding_window", 512)),
+        layer_types=layer_types, final_logit_softcap=hf.get("final_logit_softcapping"),
+        global_head_dim=g_dim, global_kv_heads=g_kv,
+        global_k_eq_v=_bool(hf.get("attention_k_eq_v", False), "attention_k_eq_v"),
+        v_norm=True, kv_shared_layers=int(hf.get("num_kv_shared_layers") or 0),
+        double_wide_shared_mlp=_bool(hf.get("use_double_wide_mlp", False),
+                                     "use_double_wide_mlp"),
+        per_layer_input_size=ple,
+        per_layer_vocab=int(hf.get("vocab_size_per_layer_input") or 0) if ple else 0,
+        moe_block=moe, layer_scalar=True, **experts)
 
 
 def _latent(hf: dict[str, Any]) -> dict[str, Any]:

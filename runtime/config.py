@@ -48,7 +48,7 @@ class RopeScaling:
     between the dims rotating beta_fast and beta_slow times over the original context, and
     cos / sin scaled by `attention_factor`)."""
 
-    kind: str  # "llama3" | "linear" | "yarn"
+    kind: str  # "llama3" | "linear" | "yarn" | "proportional"
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -57,12 +57,18 @@ class RopeScaling:
     beta_slow: float = 1.0
     truncate: bool = True  # yarn: the ramp's ends rounded to whole dims
     attention_factor: float | None = None  # yarn: None = 0.1 * ln(factor) + 1
+    # proportional (Gemma 4's global layers): the first partial_rotary_factor of the head's
+    # frequencies (spaced over the whole head_dim) rotate, the rest stay put; all / factor
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self):
-        if self.kind not in ("llama3", "linear", "yarn"):
+        if self.kind not in ("llama3", "linear", "yarn", "proportional"):
             raise ConfigError(f"unsupported rope_scaling type {self.kind!r}")
         if not (math.isfinite(self.factor) and self.factor > 0):
             raise ConfigError(f"rope_scaling factor must be > 0, got {self.factor}")
+        if not 0 <= self.partial_rotary_factor <= 1:
+            raise ConfigError(f"partial_rotary_factor must be in [0, 1], got "
+                              f"{self.partial_rotary_factor}")
 
 
 @dataclass(frozen=True)
@@ -127,6 +133,24 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # Gemma 4 (defaults: every layer alike): global layers' own head_dim / KV heads (0: as the
+    # local ones); on global layers V comes from the K projection (no wv); V RMS-normed without
+    # a weight; the last kv_shared_layers layers read the KV of the last earlier layer of their
+    # type and store none (their MLP twice as wide with double_wide_shared_mlp); per-layer input
+    # embeddings of per_layer_input_size (a [per_layer_vocab, L * P] table + a projection of the
+    # embedding); experts beside the dense MLP (moe_block: the router reads the RMS-normed
+    # residual x router_scale / sqrt(D), its weights x a per-expert scale); a learned scalar
+    # on each layer's output
+    global_head_dim: int = 0
+    global_kv_heads: int = 0
+    global_k_eq_v: bool = False
+    v_norm: bool = False
+    kv_shared_layers: int = 0
+    double_wide_shared_mlp: bool = False
+    per_layer_input_size: int = 0
+    per_layer_vocab: int = 0
+    moe_block: bool = False
+    layer_scalar: bool = False
     # tokens
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -167,6 +191,14 @@ class ModelConfig:
                 f"got kv_lora_rank {self.kv_lora_rank}, qk_rope_head_dim "
                 f"{self.qk_rope_head_dim}, qk_nope_head_dim {self.qk_nope_head_dim}, "
                 f"v_head_dim {self.v_head_dim}")
+        if not 0 <= self.kv_shared_layers < self.num_layers or any(
+                self.layer_kv_source(i) is None for i in range(self.num_layers)):
+            raise ConfigError(f"kv_shared_layers {self.kv_shared_layers}: each of the last layers "
+                              f"needs an earlier layer of its type among the first "
+                              f"{self.num_layers - self.kv_shared_layers}")
+        if self.global_kv_heads and self.num_heads % self.global_kv_heads:
+            raise ConfigError(f"num_heads {self.num_heads} is not a multiple of global_kv_heads "
+                              f"{self.global_kv_heads}")
         if self.swiglu_limit is not None and not self.swiglu_limit > 0:
             raise ConfigError(f"swiglu_limit {self.swiglu_limit} must be > 0")
         if any(not 0 <= i < self.num_layers for i in self.dense_layers):
@@ -194,6 +226,30 @@ class ModelConfig:
 
     def layer_window(self, i: int) -> int | None:
         return self.sliding_window if self.layer_is_local(i) else None
+
+    def layer_head_dim(self, i: int) -> int:
+        return self.global_head_dim if self.global_head_dim and not self.layer_is_local(i) \
+            else self.head_dim
+
+    def layer_kv_heads(self, i: int) -> int:
+        return self.global_kv_heads if self.global_kv_heads and not self.layer_is_local(i) \
+            else self.num_kv_heads
+
+    def layer_k_eq_v(self, i: int) -> bool:
+        return self.global_k_eq_v and not self.layer_is_local(i)
+
+    def layer_kv_source(self, i: int) -> int | None:
+        """The layer whose KV pages layer i reads: itself, or (the last kv_shared_layers) the
+        last earlier layer of its type that stores its own (None: there is none)."""
+        first = self.num_layers - self.kv_shared_layers
+        if i < first:
+            return i
+        kind = self.layer_is_local(i)
+        return next((j for j in range(first - 1, -1, -1) if self.layer_is_local(j) == kind), None)
+
+    def layer_intermediate(self, i: int) -> int:
+        wide = self.double_wide_shared_mlp and self.layer_kv_source(i) != i
+        return self.intermediate_size * (2 if wide else 1)
 
     def layer_rope_theta(self, i: int) -> float:
         if self.layer_is_local(i) and self.rope_local_theta is not None:

@@ -6,6 +6,16 @@ from pathlib import Path
 
 import torch
 
+_GEMMA4 = dict(
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32, global_head_dim=64,
+    num_global_key_value_heads=1, attention_k_eq_v=True, num_kv_shared_layers=2,
+    use_double_wide_mlp=True, hidden_size_per_layer_input=16, vocab_size_per_layer_input=512,
+    sliding_window=8, final_logit_softcapping=30.0, tie_word_embeddings=True,
+    layer_types=["sliding_attention", "full_attention"] * 2, attn_implementation="eager",
+    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                     "full_attention": {"rope_type": "proportional", "rope_theta": 1e6,
+                                        "partial_rotary_factor": 0.25}})
+
 FAMILIES = {
     "llama": dict(
         cls="LlamaForCausalLM", cfg="LlamaConfig",
@@ -78,6 +88,14 @@ FAMILIES = {
                                      beta_slow=1.0, original_max_position_embeddings=64),
                 tie_word_embeddings=False),
     ),
+    # Gemma 4: 4 layers (sliding, global, then two reading their KV), global layers with their
+    # own head_dim 64 / 1 KV head, V from K and proportional RoPE (a quarter rotated); the
+    # shared layers' MLP twice as wide, per-layer inputs of 16, a final soft cap
+    "gemma4": dict(cls="Gemma4ForCausalLM", cfg="Gemma4TextConfig", layers=4, kw=_GEMMA4),
+    "gemma4_moe": dict(  # ... and 8 experts (top 2) beside every layer's MLP
+        cls="Gemma4ForCausalLM", cfg="Gemma4TextConfig", layers=4, router_scale=5.0,
+        kw=dict(_GEMMA4, enable_moe_block=True, num_experts=8, top_k_experts=2,
+                moe_intermediate_size=48)),
 }
 
 
@@ -89,24 +107,25 @@ def make_hf_model(family: str, out: Path, *, seed: int = 0, hidden=128, layers=2
     torch.manual_seed(seed)
     cfg = getattr(transformers, spec["cfg"])(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-        num_hidden_layers=layers, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
-        pad_token_id=0, **spec["kw"],
+        num_hidden_layers=spec.get("layers", layers), max_position_embeddings=512,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, **spec["kw"],
     )
     model = getattr(transformers, spec["cls"])(cfg).eval()
-    # random-init norms/biases are 1/0: perturb them so a mapping error cannot hide
+    # random-init norms/biases/scales are 1/0: perturb them so a mapping error cannot hide
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(("norm.weight", "bias", "sinks")):
+            if name.endswith(("bias", "sinks", "scale")) or (
+                    "norm" in name and name.endswith(".weight")):
                 p.add_(0.1 * torch.randn_like(p))
             if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight",
-                              "mlp.router.weight")):
+                              "mlp.router.weight", "router.proj.weight")):
                 # routers far from uniform: no near-ties in the top-k choice
                 p.mul_(spec.get("router_scale", 50.0))
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.add_(0.1 * torch.randn_like(b))
             if name.endswith("sinks"):
                 p.mul_(20.0)  # sinks near the scores' scale: they take a real share
+        for name, b in model.named_buffers():
+            if name.endswith(("e_score_correction_bias", "layer_scalar")):
+                b.add_(0.1 * torch.randn_like(b))
     model = model.to(dtype)
     model.save_pretrained(out, safe_serialization=True)
     return model

@@ -68,7 +68,8 @@ def quantize_kv(x: jax.Array, dtype=jnp.int8) -> tuple[jax.Array, jax.Array]:
 class KVCache:
     k: tuple  # per layer [Hkv, N, ps, Dh] array, or QuantizedPages for int8 / fp8 KV
     # per layer like k, or None where the layer's V is its K (latent attention: one cached
-    # head serves as both, runtime/device/mla.py)
+    # head serves as both, runtime/device/mla.py); k and v both None for a layer that reads
+    # another layer's (ModelConfig.layer_kv_source)
     v: tuple
 
     @property
@@ -96,18 +97,18 @@ class KVCache:
 def init_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32) -> KVCache:
     """dtype: the compute dtype (f32 / bf16 pools) or a KV_QUANT name, "int8" / "fp8"
     (QuantizedPages pools)."""
-    shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
-    if isinstance(dtype, str):
-        values = KV_QUANT[dtype][0]
-
-        def zeros():
-            return QuantizedPages(values=jnp.zeros(shape, values),
+    def zeros(i):  # layer i's pool: its own KV heads and head_dim (Gemma 4's global layers)
+        shape = (cfg.layer_kv_heads(i), num_pages, page_size, cfg.layer_head_dim(i))
+        if isinstance(dtype, str):
+            return QuantizedPages(values=jnp.zeros(shape, KV_QUANT[dtype][0]),
                                   scales=jnp.ones(shape[:-1], jnp.float32))
-    else:
-        zeros = lambda: jnp.zeros(shape, dtype)  # noqa: E731
+        return jnp.zeros(shape, dtype)
+
+    own = [cfg.layer_kv_source(i) == i for i in range(cfg.num_layers)]
     return KVCache(
-        k=tuple(zeros() for _ in range(cfg.num_layers)),
-        v=tuple(None if cfg.latent_attention else zeros() for _ in range(cfg.num_layers)),
+        k=tuple(zeros(i) if own[i] else None for i in range(cfg.num_layers)),
+        v=tuple(zeros(i) if own[i] and not cfg.latent_attention else None
+                for i in range(cfg.num_layers)),
     )
 
 

@@ -1,5 +1,5 @@
 """Row-local building blocks of a layer: RMSNorm and RoPE (inverse frequencies with llama3,
-linear and YaRN scaling; the rotate-half rotation)."""
+linear, YaRN and proportional scaling; the rotate-half rotation)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ import numpy as np
 from jaxinfer.runtime.config import RopeScaling
 
 
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, w: jax.Array | None, eps: float) -> jax.Array:
+    """Over the last axis; w None: no weight."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (xf * w.astype(jnp.float32)).astype(x.dtype)
+    return (xf if w is None else xf * w.astype(jnp.float32)).astype(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
@@ -28,6 +29,10 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> n
         return (inv / scaling.factor).astype(np.float32)
     if scaling.kind == "yarn":
         return _yarn_inv_freq(freqs, head_dim, theta, scaling)
+    if scaling.kind == "proportional":  # [rotated | 0 ...]: a 0 frequency leaves its pair be
+        n = int(scaling.partial_rotary_factor * head_dim // 2)
+        inv = np.where(np.arange(head_dim // 2) < n, inv, np.float32(0))
+        return (inv / np.float32(scaling.factor)).astype(np.float32)
     # llama3: keep high frequencies, divide low ones by `factor`, interpolate between
     old = scaling.original_max_position_embeddings
     low_wavelen = old / scaling.low_freq_factor

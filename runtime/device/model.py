@@ -67,6 +67,18 @@ class LayerParams:
     kv_a_norm: jax.Array | None = None  # [C]
     w_uk: jax.Array | None = None  # [H, N, C]
     w_uv: jax.Array | None = None  # [H, C, V]
+    # Gemma 4: the experts beside the dense MLP (moe_block): the dense output's norm, the
+    # experts' input and output norms, the router's input scale and per-expert weight scale
+    mlp_out_norm: jax.Array | None = None  # [D]
+    expert_in_norm: jax.Array | None = None  # [D]
+    expert_out_norm: jax.Array | None = None  # [D]
+    router_scale: jax.Array | None = None  # [D]
+    expert_scale: jax.Array | None = None  # [E]
+    # ... the per-layer input: gate, projection, norm; the output's scalar
+    ple_gate: jax.Array | None = None  # [D, P]
+    ple_proj: jax.Array | None = None  # [P, D]
+    ple_norm: jax.Array | None = None  # [D]
+    scalar: jax.Array | None = None  # [1]
 
 
 @struct.dataclass
@@ -77,6 +89,11 @@ class Params:
     lm_head: jax.Array | None = None  # [V, D]; None when tied to embed
     # LoRA adapter slots (runtime/device/lora.py), per layer; None: the engine serves no adapters
     lora: tuple[lora_ops.LoraLayer, ...] | None = None
+    # Gemma 4's per-layer inputs (ModelConfig.per_layer_input_size P): a token table and a
+    # projection of the embedding, L * P wide, and the projection's norm
+    embed_per_layer: jax.Array | None = None  # [Vp, L * P]
+    ple_model_proj: jax.Array | None = None  # [D, L * P]
+    ple_proj_norm: jax.Array | None = None  # [P]
 
 
 def _activation(name: str):
@@ -84,10 +101,12 @@ def _activation(name: str):
 
 
 def layer_kind(cfg: ModelConfig, i: int) -> int:
-    """The first layer index whose static behaviour (window, RoPE) equals layer i's: `layer`
+    """The first layer index whose static behaviour (window, RoPE, head_dim, whether it stores
+    its own KV) equals layer i's: `layer`
     traced with either index builds the same program, so a layer-by-layer run compiles one
     program per kind (Gemma 3: sliding and global), not one per layer."""
-    key = lambda j: (cfg.layer_window(j), cfg.layer_rope_theta(j), cfg.layer_rope_scaling(j))  # noqa: E731
+    key = lambda j: (cfg.layer_window(j), cfg.layer_rope_theta(j), cfg.layer_rope_scaling(j),  # noqa: E731
+                     cfg.layer_head_dim(j), cfg.layer_kv_source(j) == j)
     return next(j for j in range(i + 1) if key(j) == key(i))
 
 
@@ -102,18 +121,22 @@ def layer(
     backend: str,
     lora: lora_ops.LoraLayer | None = None,
     lora_mask: jax.Array | None = None,  # [T, L] each row's adapter slot, one-hot
+    ple: jax.Array | None = None,  # [T, P] the rows' per-layer input (Gemma 4)
 ):
+    """One layer over rows x; its pages are those of cfg.layer_kv_source(i) (a layer reading
+    another's KV writes none). -> (x, k_pages, v_pages)."""
     # batch-invariant: the step's live token rows (they come first); every row where the loop
     # must be static (a differentiated forward)
     live = (md.cu_q_lens[md.num_seqs[0]]
             if cfg.batch_invariant and backend != "xla_every_chunk" else None)
     q, k, v = by_rows(lambda x_, pos, m: _qkv(lp, x_, pos, cfg, i, lora, m), cfg,
                       x, md.positions, lora_mask, live=live)  # [T, Hq | Hkv | Hkv, Dh]
-    k_pages = write_pages(k_pages, k, md.slot_mapping)
+    if k is not None:  # (None: the layer reads another layer's KV)
+        k_pages = write_pages(k_pages, k, md.slot_mapping)
     if v is not None:  # (latent attention: V is K, stored once)
         v_pages = write_pages(v_pages, v, md.slot_mapping)
     o = attend(
-        q, k_pages, k_pages if v is None else v_pages, md,
+        q, k_pages, k_pages if v_pages is None else v_pages, md,
         sm_scale=cfg.sm_scale,
         sliding_window=cfg.layer_window(i),
         soft_cap=cfg.attn_logit_softcap,
@@ -121,8 +144,8 @@ def layer(
         backend=backend,
         row_tiles=cfg.batch_invariant,
     )  # [T, Hq, Dh]
-    x = by_rows(lambda x_, o_, m: _out_and_mlp(lp, x_, o_, cfg, lora, m), cfg, x, o, lora_mask,
-                live=live)
+    x = by_rows(lambda x_, o_, m, p: _out_and_mlp(lp, x_, o_, cfg, lora, m, p), cfg, x, o,
+                lora_mask, ple, live=live)
     return x, k_pages, v_pages
 
 
@@ -134,23 +157,30 @@ def _qkv(lp: LayerParams, x, positions, cfg: ModelConfig, i: int, lora, lora_mas
     h = rms_norm(x, lp.attn_norm, eps)
     if cfg.latent_attention:
         return (*latent_qkv(lp, h, positions, cfg, i), None)
+    scaling = cfg.layer_rope_scaling(i)
+    inv_freq = rope_inv_freq(cfg.layer_head_dim(i), cfg.layer_rope_theta(i), scaling)
+    rope = lambda y: apply_rope(y, positions, inv_freq, rope_attention_factor(scaling))  # noqa: E731
+    if cfg.layer_kv_source(i) != i:  # K and V are another layer's: q alone
+        q = ad(einsum("td,dhk->thk", h, lp.wq), h, "q")
+        return rope(q if lp.q_norm is None else rms_norm(q, lp.q_norm, eps)), None, None
     if lp.wqkv is not None:
         q, k, v = split_qkv(einsum("td,dhgk->thgk", h, lp.wqkv))
-    else:
-        q, k, v = (einsum("td,dhk->thk", h, w) for w in (lp.wq, lp.wk, lp.wv))
+    else:  # (Gemma 4's global layers: V from the K projection)
+        q, k = (einsum("td,dhk->thk", h, w) for w in (lp.wq, lp.wk))
+        v = k if lp.wv is None else einsum("td,dhk->thk", h, lp.wv)
     q, k, v = ad(q, h, "q"), ad(k, h, "k"), ad(v, h, "v")  # [T, Hq | Hkv | Hkv, Dh]
     if lp.bq is not None:
         q, k, v = q + lp.bq.astype(q.dtype), k + lp.bk.astype(k.dtype), v + lp.bv.astype(v.dtype)
     if lp.q_norm is not None:
         q, k = rms_norm(q, lp.q_norm, eps), rms_norm(k, lp.k_norm, eps)
-    scaling = cfg.layer_rope_scaling(i)
-    inv_freq = rope_inv_freq(cfg.head_dim, cfg.layer_rope_theta(i), scaling)
-    f = rope_attention_factor(scaling)
-    return apply_rope(q, positions, inv_freq, f), apply_rope(k, positions, inv_freq, f), v
+    if cfg.v_norm:
+        v = rms_norm(v, None, eps)
+    return rope(q), rope(k), v
 
 
-def _out_and_mlp(lp: LayerParams, x, o, cfg: ModelConfig, lora, lora_mask):
-    """Rows x [T, D] and their attention output o [T, Hq, Dh] -> the layer's output [T, D]."""
+def _out_and_mlp(lp: LayerParams, x, o, cfg: ModelConfig, lora, lora_mask, ple=None):
+    """Rows x [T, D] and their attention output o [T, Hq, Dh] (and per-layer input ple [T, P])
+    -> the layer's output [T, D]."""
     eps = cfg.rms_norm_eps
     ad = lambda y, x_, t: lora_ops.add(y, x_, lora, t, lora_mask)  # noqa: E731
     if cfg.latent_attention:
@@ -179,14 +209,28 @@ def _out_and_mlp(lp: LayerParams, x, o, cfg: ModelConfig, lora, lora_mask):
             m = (m * jax.nn.sigmoid(gate)[:, None]).astype(h.dtype)
     if lp.router is not None:  # routed experts (runtime/device/moe.py)
         biases = None if lp.we_gate_b is None else (lp.we_gate_b, lp.we_up_b, lp.we_down_b)
-        e = moe_mlp(h, lp.router, lp.we_gate, lp.we_up, lp.we_down, k=cfg.experts_per_token,
-                    norm_topk=cfg.norm_topk_prob, glu=_expert_glu(cfg, glu),
-                    router_bias=lp.router_b, biases=biases, routing=routing_of(cfg),
-                    choice_bias=lp.router_choice_b)  # [T, D]
-        m = e if m is None else m + e
+        kw = dict(k=cfg.experts_per_token, norm_topk=cfg.norm_topk_prob,
+                  glu=_expert_glu(cfg, glu), router_bias=lp.router_b, biases=biases,
+                  routing=routing_of(cfg), choice_bias=lp.router_choice_b,
+                  expert_scale=lp.expert_scale)
+        if lp.expert_in_norm is None:
+            e = moe_mlp(h, lp.router, lp.we_gate, lp.we_up, lp.we_down, **kw)  # [T, D]
+            m = e if m is None else m + e
+        else:  # Gemma 4: beside the dense MLP, routed on the residual, each side normed
+            r = rms_norm(x, None, eps) * (lp.router_scale.astype(jnp.float32)
+                                          * cfg.hidden_size ** -0.5).astype(x.dtype)
+            e = moe_mlp(rms_norm(x, lp.expert_in_norm, eps), lp.router, lp.we_gate, lp.we_up,
+                        lp.we_down, route_input=r, **kw)
+            m = rms_norm(m, lp.mlp_out_norm, eps) + rms_norm(e, lp.expert_out_norm, eps)
     if lp.post_mlp_norm is not None:
         m = rms_norm(m, lp.post_mlp_norm, eps)
-    return x + m
+    x = x + m
+    if lp.ple_gate is not None:  # Gemma 4's per-layer input
+        g = act(einsum("td,dp->tp", x, lp.ple_gate)) * ple.astype(x.dtype)  # [T, P]
+        x = x + rms_norm(einsum("tp,pd->td", g, lp.ple_proj), lp.ple_norm, eps)
+    if lp.scalar is not None:
+        x = x * lp.scalar.astype(x.dtype)
+    return x
 
 
 def _expert_glu(cfg: ModelConfig, glu):
@@ -255,25 +299,43 @@ def forward_hidden(params: Params, tokens: jax.Array, cache: KVCache, md: Attent
                    cfg: ModelConfig, backend: str = "xla", lora_ids: jax.Array | None = None
                    ) -> tuple[jax.Array, KVCache]:
     """The transformer body: final-normed hidden states [N, D] of the md.logits_indices rows."""
-    x, mask = embed_tokens(params, tokens, cfg, lora_ids)  # [T, D]
+    x, mask, ple = embed_tokens(params, tokens, cfg, lora_ids)  # [T, D]
     ks, vs = list(cache.k), list(cache.v)
     for i, lp in enumerate(params.layers):
-        x, ks[i], vs[i] = layer(lp, x, ks[i], vs[i], md, cfg, i, backend,
-                                None if mask is None else params.lora[i], mask)
+        j = cfg.layer_kv_source(i)
+        x, ks[j], vs[j] = layer(lp, x, ks[j], vs[j], md, cfg, i, backend,
+                                None if mask is None else params.lora[i], mask,
+                                None if ple is None else ple[:, i])
     return final_rows(params, x, md.logits_indices, cfg), KVCache(k=tuple(ks), v=tuple(vs))
 
 
 def embed_tokens(params: Params, tokens: jax.Array, cfg: ModelConfig,
-                 lora_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
+                 lora_ids: jax.Array | None = None):
     """tokens [T] -> (x [T, D] scaled embeddings, the rows' one-hot adapter mask [T, L] or None
-    when the params carry no adapters or lora_ids is None)."""
+    when the params carry no adapters or lora_ids is None, Gemma 4's per-layer inputs
+    [T, L, P] or None)."""
     x = take_rows(params.embed, tokens)  # [T, D]
     if cfg.embed_scale != 1.0:
         x = x * jnp.asarray(cfg.embed_scale, dtype=x.dtype)
     mask = None
     if params.lora is not None and lora_ids is not None:
         mask = lora_ops.slot_mask(lora_ids, params.lora[0].a["q"].shape[0], x.dtype)  # [T, L]
-    return x, mask
+    return x, mask, _per_layer_inputs(params, tokens, x, cfg)
+
+
+def _per_layer_inputs(params: Params, tokens: jax.Array, x: jax.Array, cfg: ModelConfig):
+    """Gemma 4: ([T] tokens' rows of the per-layer table x sqrt(P) + the RMS-normed projection
+    of x / sqrt(D)) / sqrt(2), as [T, L, P]; None without."""
+    p = cfg.per_layer_input_size
+    if not p:
+        return None
+    t, n = tokens.shape[0], cfg.num_layers
+    own = take_rows(params.embed_per_layer, tokens).reshape(t, n, p) * jnp.asarray(
+        p ** 0.5, x.dtype)
+    proj = einsum("td,dq->tq", x, params.ple_model_proj) * jnp.asarray(
+        cfg.hidden_size ** -0.5, x.dtype)
+    proj = rms_norm(proj.reshape(t, n, p), params.ple_proj_norm, cfg.rms_norm_eps)
+    return (proj + own) * jnp.asarray(2 ** -0.5, x.dtype)
 
 
 def final_rows(params: Params, x: jax.Array, rows: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -309,11 +371,8 @@ def compute_logits(params: Params, h: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> Params:
     """Random parameters (tests, benchmarks). Norm weights near 1."""
-    d, hq, hkv, dh, f, v = (
-        cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-        cfg.intermediate_size, cfg.vocab_size,
-    )
-    keys = iter(jax.random.split(key, 40 * cfg.num_layers + 4))
+    d, hq, v = cfg.hidden_size, cfg.num_heads, cfg.vocab_size
+    keys = iter(jax.random.split(key, 48 * cfg.num_layers + 8))
 
     def w(*shape):
         return (scale * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
@@ -324,20 +383,28 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: floa
     layers = []
     ne, fe, fs = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_size
     for i in range(cfg.num_layers):
+        f, dh, hkv = cfg.layer_intermediate(i), cfg.layer_head_dim(i), cfg.layer_kv_heads(i)
+        own = cfg.layer_kv_source(i) == i
         mlp = dict(w_gate=w(d, f), w_up=w(d, f), w_down=w(f, d))
         if cfg.layer_has_experts(i):
-            mlp = dict(router=w(d, ne), we_gate=w(ne, d, fe), we_up=w(ne, d, fe),
-                       we_down=w(ne, fe, d))
+            experts = dict(router=w(d, ne), we_gate=w(ne, d, fe), we_up=w(ne, d, fe),
+                           we_down=w(ne, fe, d))
+            mlp = mlp | experts if cfg.moe_block else experts
             if cfg.router_bias:
                 mlp |= dict(router_b=w(ne))
             if cfg.router_scoring == "sigmoid":
                 mlp |= dict(router_choice_b=w(ne))
             if cfg.expert_bias:
                 mlp |= dict(we_gate_b=w(ne, fe), we_up_b=w(ne, fe), we_down_b=w(ne, d))
+            if cfg.moe_block:
+                mlp |= dict(mlp_out_norm=norm(d), expert_in_norm=norm(d),
+                            expert_out_norm=norm(d), router_scale=norm(d), expert_scale=norm(ne))
             if fs:
                 mlp |= dict(w_gate=w(d, fs), w_up=w(d, fs), w_down=w(fs, d),
                             shared_gate=w(d) if cfg.shared_expert_gate else None)
-        attn = dict(wq=w(d, hq, dh), wk=w(d, hkv, dh), wv=w(d, hkv, dh), wo=w(hq, dh, d))
+        attn = dict(wq=w(d, hq, dh), wk=w(d, hkv, dh) if own else None,
+                    wv=w(d, hkv, dh) if own and not cfg.layer_k_eq_v(i) else None,
+                    wo=w(hq, dh, d))
         if cfg.latent_attention:
             c, cq, nr = cfg.kv_lora_rank, cfg.q_lora_rank, cfg.qk_nope_head_dim + cfg.rope_dim
             attn = dict(wq=None if cq else w(d, hq, nr), wk=None, wv=None,
@@ -346,6 +413,9 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: floa
                         w_uv=w(hq, c, cfg.v_head_dim))
             if cq:
                 attn |= dict(wq_a=w(d, cq), q_a_norm=norm(cq), wq_b=w(cq, hq, nr))
+        p = cfg.per_layer_input_size
+        if p:
+            attn |= dict(ple_gate=w(d, p), ple_proj=w(p, d), ple_norm=norm(d))
         layers.append(
             LayerParams(
                 attn_norm=norm(d), **attn, mlp_norm=norm(d), **mlp,
@@ -353,16 +423,21 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: floa
                 bk=w(hkv, dh) if cfg.qkv_bias else None,
                 bv=w(hkv, dh) if cfg.qkv_bias else None,
                 q_norm=norm(dh) if cfg.qk_norm else None,
-                k_norm=norm(dh) if cfg.qk_norm else None,
+                k_norm=norm(dh) if cfg.qk_norm and own else None,
                 post_attn_norm=norm(d) if cfg.sandwich_norms else None,
                 post_mlp_norm=norm(d) if cfg.sandwich_norms else None,
                 sinks=w(hq) if cfg.attn_sinks else None,
                 bo=w(d) if cfg.attn_out_bias else None,
+                scalar=norm(1) if cfg.layer_scalar else None,
             )
         )
+    p, n = cfg.per_layer_input_size, cfg.num_layers
+    extra = {} if not p else dict(embed_per_layer=w(cfg.per_layer_vocab, n * p),
+                                  ple_model_proj=w(d, n * p), ple_proj_norm=norm(p))
     return Params(
         embed=w(v, d),
         layers=tuple(layers),
         final_norm=norm(d),
         lm_head=None if cfg.tie_word_embeddings else w(v, d),
+        **extra,
     )

@@ -48,9 +48,10 @@ def routing_of(cfg: ModelConfig) -> Routing:
 
 
 def route(h: jax.Array, router: jax.Array, k: int, norm_topk: bool, bias=None,
-          routing: Routing = Routing(), choice_bias=None):
+          routing: Routing = Routing(), choice_bias=None, expert_scale=None):
     """h [T, D], router [D, E], bias [E] | None (added to the logits), choice_bias [E] | None
-    (added to the scores for the choice only) -> (weights [T, k] f32, experts [T, k] int32).
+    (added to the scores for the choice only), expert_scale [E] | None (multiplies the chosen
+    experts' final weights, Gemma 4) -> (weights [T, k] f32, experts [T, k] int32).
     Softmax, top k, renormalised equals gpt-oss's softmax over the top k logits."""
     logits = jnp.einsum("td,de->te", h.astype(jnp.float32), router.astype(jnp.float32))
     if bias is not None:
@@ -74,12 +75,14 @@ def route(h: jax.Array, router: jax.Array, k: int, norm_topk: bool, bias=None,
                                                          else 0.0))
     if routing.scale != 1.0:
         w = w * routing.scale
+    if expert_scale is not None:
+        w = w * expert_scale.astype(jnp.float32)[e]
     return w, e.astype(jnp.int32)
 
 
 def moe_mlp(h: jax.Array, router, we_gate, we_up, we_down, *, k: int, norm_topk: bool,
             glu, router_bias=None, biases=None, routing: Routing = Routing(),
-            choice_bias=None) -> jax.Array:
+            choice_bias=None, expert_scale=None, route_input=None) -> jax.Array:
     """h [T, D]; we_gate / we_up [E, D, F], we_down [E, F, D] (arrays or QuantizedArrays) ->
     [T, D]. TPU/GPU: at most E pairs (a decode step) gather their experts' weights
     (`_gathered`), more are grouped by expert through ragged_dot (`_grouped`). CPU: blocks
@@ -87,8 +90,10 @@ def moe_mlp(h: jax.Array, router, we_gate, we_up, we_down, *, k: int, norm_topk:
     over every expert, and widening gathered weights cost more than the blocks (tools/bench_moe).
     All read only the chosen experts. Traced on a mesh whose "model" axis
     divides E (the engine's tensor-parallel steps), each device runs its own E / tp experts on
-    the (replicated) tokens and the partial outputs are summed: `_expert_parallel`."""
-    w, e = route(h, router, k, norm_topk, router_bias, routing, choice_bias)
+    the (replicated) tokens and the partial outputs are summed: `_expert_parallel`.
+    route_input [T, D]: what the router reads when it is not h (Gemma 4)."""
+    w, e = route(h if route_input is None else route_input, router, k, norm_topk, router_bias,
+                 routing, choice_bias, expert_scale)
     args = (h, w, e, we_gate, we_up, we_down, biases)
     mesh = jax.sharding.get_abstract_mesh()
     tp = 1 if mesh.empty or "model" not in mesh.axis_names else mesh.shape["model"]

@@ -398,11 +398,13 @@ class StepPrograms:
         self.layerwise.add(signature(((arrays, prev), max_q_len)))
         self.layerwise_steps += 1
         md = jax.device_put({k: arrays[k] for k in METADATA_FIELDS})
-        x, mask = self._embed(params, arrays, prev)
+        x, mask, ple = self._embed(params, arrays, prev)
         ks, vs = list(cache.k), list(cache.v)
         for i, lp in enumerate(params.layers):
             adapter = None if mask is None else params.lora[i]
-            x, ks[i], vs[i] = self._layer(lp, x, ks[i], vs[i], md, adapter, mask,
+            j = self.cfg.layer_kv_source(i)
+            x, ks[j], vs[j] = self._layer(lp, x, ks[j], vs[j], md, adapter, mask,
+                                          None if ple is None else ple[:, i],
                                           i=self._kinds[i], max_q_len=max_q_len)
         return self._last(params, x, md), KVCache(k=tuple(ks), v=tuple(vs))
 
@@ -431,7 +433,7 @@ class StepPrograms:
         futures = []
         for params, cache, arrays, prev, q, procs in plans:
             futures.append(self.body.queue((params, cache, arrays), dict(prev=prev, max_q_len=q)))
-            x, _ = jax.eval_shape(self._embed, params, arrays, prev)  # h has x's dtype
+            x, _, _ = jax.eval_shape(self._embed, params, arrays, prev)  # h has x's dtype
             h = jax.ShapeDtypeStruct((arrays["logits_indices"].shape[0], x.shape[1]), x.dtype)
             futures.append(self.head.queue(*self._head_args(params, h, arrays, procs, 0, False)))
         return futures

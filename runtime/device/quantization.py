@@ -17,6 +17,11 @@ Per-group scales (`group_size` > 0): one scale, and optionally one offset, per `
 consecutive weights along `group_axis` (a contracted axis): w = values * scales + offsets.
   fmt "gguf"  the blocks of a GGUF file kept as they are (checkpoints/gguf_blocks.py), values
               int8, one per weight; the 4-bit types (Q4_0, Q4_1, Q4_K) packed as below.
+  fmt "mxfp4" an MXFP4 checkpoint's tensors (gpt-oss's experts, checkpoints/mxfp4.py): values
+              int8 = 2 * e2m1 in [-12, 12], one per weight, f32 scales 2**(e - 128) per group
+              of 32, no offsets; exact (values * scales = the decoded weight). 1.125 bytes a
+              weight: 0.56x bf16 (the checkpoint's nibbles + E8M0 bytes are 0.53 bytes; the
+              values do not fit signed nibbles).
   fmt "int4"  4-bit values, two per byte (values uint8 means packed, whatever the fmt):
               uint8 [.., n/2 on group_axis, ..], element 2i in the low nibble, 2i+1 in the high. Signed (-8..7) without offsets (symmetric),
               unsigned (0..15) with them (asymmetric: offset = the group's minimum, or -zero *
@@ -63,7 +68,8 @@ class QuantizedArray:
     # with group_axis divided by group_size
     scales: jax.Array
     offsets: jax.Array | None = None  # like scales (per group only): w = values*scales + offsets
-    fmt: str = struct.field(pytree_node=False, default="int8")  # "int8" | "fp8" | "gguf" | "int4"
+    # "int8" | "fp8" | "gguf" | "int4" | "mxfp4"
+    fmt: str = struct.field(pytree_node=False, default="int8")
     mode: str = struct.field(pytree_node=False, default="weight_only")  # "w8a8" | "weight_only"
     reduce_axes: tuple[int, ...] = struct.field(pytree_node=False, default=(0,))
     group_size: int | None = struct.field(pytree_node=False, default=None)
@@ -394,9 +400,10 @@ def check_mode(fmt: str, mode: str, platform: str | None = None) -> None:
             "this runtime implements W8A8 for int8 only and there is no native fp8 dot on CPU; "
             "use quant_mode='weight_only' for fp8, or quantization='int8'"
         )
-    if fmt == "gguf" and mode != "weight_only":
+    if fmt in ("gguf", "mxfp4") and mode != "weight_only":
+        kept = "GGUF blocks" if fmt == "gguf" else "MXFP4 weights"
         raise QuantizationError(
-            f"GGUF blocks kept quantized run weight-only (per-group scales); got mode {mode!r}: "
+            f"{kept} kept quantized run weight-only (per-group scales); got mode {mode!r}: "
             "use quant_mode='weight_only', or quantization='int8' to re-quantize per channel")
     if fmt == "int4" and mode != "weight_only":
         raise QuantizationError(

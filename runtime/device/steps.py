@@ -163,18 +163,19 @@ METADATA_FIELDS = ("positions", "slot_mapping", "cu_q_lens", "kv_lens", "page_in
 
 
 def embed_rows(params: Params, arrays: dict[str, jax.Array], prev: jax.Array | None, *,
-               cfg: ModelConfig) -> tuple[jax.Array, jax.Array | None]:
-    """body's first part: (x [T, D], the adapter mask [T, L] or None)."""
+               cfg: ModelConfig):
+    """body's first part: (x [T, D], the adapter mask [T, L] or None, the per-layer inputs
+    [T, L, P] or None)."""
     return embed_tokens(params, fed_tokens(arrays, prev), cfg, arrays["lora_ids"])
 
 
 def layer_rows(lp: LayerParams, x: jax.Array, k_pages, v_pages, md: dict[str, jax.Array],
-               adapter, mask: jax.Array | None, *, cfg: ModelConfig, i: int, backend: str,
-               max_q_len: int):
+               adapter, mask: jax.Array | None, ple: jax.Array | None, *, cfg: ModelConfig,
+               i: int, backend: str, max_q_len: int):
     """body's layer i (static; model.layer_kind(cfg, i) shares one program among the layers
     that behave alike): -> (x, k_pages, v_pages)."""
     return layer(lp, x, k_pages, v_pages, _metadata(md, max_q_len), cfg, i, backend, adapter,
-                 mask)
+                 mask, ple)
 
 
 def last_rows(params: Params, x: jax.Array, md: dict[str, jax.Array], *, cfg: ModelConfig

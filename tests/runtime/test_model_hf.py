@@ -45,6 +45,12 @@ def test_greedy_32_tokens_identical_to_hf_generate(family_model):
 
 def test_config_fields_from_hf(family_model):
     name, hf, cfg, _ = family_model
+    if name.startswith("gemma4"):  # the global layers' own dims, KV shared by the last two
+        assert (cfg.layer_head_dim(1), cfg.layer_kv_heads(1)) == (64, 1)
+        assert (cfg.layer_head_dim(0), cfg.layer_kv_heads(0)) == (32, 2)
+        assert [cfg.layer_kv_source(i) for i in range(4)] == [0, 1, 0, 1]
+        assert cfg.num_experts == (8 if name == "gemma4_moe" else 0)
+        return
     latent = name == "deepseek_v3"  # one cached head: the latent + rope dims
     assert cfg.num_kv_heads == (1 if latent else hf.config.num_key_value_heads)
     assert cfg.tie_word_embeddings == bool(hf.config.tie_word_embeddings)
