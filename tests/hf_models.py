@@ -100,7 +100,9 @@ FAMILIES = {
 
 
 def make_hf_model(family: str, out: Path, *, seed: int = 0, hidden=128, layers=2, vocab=512,
-                  dtype=torch.float32):
+                  dtype=torch.float32, **overrides):
+    """A random-init HF model of `family` saved in `out`; `overrides`: config fields over the
+    family's."""
     import transformers
 
     spec = FAMILIES[family]
@@ -108,7 +110,7 @@ def make_hf_model(family: str, out: Path, *, seed: int = 0, hidden=128, layers=2
     cfg = getattr(transformers, spec["cfg"])(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
         num_hidden_layers=spec.get("layers", layers), max_position_embeddings=512,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, **spec["kw"],
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, **(spec["kw"] | overrides),
     )
     model = getattr(transformers, spec["cls"])(cfg).eval()
     # random-init norms/biases/scales are 1/0: perturb them so a mapping error cannot hide

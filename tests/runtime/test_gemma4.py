@@ -1,0 +1,128 @@
+"""Gemma 4 (text) through the engine against HF transformers' Gemma4ForCausalLM (random init,
+every mechanism on: global layers with their own head_dim and KV heads, V from K, proportional
+RoPE, the last two layers reading earlier layers' KV, per-layer inputs, double-wide MLPs, a soft
+cap; and the MoE block). Logits over a prefill and 16 cached decode steps:
+tests/runtime/test_model_hf.py (the "gemma4" and "gemma4_moe" families)."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.checkpoints.hf import load_hf
+from jaxinfer.runtime.config import ConfigError
+from tests.hf_models import make_hf_model
+from tests.model_utils import run_sequence
+from tests.runtime.test_gpt_oss import PROMPTS, SECOND, _hf_greedy
+from tests.runtime.test_tensor_parallel import on_8_devices
+
+
+def _gemma4_dir(tiny_dir, out, family="gemma4"):
+    hf = make_hf_model(family, out, hidden=64, vocab=2000, vocab_size_per_layer_input=2000)
+    for name in ("tokenizer.model", "tokenizer_config.json"):
+        shutil.copy(tiny_dir / name, out / name)
+    return out, hf
+
+
+@pytest.fixture(scope="module", params=["gemma4", "gemma4_moe"])
+def gemma4(request, tiny_dir, tmp_path_factory):
+    return _gemma4_dir(tiny_dir, tmp_path_factory.mktemp(request.param), request.param)
+
+
+def test_served_greedy_equals_hf_with_two_slots_chunks_and_prefix_hits(gemma4):
+    from jaxinfer import LLM, SamplingParams
+
+    d, hf = gemma4
+    llm = LLM(str(d), max_slots=2, page_size=8, max_model_len=160, prefill_chunk=16)
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    outs = llm.generate(PROMPTS, greedy)
+    again = llm.generate(SECOND, greedy)
+    assert max(len(o.prompt_token_ids) for o in outs) > 16  # chunked
+    assert all(o.usage["cached_tokens"] >= 16 for o in again)  # prefix hits
+    for o in outs + again:
+        assert o.token_ids == _hf_greedy(hf, o.prompt_token_ids, 16), o.prompt
+    # the cache: the two reading layers store nothing; global layers 1 head of 64
+    cache = llm.engine.cache
+    assert [k is None for k in cache.k] == [False, False, True, True]
+    assert cache.k[0].shape[::3] == (2, 32) and cache.k[1].shape[::3] == (1, 64)
+    assert cache.bytes_per_token == 2 * (2 * 32 + 1 * 64) * 4
+
+
+def test_each_mechanism_moves_the_logits(tiny_dir, tmp_path):
+    """The HF comparison could fail: the per-layer inputs, the layer scalars, proportional RoPE
+    (every dim rotated instead) and the V norm each move the logits well past 1e-4."""
+    d, _ = _gemma4_dir(tiny_dir, tmp_path)
+    cfg, params = load_hf(d)
+    prompt = list(range(3, 40))
+    want, _, _ = run_sequence(params, cfg, prompt, page_size=8, decode_steps=0)
+    lay = lambda **kw: params.replace(layers=tuple(  # noqa: E731
+        lp.replace(**{k: f(getattr(lp, k)) for k, f in kw.items()}) for lp in params.layers))
+    variants = {
+        "per-layer inputs": (cfg, lay(ple_proj=jnp.zeros_like)),
+        "layer scalar": (cfg, lay(scalar=jnp.ones_like)),
+        "proportional rope": (dataclasses.replace(cfg, rope_scaling=None), params),
+        "v norm": (dataclasses.replace(cfg, v_norm=False), params),
+    }
+    for name, (c, p) in variants.items():
+        got, _, _ = run_sequence(p, c, prompt, page_size=8, decode_steps=0)
+        assert np.abs(got - want).max() > 1e-3, name
+
+
+def test_pallas_interpret_attention_equals_xla(tmp_path):
+    """Per-layer head dims (32 / 64) and shared KV through the Pallas kernel path."""
+    # head dims 64 / 128: the TPU kernel takes multiples of 64
+    make_hf_model("gemma4", tmp_path, hidden=64, vocab=2000, vocab_size_per_layer_input=2000,
+                  head_dim=64, global_head_dim=128)
+    cfg, params = load_hf(tmp_path)
+    prompt = list(range(3, 30))
+    want, _, dec_want = run_sequence(params, cfg, prompt, page_size=8, decode_steps=3)
+    got, _, dec_got = run_sequence(params, cfg, prompt, page_size=8, decode_steps=3,
+                                   backend="pallas_interpret")
+    np.testing.assert_allclose(got, want, atol=2e-5)
+    np.testing.assert_allclose(dec_got, dec_want, atol=2e-5)
+
+
+@pytest.mark.parametrize("bad,word", [
+    ({"per_layer_config": {"0": {"head_dim": 64}}}, "global"),
+    ({"per_layer_config": {"1": {"head_dim": 64}, "3": {"head_dim": 128}}}, "same"),
+    ({"num_kv_shared_layers": 4}, "kv_shared_layers"),
+    ({"num_kv_shared_layers": 3}, "kv_shared_layers"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 2.0}}}, "rope_type"),
+    ({"enable_moe_block": True}, "config.json"),  # no num_experts
+    ({"attention_k_eq_v": "yes"}, "attention_k_eq_v"),
+    ({"use_bidirectional_attention": "all"}, "bidirectional"),
+])
+def test_bad_config_fields_are_config_errors(bad, word):
+    from jaxinfer.checkpoints.hf_config import from_hf_config
+
+    base = dict(model_type="gemma4_text", vocab_size=100, hidden_size=32, intermediate_size=64,
+                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                layer_types=["sliding_attention", "full_attention"] * 2,
+                per_layer_config={"1": {"head_dim": 16, "num_key_value_heads": 1},
+                                  "3": {"head_dim": 16, "num_key_value_heads": 1}},
+                num_kv_shared_layers=2)
+    cfg = from_hf_config(base)
+    assert (cfg.global_head_dim, cfg.global_kv_heads, cfg.kv_shared_layers) == (16, 1, 2)
+    with pytest.raises(ConfigError, match=word):
+        from_hf_config({**base, **bad})
+
+
+@on_8_devices
+def test_tp_2_and_4_give_one_devices_greedy_tokens(tiny_dir, tmp_path):
+    """Heads split by tp (the global layers' one KV head replicated), shared KV read on every
+    device, the MoE block's experts split by expert."""
+    from jaxinfer import LLM, SamplingParams
+
+    (tmp_path / "g4").mkdir()
+    d, _ = _gemma4_dir(tiny_dir, tmp_path / "g4", "gemma4_moe")
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    outs = {}
+    for tp in (1, 2, 4):
+        llm = LLM(str(d), tensor_parallel=tp, max_slots=2, page_size=8, max_model_len=96,
+                  prefill_chunk=16)
+        outs[tp] = [o.token_ids for o in llm.generate(PROMPTS, greedy)]
+    assert outs[2] == outs[1] and outs[4] == outs[1]
