@@ -2,19 +2,20 @@
 
 Supported architectures (`general.architecture`): "gemma3", "llama" (also Mistral, and Mixtral's
 mixture of experts, converted by llama.cpp), "qwen2", "qwen3" (per-head q/k norms), "qwen3moe"
-(Qwen3's attention, a mixture of experts in every layer) and "qwen2moe" (Qwen1.5/Qwen2-MoE:
-Qwen2's attention, routed experts plus a gated shared expert in every layer). Quantized tensors
-(Q4_K, Q5_0, Q6_K, Q8_0, ... — whatever `gguf.quants.dequantize` implements) and F32 / F16 / BF16
-are dequantized one tensor at a time to the runtime dtype, so peak host memory stays near one copy
-of the weights in that dtype plus one f32 tensor.
+(Qwen3's attention, a mixture of experts in every layer), "qwen2moe" (Qwen1.5/Qwen2-MoE:
+Qwen2's attention, routed experts plus a gated shared expert in every layer) and "gpt-oss"
+(OpenAI's gpt-oss, llama.cpp's LLM_ARCH_OPENAI_MOE: see `_gpt_oss` for the facts it relies on).
+Quantized tensors (Q4_K, Q5_0, Q6_K, Q8_0, MXFP4, ... — whatever `gguf.quants.dequantize`
+implements) and F32 / F16 / BF16 are dequantized one tensor at a time to the runtime dtype, so peak
+host memory stays near one copy of the weights in that dtype plus one f32 tensor.
 
 Facts about GGUF this loader relies on (checked numerically against HF transformers in the tests):
 - Tensor shapes are stored in ggml `ne` order (fastest axis first); the numpy array of a tensor
   is shaped `reversed(ne)`, i.e. `[out, in]` for a linear weight — the same as PyTorch/HF.
 - llama.cpp permutes the rows of q/k projections of the "llama" architecture so that its
   interleaved (GPT-J style) rope acts on pairs (2i, 2i+1). Our forward uses the rotate-half
-  layout (pairs i, i + Dh/2), so those rows are un-permuted here. "gemma3" and "qwen2/3" use
-  NEOX-style rope in llama.cpp and are stored unpermuted.
+  layout (pairs i, i + Dh/2), so those rows are un-permuted here. "gemma3", "qwen2/3" and
+  "gpt-oss" use NEOX-style rope in llama.cpp and are stored unpermuted.
 - A mixture-of-experts layer has a router `ffn_gate_inp` (numpy [E, D]) and each projection's
   experts stacked in one tensor: `ffn_gate_exps` / `ffn_up_exps` numpy [E, F, D], `ffn_down_exps`
   numpy [E, D, F] (HF's per-expert [out, in] weights, stacked by expert).
@@ -56,7 +57,7 @@ except ImportError:  # pragma: no cover - gguf is a declared dependency
 if TYPE_CHECKING:
     from jaxinfer.checkpoints.gguf_header import GGUFFile
 
-ARCHITECTURES = ("gemma3", "llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe")
+ARCHITECTURES = ("gemma3", "gpt-oss", "llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe")
 
 
 def _require_gguf() -> None:
@@ -89,6 +90,9 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
 # ----------------------------------------------------------------------------- metadata
 
 
+_MISSING = object()
+
+
 class _Meta:
     def __init__(self, reader, source: str):
         self.reader, self.source = reader, source
@@ -104,6 +108,50 @@ class _Meta:
         if v is None:
             raise CheckpointError(f"{self.source}: GGUF metadata key {key!r} is missing")
         return v
+
+    # Typed reads: a missing key without a default, or a value of another type, is an error
+    # naming the file and the key (GGUF stores integers as (u)int8..64, reals as f32 / f64).
+
+    def integer(self, key: str, default=_MISSING, *, least: int | None = None) -> int:
+        v = self._typed(key, default, (int,), "an integer")
+        if least is not None and v is not None and v < least:
+            raise CheckpointError(f"{self.source}: GGUF metadata key {key!r} is {v}, must be "
+                                  f">= {least}")
+        return v
+
+    def number(self, key: str, default=_MISSING) -> float:
+        v = self._typed(key, default, (int, float), "a number")
+        if v is not None and not math.isfinite(v):
+            raise CheckpointError(f"{self.source}: GGUF metadata key {key!r} is {v}, must be "
+                                  f"finite")
+        return v if v is None else _f32_decimal(float(v))
+
+    def string(self, key: str, default=_MISSING) -> str:
+        return self._typed(key, default, (str,), "a string")
+
+    def _typed(self, key: str, default, types: tuple, what: str):
+        v = self.get(key)
+        if v is None:
+            if default is _MISSING:
+                raise CheckpointError(f"{self.source}: GGUF metadata key {key!r} is missing")
+            return default
+        if isinstance(v, bool) or not isinstance(v, types):
+            raise CheckpointError(f"{self.source}: GGUF metadata key {key!r} must be {what}, "
+                                  f"got {type(v).__name__} {_short(v)}")
+        return v
+
+
+def _f32_decimal(v: float) -> float:
+    """A real the converter wrote as f32 (1e-5 reads back as 9.99999974737875e-06): the shortest
+    decimal that is the same f32 (1e-05), i.e. the value the converter was given. Equal in f32
+    (the forward's precision) either way; a value f32 cannot hold exactly is left as it is."""
+    v32 = np.float32(v)
+    return float(str(v32)) if float(v32) == v else v  # numpy prints the shortest
+
+
+def _short(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
 
 
 def architecture(reader, source: str) -> str:
@@ -132,53 +180,52 @@ def gguf_config(reader, source: str) -> ModelConfig:
     if "token_embd.weight" not in tensors:
         raise CheckpointError(f"{source}: GGUF has no 'token_embd.weight' tensor")
     embd_ne = [int(x) for x in tensors["token_embd.weight"].shape]  # [D, V]
-    hidden = int(m.need(a + "embedding_length"))
-    n_layers = int(m.need(a + "block_count"))
-    n_heads = int(m.need(a + "attention.head_count"))
-    n_kv = m.get(a + "attention.head_count_kv", n_heads)
-    if isinstance(n_kv, list):  # per-layer lists (some archs): require them uniform
-        if len(set(n_kv)) != 1:
-            raise CheckpointError(f"{source}: per-layer head_count_kv {n_kv} is not supported")
-        n_kv = n_kv[0]
-    ffn = m.need(a + "feed_forward_length")
-    if isinstance(ffn, list):
-        if len(set(ffn)) != 1:
-            raise CheckpointError(f"{source}: per-layer feed_forward_length is not supported")
-        ffn = ffn[0]
-    head_dim = int(m.get(a + "attention.key_length") or hidden // n_heads)
-    v_len = m.get(a + "attention.value_length")
-    if v_len is not None and int(v_len) != head_dim:
+    if len(embd_ne) != 2:
+        raise CheckpointError(f"{source}: tensor 'token_embd.weight' has ne {embd_ne}, expected "
+                              f"[embedding_length, vocab]")
+    hidden = m.integer(a + "embedding_length", least=1)
+    n_layers = m.integer(a + "block_count", least=1)
+    n_heads = m.integer(a + "attention.head_count", least=1)
+    n_kv = _uniform(m, a + "attention.head_count_kv", n_heads)
+    # gpt-oss: llama.cpp reads only expert_feed_forward_length (its converter writes both)
+    ffn = _uniform(m, a + "feed_forward_length", None if arch == "gpt-oss" else _MISSING)
+    head_dim = m.integer(a + "attention.key_length", 0) or hidden // n_heads
+    v_len = m.integer(a + "attention.value_length", None)
+    if v_len is not None and v_len != head_dim:
         raise CheckpointError(
             f"{source}: key_length {head_dim} != value_length {v_len} is not supported"
         )
-    rope_dims = m.get(a + "rope.dimension_count")
-    if rope_dims is not None and int(rope_dims) != head_dim:
+    rope_dims = m.integer(a + "rope.dimension_count", None)
+    if rope_dims is not None and rope_dims != head_dim:
         raise CheckpointError(
             f"{source}: partial rope (rope.dimension_count {rope_dims} < head_dim {head_dim}) "
             "is not supported"
         )
-    bos = m.get("tokenizer.ggml.bos_token_id")
+    bos = m.integer("tokenizer.ggml.bos_token_id", None)
     eos = []
     for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):
-        v = m.get(key)
-        if v is not None and int(v) not in eos:
-            eos.append(int(v))
+        v = m.integer(key, None)
+        if v is not None and v not in eos:
+            eos.append(v)
     common = dict(
         architecture=f"gguf:{arch}",
         vocab_size=embd_ne[1],
         hidden_size=hidden,
-        intermediate_size=int(ffn),
+        intermediate_size=ffn or 0,
         num_layers=n_layers,
         num_heads=n_heads,
-        num_kv_heads=int(n_kv),
+        num_kv_heads=n_kv,
         head_dim=head_dim,
-        rms_norm_eps=float(m.get(a + "attention.layer_norm_rms_epsilon", 1e-6)),
-        max_position_embeddings=int(m.get(a + "context_length", 4096)),
+        rms_norm_eps=m.number(a + "attention.layer_norm_rms_epsilon", 1e-6),
+        max_position_embeddings=m.integer(a + "context_length", 4096, least=1),
         tie_word_embeddings="output.weight" not in tensors,
-        bos_token_id=None if bos is None else int(bos),
+        bos_token_id=bos,
     )
-    rope_scaling = _rope_scaling(m, a, reader, head_dim, float(m.get(a + "rope.freq_base", 1e4)))
     try:
+        if arch == "gpt-oss":
+            return _gpt_oss(m, tensors, common, tuple(eos))
+        rope_scaling = _rope_scaling(m, a, reader, head_dim,
+                                     float(m.get(a + "rope.freq_base", 1e4)))
         if arch == "gemma3":
             # Gemma 3 chat turns end with <end_of_turn>; HF's generation config stops on it too.
             for i in (106,):
@@ -221,10 +268,124 @@ def gguf_config(reader, source: str) -> ModelConfig:
             activation="silu",
             sliding_window=window,
             layer_types=("local",) * n_layers if window else (),
-            **_experts(m, arch, tensors, hidden, int(ffn), n_layers),
+            **_experts(m, arch, tensors, hidden, ffn, n_layers),
         )
     except ConfigError as e:
         raise CheckpointError(f"{source}: {e}") from None
+
+
+def _uniform(m: _Meta, key: str, default=_MISSING) -> int | None:
+    """An integer key that some archs write per layer (a list): the lists must be uniform."""
+    v = m.get(key)
+    if isinstance(v, list):
+        if not v or len(set(v)) != 1:
+            raise CheckpointError(f"{m.source}: per-layer {key} {_short(v)} is not supported")
+        if isinstance(v[0], bool) or not isinstance(v[0], int) or v[0] < 1:
+            raise CheckpointError(f"{m.source}: GGUF metadata key {key!r} must hold positive "
+                                  f"integers, got {_short(v)}")
+        return v[0]
+    return m.integer(key, default, least=1)
+
+
+# gpt-oss (llama.cpp's LLM_ARCH_OPENAI_MOE, src/models/openai-moe.cpp): llama.cpp hard-codes
+# the clamped GLU's constants (build_moe_ffn, LLM_FFN_SWIGLU_OAI_MOE); HF's gpt-oss configs
+# carry the same values (swiglu_limit 7.0; alpha 1.702 in GptOssExperts).
+GPT_OSS_SWIGLU_LIMIT = 7.0
+GPT_OSS_SWIGLU_ALPHA = 1.702
+
+
+def _gpt_oss(m: _Meta, tensors: dict, common: dict, eos: tuple[int, ...]) -> ModelConfig:
+    """ModelConfig of a "gpt-oss" GGUF, as llama.cpp reads and runs one:
+    - keys: attention.layer_norm_rms_epsilon, expert_feed_forward_length and
+      attention.sliding_window are required (llama.cpp's get_key without a default);
+      attention.sliding_window_pattern (default 2) makes layer i sliding iff i % p < p - 1
+      (llama_hparams::set_swa_pattern: the even layers of the default, as HF's gpt-oss
+      layer_types alternate sliding, full); rope.freq_base_swa, if present, must equal
+      rope.freq_base (llama.cpp then rotates every layer alike, as HF does);
+    - the graph (openai-moe.cpp): NEOX rope (q/k rows unpermuted), attention scale
+      1/sqrt(head_dim), q/k/v/o biases, a per-head sink logit `attn_sinks`, the MLP input norm
+      `post_attention_norm`, a biased router whose top-k logits are softmaxed
+      (LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT = softmax, top k, renormalised), biased
+      experts with the clamped GLU of constants GPT_OSS_SWIGLU_*, an untied `output`;
+    - YaRN from rope.scaling.{type, factor, original_context_length, yarn_beta_fast,
+      yarn_beta_slow, yarn_attn_factor} (convert_hf_to_gguf.py writes HF's rope parameters
+      there). The ramp's ends are not rounded (truncate false): gpt-oss's HF config says so and
+      HF runs it that way, where ggml's ggml_rope_yarn_corr_dims floors / ceils them; we follow
+      the reference model (HF), the same choice checkpoints/hf_config.py makes."""
+    a = "gpt-oss."
+    source = m.source
+    m.number(a + "attention.layer_norm_rms_epsilon")  # required by llama.cpp
+    window = m.integer(a + "attention.sliding_window", least=1)
+    pattern = m.integer(a + "attention.sliding_window_pattern", 2)
+    n_layers = common["num_layers"]
+    layer_types = tuple("local" if pattern == 0 or i % pattern < pattern - 1 else "global"
+                        for i in range(n_layers))
+    theta = m.number(a + "rope.freq_base", 10_000.0)
+    swa_theta = m.number(a + "rope.freq_base_swa", None)
+    if swa_theta is not None and swa_theta != theta:
+        raise CheckpointError(f"{source}: rope.freq_base_swa {swa_theta} != rope.freq_base "
+                              f"{theta} is not supported for gpt-oss")
+    if "rope_freqs.weight" in tensors:
+        raise CheckpointError(f"{source}: a rope_freqs.weight tensor is not supported for "
+                              f"gpt-oss (llama.cpp's gpt-oss has none)")
+    if "output.weight" not in tensors:
+        raise CheckpointError(f"{source}: gpt-oss needs an 'output.weight' tensor (its head is "
+                              f"not tied to token_embd)")
+    experts = _experts(m, "gpt-oss", tensors, common["hidden_size"], common["intermediate_size"],
+                       n_layers)
+    common = common | dict(tie_word_embeddings=False,
+                           intermediate_size=common["intermediate_size"]
+                           or experts["moe_intermediate_size"])
+    return ModelConfig(
+        family="llama",
+        **common,
+        eos_token_ids=eos,
+        rope_theta=theta,
+        rope_scaling=_yarn(m, a, common["max_position_embeddings"]),
+        qkv_bias=True,
+        qk_norm=False,
+        activation="silu",
+        sliding_window=window,
+        layer_types=layer_types,
+        **experts,
+        attn_sinks=True,
+        attn_out_bias=True,
+        router_bias=True,
+        expert_bias=True,
+        swiglu_limit=GPT_OSS_SWIGLU_LIMIT,
+        swiglu_alpha=GPT_OSS_SWIGLU_ALPHA,
+    )
+
+
+def _yarn(m: _Meta, a: str, n_ctx: int) -> RopeScaling | None:
+    """YaRN rope scaling from the rope.scaling.* keys (None when rope.scaling.type is absent or
+    "none"); keys whose effect HF's YaRN has no counterpart for must be absent or neutral."""
+    kind = m.string(a + "rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    if kind != "yarn":
+        raise CheckpointError(f"{m.source}: unsupported rope scaling type {kind!r} for "
+                              f"{a[:-1]} (yarn or none)")
+    for key, neutral in (("rope.scaling.yarn_ext_factor", 1.0),
+                         ("rope.scaling.yarn_log_multiplier", 0.0),
+                         ("rope.scaling.attn_factor", 1.0)):
+        v = m.number(a + key, neutral)
+        if v != neutral:
+            raise CheckpointError(f"{m.source}: GGUF metadata key {a + key!r} = {v} is not "
+                                  f"supported (only {neutral})")
+    factor = m.number(a + "rope.scaling.factor")
+    if not factor > 0:
+        raise CheckpointError(f"{m.source}: GGUF metadata key {a + 'rope.scaling.factor'!r} "
+                              f"is {factor}, must be > 0")
+    return RopeScaling(
+        kind="yarn", factor=factor,
+        # llama.cpp's default for a missing original context: the training context
+        original_max_position_embeddings=m.integer(a + "rope.scaling.original_context_length",
+                                                   n_ctx, least=1),
+        beta_fast=m.number(a + "rope.scaling.yarn_beta_fast", 32.0),
+        beta_slow=m.number(a + "rope.scaling.yarn_beta_slow", 1.0),
+        truncate=False,
+        attention_factor=m.number(a + "rope.scaling.yarn_attn_factor", None))
 
 
 # A mixture-of-experts layer's tensors -> their ne (ggml order) for D, expert F, E experts
@@ -233,6 +394,13 @@ _EXPERT_NE = {
     "ffn_gate_exps": lambda d, f, e: [d, f, e],
     "ffn_up_exps": lambda d, f, e: [d, f, e],
     "ffn_down_exps": lambda d, f, e: [f, d, e],
+}
+# gpt-oss's router and expert biases -> their ne for D, expert F, E experts
+_BIAS_NE = {
+    "ffn_gate_inp": lambda d, f, e: [e],
+    "ffn_gate_exps": lambda d, f, e: [f, e],
+    "ffn_up_exps": lambda d, f, e: [f, e],
+    "ffn_down_exps": lambda d, f, e: [d, e],
 }
 # A "qwen2moe" layer's shared expert -> its ne for D and the shared expert's F
 _SHARED_NE = {
@@ -250,42 +418,57 @@ def _ggml_shape(ne: list[int]) -> list[int]:
     return ne
 
 
-def _experts(m: _Meta, arch: str, tensors: dict, hidden: int, ffn: int, n_layers: int) -> dict:
+def _experts(m: _Meta, arch: str, tensors: dict, hidden: int, ffn: int | None,
+             n_layers: int) -> dict:
     """The mixture-of-experts fields (none for a dense model), checked against every layer's
-    expert tensors. "qwen2moe" / "qwen3moe": experts of `expert_feed_forward_length` (and
-    qwen2moe's shared expert of `expert_shared_feed_forward_length`; llama.cpp's converter
+    expert tensors. "qwen2moe" / "qwen3moe" / "gpt-oss": experts of `expert_feed_forward_length`
+    (and qwen2moe's shared expert of `expert_shared_feed_forward_length`; llama.cpp's converter
     writes both from HF's config); Mixtral ("llama"): of `feed_forward_length`, as llama.cpp
-    reads them. Top-k routing weights: "qwen3moe" and Mixtral renormalise them: llama.cpp's
-    qwen3moe graph always does, and its converter records no key for HF's `norm_topk_prob`
-    (Qwen3-MoE's released configs set it true; HF's default is false), so a GGUF cannot say
-    otherwise; Mixtral always renormalises. "qwen2moe" never does: llama.cpp's qwen2moe graph
+    reads them. Top-k routing weights: "qwen3moe", "gpt-oss" and Mixtral renormalise them:
+    llama.cpp's qwen3moe graph always does, and its converter records no key for HF's
+    `norm_topk_prob` (Qwen3-MoE's released configs set it true; HF's default is false), so a GGUF
+    cannot say otherwise; Mixtral always renormalises; gpt-oss softmaxes the k chosen logits
+    (the same weights). "qwen2moe" never does: llama.cpp's qwen2moe graph
     (src/models/qwen2moe.cpp) calls build_moe_ffn with norm_w false, matching HF Qwen2-MoE's
-    default norm_topk_prob false."""
+    default norm_topk_prob false. "gpt-oss" also has a bias for the router and each expert
+    projection (`<tensor>.bias`: ne [E], [F, E], [F, E], [D, E])."""
     a = f"{arch}."
-    n = int(m.get(a + "expert_count") or 0)
+    moe_arch = arch.endswith("moe") or arch == "gpt-oss"
+    n = m.integer(a + "expert_count", 0)
     if not n:
         stray = next((name for name in tensors if name.endswith("_exps.weight")), None)
-        if stray is not None or arch.endswith("moe"):
+        if stray is not None or moe_arch:
             raise CheckpointError(f"{m.source}: GGUF metadata key {a + 'expert_count'!r} is "
                                   f"missing" + (f" (expert tensor {stray!r})" if stray else ""))
         return {}
-    used = int(m.need(a + "expert_used_count"))
-    f = int(m.need(a + "expert_feed_forward_length")) if arch.endswith("moe") else ffn
-    shared = int(m.need(a + "expert_shared_feed_forward_length")) if arch == "qwen2moe" else 0
-    want = {kind: (ne(hidden, f, n), f"{a}expert_count {n}, embedding_length {hidden}, "
-                                     f"expert length {f}") for kind, ne in _EXPERT_NE.items()}
+    used = m.integer(a + "expert_used_count", least=1)
+    f = m.integer(a + "expert_feed_forward_length", least=1) if moe_arch else ffn
+    shared = (m.integer(a + "expert_shared_feed_forward_length", least=1)
+              if arch == "qwen2moe" else 0)
+    experts = f"{a}expert_count {n}, embedding_length {hidden}, expert length {f}"
+    want = {kind + ".weight": (ne(hidden, f, n), experts) for kind, ne in _EXPERT_NE.items()}
+    if arch == "gpt-oss":
+        want |= {kind + ".bias": (ne(hidden, f, n), experts) for kind, ne in _BIAS_NE.items()}
+        fused = next((k for k in tensors if k.endswith(".ffn_gate_up_exps.weight")), None)
+        if fused is not None:
+            raise CheckpointError(
+                f"{m.source}: fused gate/up expert tensors ({fused!r}, convert_hf_to_gguf.py "
+                f"--fuse-gate-up-exps) are not supported; convert with gate and up apart")
     if shared:
-        want |= {kind: (ne(hidden, shared), f"embedding_length {hidden}, shared expert length "
-                                            f"{shared}") for kind, ne in _SHARED_NE.items()}
+        want |= {kind + ".weight": (ne(hidden, shared), f"embedding_length {hidden}, shared "
+                                                        f"expert length {shared}")
+                 for kind, ne in _SHARED_NE.items()}
     for i in range(n_layers):
         for kind, (ne, implied_by) in want.items():
-            name = f"blk.{i}.{kind}.weight"
+            name = f"blk.{i}.{kind}"
             t = tensors.get(name)
             if t is None:
                 raise CheckpointError(
                     f"{m.source}: layer {i} has no expert tensor {name!r} ({a}expert_count {n}); "
-                    + ("layers without experts are not supported" if kind in _EXPERT_NE
-                       else f"every {arch} layer has a shared expert"))
+                    + ("layers without experts are not supported"
+                       if kind.removesuffix(".weight") in _EXPERT_NE
+                       else f"every {arch} layer has a shared expert" if arch == "qwen2moe"
+                       else f"every {arch} layer has one"))
             got = [int(x) for x in t.shape]
             if _ggml_shape(got) != _ggml_shape(ne):
                 raise CheckpointError(f"{m.source}: tensor {name!r} has ne {got}, the metadata "
@@ -454,7 +637,10 @@ def gguf_tensor_plan(cfg: ModelConfig, arch: str) -> dict[str, tuple[str, Callab
             "attn_k.weight": ("wk", lambda w, p=perm_k: p(w).T.reshape(-1, hkv, dh)),
             "attn_v.weight": ("wv", lambda w: w.T.reshape(-1, hkv, dh)),
             "attn_output.weight": ("wo", lambda w: w.T.reshape(hq, -1, d)),
-            "ffn_norm.weight": ("mlp_norm", ident),
+            # gpt-oss names its MLP input norm post_attention_norm (HF's
+            # post_attention_layernorm); Gemma 3's post_attention_norm is a sandwich norm
+            ("post_attention_norm.weight" if arch == "gpt-oss" else "ffn_norm.weight"):
+                ("mlp_norm", ident),
         }
         if not cfg.layer_has_experts(i):
             layer |= _mlp_plan()
@@ -480,6 +666,14 @@ def gguf_tensor_plan(cfg: ModelConfig, arch: str) -> dict[str, tuple[str, Callab
                 "attn_k.bias": ("bk", lambda b, p=perm_bk: p(b).reshape(hkv, dh)),
                 "attn_v.bias": ("bv", lambda b: b.reshape(hkv, dh)),
             }
+        if cfg.attn_out_bias:  # gpt-oss: [D]
+            layer["attn_output.bias"] = ("bo", ident)
+        if cfg.attn_sinks:  # gpt-oss: one logit per query head [Hq]
+            layer["attn_sinks.weight"] = ("sinks", ident)
+        if cfg.router_bias:  # [E]
+            layer["ffn_gate_inp.bias"] = ("router_b", ident)
+        if cfg.expert_bias:  # [E, F] gate / up, [E, D] down: llama.cpp splits HF's gate_up
+            layer |= {f"ffn_{p}_exps.bias": (f"we_{p}_b", ident) for p in ("gate", "up", "down")}
         for k, (field, fn) in layer.items():
             plan[f"blk.{i}.{k}"] = (f"layers.{i}.{field}", fn)
     return plan

@@ -34,16 +34,14 @@ import numpy as np
 from jaxinfer.checkpoints.mxfp4 import E2M1_X2
 
 PACKED_KINDS = ("Q4_0", "Q4_1", "Q4_K")  # kept two values a byte (runtime.device.quantization)
+# Every kind here is kept in its blocks by checkpoints/gguf.py (keep_quantized) and dequantized
+# here rather than by the gguf package. MXFP4 is kept as int8 values (2 * e2m1, -12..12: not a
+# 4-bit kind) with f32 group scales 2**(e - 128), which the CPU kernels take as their "i8" kind.
 GROUP_SIZES = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32,
-               "Q4_K": 32, "Q5_K": 32, "Q6_K": 16}
+               "Q4_K": 32, "Q5_K": 32, "Q6_K": 16, "MXFP4": 32}
 _BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
           "Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
           "MXFP4": (32, 17)}
-# MXFP4 decodes here (`decode`, `dequantize`) but is not in GROUP_SIZES yet: that table opts a
-# kind into checkpoints/gguf.py's kept path and tests/runtime/test_cpu_matmul.py's kinds (whose
-# raw-block maker and kernel-kind table have no MXFP4 entry); gguf.py dequantizes MXFP4 tensors
-# through the gguf package meanwhile (the same values).
-_GROUPS = {**GROUP_SIZES, "MXFP4": 32}
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -125,7 +123,7 @@ def decode(data: np.ndarray, kind: str, shape: tuple[int, ...]):
         raise ValueError(f"{kind} rows of {shape[-1]} weights are not whole {per}-weight blocks")
     blocks = np.asarray(data, np.uint8).reshape(-1, nbytes)
     q, scale, offset = _decode(kind, blocks)
-    g = _GROUPS[kind]
+    g = GROUP_SIZES[kind]
     groups = shape[:-1] + (shape[-1] // g,)
     q = q.reshape(shape)
     scale = np.ascontiguousarray(scale.reshape(groups), np.float32)
@@ -143,7 +141,7 @@ def dequantize(data: np.ndarray, kind: str, shape: tuple[int, ...]) -> np.ndarra
     out = np.empty(shape, np.float32)
     rows_out = out.reshape(-1, shape[-1])
     rows_in = np.asarray(data, np.uint8).reshape(rows_out.shape[0], -1)
-    g = _GROUPS[kind]
+    g = GROUP_SIZES[kind]
     step = max(1, _SLAB_ROWS_BYTES // (4 * shape[-1]))
     for r in range(0, rows_out.shape[0], step):
         src = rows_in[r:r + step]

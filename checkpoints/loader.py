@@ -51,11 +51,13 @@ def _tokenizer(path: Path, cfg):
 
 def load_model(model: str | Path, dtype: str = "float32", place=None, mesh=None,
                keep_quantized: bool = False, keep_int4: bool = False,
-               tokenizer: bool = True) -> LoadedModel:
+               keep_mxfp4: bool = False, tokenizer: bool = True) -> LoadedModel:
     """`place(path, f32_array)`: optional per-leaf hook (quantization while streaming); a
     converted dir that is already quantized is restored as saved. `keep_quantized`: a GGUF's
     block-quantized matmul weights stay in their blocks (QuantizedArray fmt "gguf");
-    `keep_int4`: a 4-bit HF checkpoint's (AWQ, GPTQ, compressed-tensors) stay int4. A hook with a
+    `keep_int4`: a 4-bit HF checkpoint's (AWQ, GPTQ, compressed-tensors) stay int4;
+    `keep_mxfp4`: an MXFP4 HF checkpoint's (gpt-oss's experts) stay MXFP4 (QuantizedArray fmt
+    "mxfp4", exact), else they are dequantized to `dtype`. A hook with a
     `finish(cfg, params, tokenizer)` method (checkpoints.quantize.Placer) gets the assembled
     params once everything is read (int8 smoothing calibrates there) and returns the final ones.
     `tokenizer=False`: the weights only (LoadedModel.tokenizer None; a trainer's checkpoint for
@@ -81,7 +83,8 @@ def load_model(model: str | Path, dtype: str = "float32", place=None, mesh=None,
     elif (path / "config.json").is_file():
         from jaxinfer.checkpoints.hf import load_hf
 
-        cfg, params = load_hf(path, dtype=jdtype, place=place, keep_int4=keep_int4)
+        cfg, params = load_hf(path, dtype=jdtype, place=place, keep_int4=keep_int4,
+                              keep_mxfp4=keep_mxfp4)
         tok = _tokenizer(path, cfg) if tokenizer else None
     else:
         raise CheckpointError(

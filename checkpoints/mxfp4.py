@@ -37,9 +37,17 @@ values = 2 * e2m1 (int8) and group_scales = 2**(e - 128) (f32) multiply back to 
 values exactly (f32 multiplication by a power of two, 2**-128 included, is exact here). It is
 the form ggml's GGUF MXFP4 type decodes to (checkpoints/gguf_blocks.py), whose blocks store the
 nibbles in another order (element j and j + 16 share byte j).
+
+`MXFP4Weight` is one checkpoint tensor (its `_blocks` and `_scales` joined by checkpoints/hf.py
+`group_mxfp4`) as the loader takes it: kept in that int8 form (QuantizedArray fmt "mxfp4",
+runtime/device/quantization.py) or dequantized.
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -144,4 +152,57 @@ def encode(x: np.ndarray, axis: int = -1) -> tuple[np.ndarray, np.ndarray]:
     tie = (idx < len(_MIDPOINTS)) & (a == _MIDPOINTS[np.minimum(idx, len(_MIDPOINTS) - 1)])
     idx = idx + (tie & (idx % 2 == 1))  # a tie sits between codes idx, idx + 1: take the even
     codes = idx.astype(np.uint8) | (np.signbit(x).astype(np.uint8) << 3)
-    return pack(codes), e
+    # C order: e keeps the moved axes' strides, which safetensors.numpy would write as they lie
+    return pack(codes), np.ascontiguousarray(e)
+
+
+@dataclass
+class MXFP4Weight:
+    """One HF-layout MXFP4 tensor read as the dense parameter transformers makes of it: decoded
+    [..., out, in] with the last two axes swapped, [..., in, out] (gpt-oss's gate_up_proj
+    [E, D, 2F], down_proj [E, F, D]); the blocks run along `in`, the contracted axis."""
+
+    name: str
+    blocks: np.ndarray  # uint8 [..., out, G, 16]
+    scales: np.ndarray  # uint8 [..., out, G]
+    keep: bool = True  # False: `layout` widens the values on the device
+
+    def __post_init__(self):
+        self.blocks, self.scales = _checked(self.blocks, self.scales)
+
+    @functools.cached_property
+    def _int8(self) -> tuple[np.ndarray, np.ndarray]:  # once for every param cut from it
+        return as_int8(self.blocks, self.scales)
+
+    def dense(self) -> np.ndarray:
+        """f32 [..., in, out]."""
+        return np.swapaxes(decode(self.blocks, self.scales), -1, -2)
+
+    def layout(self, fn: Callable, target: str, dtype, widen_to):
+        """The weight of param `target`: `fn` (the plan's [..., in, out] -> param transform, e.g.
+        gpt-oss's gate columns w[..., 0::2]) applied alike to the int8 values [..., in, out] and
+        their group scales [..., G, out], as a QuantizedArray (fmt "mxfp4", groups of 32 along
+        the param's contracted axis; `dtype` its compute dtype) if kept, else widened on the
+        device to `widen_to`. None when `fn` moves or cuts the groups (the loader then takes
+        `dense`)."""
+        import jax.numpy as jnp
+
+        from jaxinfer.checkpoints.quantize import WEIGHT_REDUCE_AXES, weight_name
+        from jaxinfer.runtime.device.quantization import QuantizedArray
+
+        values, group_scales = self._int8
+        q = fn(np.swapaxes(values, -1, -2))
+        try:
+            scale = fn(np.swapaxes(group_scales, -1, -2))
+        except ValueError:
+            return None
+        axes = [i for i, (a, b) in enumerate(zip(q.shape, scale.shape)) if a != b]
+        reduce_axes = WEIGHT_REDUCE_AXES.get(weight_name(target), ())
+        if (q.ndim != scale.ndim or len(axes) != 1 or axes[0] not in reduce_axes
+                or q.shape[axes[0]] != values.shape[-1]
+                or scale.shape[axes[0]] != group_scales.shape[-1]):
+            return None
+        w = QuantizedArray(values=jnp.asarray(q), scales=jnp.asarray(scale), fmt="mxfp4",
+                           mode="weight_only", reduce_axes=reduce_axes, group_size=BLOCK,
+                           group_axis=axes[0], dtype=jnp.dtype(dtype).name)
+        return w if self.keep else w.dequantize(jnp.dtype(widen_to))

@@ -70,7 +70,6 @@ def load_peft_adapter(path: str | Path, cfg: ModelConfig, max_rank: int) -> Lora
         raw = load_file(str(f))
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"{f}: unreadable safetensors file ({e})") from None
-    dims = target_dims(cfg)
     halves: dict[tuple[int, str], dict[str, np.ndarray]] = {}
     for name, arr in raw.items():
         m = _KEY.search(name)
@@ -94,7 +93,7 @@ def load_peft_adapter(path: str | Path, cfg: ModelConfig, max_rank: int) -> Lora
         if set(h) != {"A", "B"}:
             raise CheckpointError(f"{where}: lora_{'B' if 'A' in h else 'A'} is missing")
         a, b = h["A"], h["B"]  # [r, Din], [Dout, r]
-        din, dout = dims[target]
+        din, dout = target_dims(cfg, layer)[target]
         if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
             raise CheckpointError(f"{where}: lora_A {a.shape} and lora_B {b.shape} do not "
                                   "form a rank-r pair")

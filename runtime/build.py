@@ -93,12 +93,13 @@ def load(model: str, options: dict) -> Prepared:
     keep = keeps_gguf_blocks()
     loaded = load_model(model, dtype=config.dtype, place=place, mesh=mesh,
                         keep_quantized=q == "gguf" or (q is None and keep),
-                        keep_int4=q == "int4" or (q is None and keep))
+                        keep_int4=q == "int4" or (q is None and keep),
+                        keep_mxfp4=q in (None, "mxfp4"))
     params, from_model = loaded.params, {}
     spec = quantization_spec(params)  # a converted dir may be quantized already
-    if q == "gguf" and spec is None:
-        raise ValueError(f"{model}: quantization='gguf': the file holds no block-quantized "
-                         "matmul weights (use quantization=None)")
+    if q in ("gguf", "mxfp4") and spec is None:
+        raise ValueError(f"{model}: quantization={q!r}: the checkpoint holds no such "
+                         "quantized matmul weights (use quantization=None)")
     if spec is not None:
         if q is not None and q != spec["fmt"]:
             raise ValueError(f"{model}: holds {spec['fmt']} weights; cannot serve them as {q!r}")

@@ -29,8 +29,10 @@ FORMATS = ("int8", "fp8", "int4")  # what weights can be quantized to as they lo
 # int4; on CPU too when its kernels load, else both are dequantized:
 # quantization.keeps_gguf_blocks); a FORMAT ("int4" on a
 # 4-bit HF checkpoint keeps its weights on any platform); "gguf" = keep a GGUF's blocks on any
-# platform; "dequantize" = every weight in the compute dtype.
-QUANTIZATIONS = (None, *FORMATS, "gguf", "dequantize")
+# platform; "mxfp4" = keep an HF checkpoint's MXFP4 experts (gpt-oss; None keeps them too, on
+# every platform: exact as int8 values x group scales); "dequantize" = every weight in the
+# compute dtype.
+QUANTIZATIONS = (None, *FORMATS, "gguf", "mxfp4", "dequantize")
 MODES = ("w8a8", "weight_only")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # runtime/device/kv_cache.py KV_QUANT
 WEIGHT_LAYOUTS = ("auto", "as_loaded", "output_major")  # runtime/device/weight_layout.py

@@ -188,9 +188,9 @@ def rebuild(weights, engine, current, shardings=None):
     from jaxinfer.checkpoints.quantize import quantization_spec, quantize_params
 
     spec = quantization_spec(current)
-    if spec is not None and spec["fmt"] == "gguf":
-        raise WeightError("this engine keeps a GGUF file's quantized blocks, which cannot be "
-                          "rebuilt from new weights: serve it with quantization='dequantize'")
+    if spec is not None and spec["fmt"] in ("gguf", "mxfp4"):
+        raise WeightError(f"this engine keeps a checkpoint's {spec['fmt']} blocks, which cannot "
+                          "be rebuilt from new weights: serve it with quantization='dequantize'")
     new = read_weights(weights, engine)
     want = layout(engine, current)
     check_layout(new, jax.tree.map(_dense, want, is_leaf=lambda x: isinstance(x, QuantizedArray)))

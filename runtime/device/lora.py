@@ -27,10 +27,11 @@ TARGETS = {"q": ("wq", "q_proj"), "k": ("wk", "k_proj"), "v": ("wv", "v_proj"),
            "down": ("w_down", "down_proj")}
 
 
-def target_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """target -> (Din, Dout) of the flattened projection."""
-    d, q, kv, f = (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
-                   cfg.intermediate_size)
+def target_dims(cfg: ModelConfig, i: int = 0) -> dict[str, tuple[int, int]]:
+    """target -> (Din, Dout) of layer i's flattened projection (layers differ in Gemma 4)."""
+    dh = cfg.layer_head_dim(i)
+    d, q, kv, f = (cfg.hidden_size, cfg.num_heads * dh, cfg.layer_kv_heads(i) * dh,
+                   cfg.layer_intermediate(i))
     return {"q": (d, q), "k": (d, kv), "v": (d, kv), "o": (q, d), "gate": (d, f), "up": (d, f),
             "down": (f, d)}
 
@@ -46,10 +47,12 @@ def init_lora(cfg: ModelConfig, max_loras: int, rank: int, dtype=jnp.float32
     """Zero slots (every adapter slot empty) for every layer and target."""
     if cfg.num_experts:
         raise ValueError("LoRA on mixture-of-experts layers is not supported")
-    dims = target_dims(cfg)
-    return tuple(LoraLayer(a={t: jnp.zeros((max_loras, i, rank), dtype) for t, (i, _) in dims.items()},
-                           b={t: jnp.zeros((max_loras, rank, o), dtype) for t, (_, o) in dims.items()})
-                 for _ in range(cfg.num_layers))
+    if cfg.latent_attention:
+        raise ValueError("LoRA on latent-attention layers is not supported")
+    dims = [target_dims(cfg, i) for i in range(cfg.num_layers)]
+    return tuple(LoraLayer(a={t: jnp.zeros((max_loras, i, rank), dtype) for t, (i, _) in d.items()},
+                           b={t: jnp.zeros((max_loras, rank, o), dtype) for t, (_, o) in d.items()})
+                 for d in dims)
 
 
 def slot_mask(lora_ids: jax.Array, max_loras: int, dtype) -> jax.Array:
@@ -85,11 +88,10 @@ def padded_weights(cfg: ModelConfig, rank: int, tensors: dict[tuple[int, str], t
                    ) -> tuple[LoraLayer, ...]:
     """Host arrays of one adapter ({(layer, target): (A [Din, r], B [r, Dout])}, scale in B)
     zero-padded to `rank`, every target present (absent ones zero): write_slot's `weights`."""
-    dims = target_dims(cfg)
     out = []
     for i in range(cfg.num_layers):
         a, b = {}, {}
-        for t, (din, dout) in dims.items():
+        for t, (din, dout) in target_dims(cfg, i).items():
             aa, bb = np.zeros((din, rank), np.float32), np.zeros((rank, dout), np.float32)
             if (i, t) in tensors:
                 ta, tb = tensors[(i, t)]

@@ -165,10 +165,11 @@ def _qkv(lp: LayerParams, x, positions, cfg: ModelConfig, i: int, lora, lora_mas
         return rope(q if lp.q_norm is None else rms_norm(q, lp.q_norm, eps)), None, None
     if lp.wqkv is not None:
         q, k, v = split_qkv(einsum("td,dhgk->thgk", h, lp.wqkv))
-    else:  # (Gemma 4's global layers: V from the K projection)
+    else:
         q, k = (einsum("td,dhk->thk", h, w) for w in (lp.wq, lp.wk))
-        v = k if lp.wv is None else einsum("td,dhk->thk", h, lp.wv)
-    q, k, v = ad(q, h, "q"), ad(k, h, "k"), ad(v, h, "v")  # [T, Hq | Hkv | Hkv, Dh]
+        v = None if lp.wv is None else einsum("td,dhk->thk", h, lp.wv)
+    q, k = ad(q, h, "q"), ad(k, h, "k")  # [T, Hq | Hkv, Dh]
+    v = k if v is None else ad(v, h, "v")  # (Gemma 4's global layers: V is the K projection)
     if lp.bq is not None:
         q, k, v = q + lp.bq.astype(q.dtype), k + lp.bk.astype(k.dtype), v + lp.bv.astype(v.dtype)
     if lp.q_norm is not None:

@@ -16,7 +16,8 @@ from jaxinfer.runtime.device.quantization import QuantizedArray
 
 KINDS = sorted(gguf_blocks.GROUP_SIZES)
 Q_RANGE = {"Q4_0": (-8, 7), "Q4_1": (0, 15), "Q5_0": (-16, 15), "Q5_1": (0, 31),
-           "Q8_0": (-128, 127), "Q4_K": (0, 15), "Q5_K": (0, 31), "Q6_K": (-32, 31)}
+           "Q8_0": (-128, 127), "Q4_K": (0, 15), "Q5_K": (0, 31), "Q6_K": (-32, 31),
+           "MXFP4": (-12, 12)}
 
 
 def random_blocks(kind: str, rows: int, per_row: int, seed: int = 0) -> np.ndarray:
@@ -31,6 +32,8 @@ def random_blocks(kind: str, rows: int, per_row: int, seed: int = 0) -> np.ndarr
 
     if kind == "Q6_K":
         blk[:, 208:210] = halves()
+    elif kind == "MXFP4":  # an E8M0 byte: normal scales (XLA:CPU flushes subnormals to 0)
+        blk[:, 0] = rng.integers(100, 150, n, dtype=np.uint8)
     else:
         blk[:, 0:2] = halves()
         if kind in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"):

@@ -38,13 +38,13 @@ if cpu_kernels.load() is None:
 
 REPO = Path(__file__).resolve().parents[2]
 RTOL = 1e-5
-GGUF_KINDS = tuple(gguf_blocks.GROUP_SIZES)  # Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K
+GGUF_KINDS = tuple(gguf_blocks.GROUP_SIZES)  # Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K MXFP4
 OUR_KINDS = ("int8", "fp8", "int4", "int4_sym")
 KINDS = OUR_KINDS + GGUF_KINDS
 # the kernel kind each weight kind must get
 KERNEL_KIND = {"int8": "i8", "fp8": "e4m3", "int4": "u4", "int4_sym": "s4", "Q4_0": "s4",
                "Q4_1": "u4", "Q5_0": "i8", "Q5_1": "i8", "Q8_0": "i8", "Q4_K": "u4",
-               "Q5_K": "i8", "Q6_K": "i8"}
+               "Q5_K": "i8", "Q6_K": "i8", "MXFP4": "i8"}  # MXFP4: int8 2 * e2m1, group scales
 ROWS = (1, 2, 7, 16, 33, 256)  # both sides of the 16-row switch, every row-tile remainder
 
 
@@ -53,11 +53,16 @@ ROWS = (1, 2, 7, 16, 33, 256)  # both sides of the 16-row switch, every row-tile
 
 def _gguf_raw(kind: str, n_out: int, n_in: int, seed: int) -> np.ndarray:
     """Random raw blocks for an [n_out, n_in] tensor, the f16 d (and dmin / m) fields set to
-    small finite values: everything else (nibbles, high bits, 6-bit sub-block scales) random."""
+    small finite values: everything else (nibbles, high bits, 6-bit sub-block scales) random.
+    MXFP4: its E8M0 byte e set to 118..124 (scales 2**(e - 128), the other kinds' magnitudes;
+    never 255, whose 2**127 scale overflows f32 products, nor a subnormal scale)."""
     per, nbytes = gguf_blocks._BLOCK[kind]
     assert n_in % per == 0
     rng = np.random.default_rng(seed)
     blk = rng.integers(0, 256, (n_out * n_in // per, nbytes), dtype=np.uint8)
+    if kind == "MXFP4":
+        blk[:, 0] = rng.integers(118, 125, blk.shape[0], dtype=np.uint8)
+        return blk.reshape(-1)
     fields = {"Q6_K": (208,), "Q4_1": (0, 2), "Q5_1": (0, 2), "Q4_K": (0, 2),
               "Q5_K": (0, 2)}.get(kind, (0,))
     for at in fields:

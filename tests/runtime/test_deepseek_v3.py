@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 
 from jaxinfer.checkpoints.hf import load_hf
 from jaxinfer.runtime.config import ConfigError, ModelConfig

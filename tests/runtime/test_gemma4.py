@@ -126,3 +126,30 @@ def test_tp_2_and_4_give_one_devices_greedy_tokens(tiny_dir, tmp_path):
                   prefill_chunk=16)
         outs[tp] = [o.token_ids for o in llm.generate(PROMPTS, greedy)]
     assert outs[2] == outs[1] and outs[4] == outs[1]
+
+
+def test_lora_on_per_layer_dims_equals_hf_peft(tiny_dir, tmp_path):
+    """A PEFT adapter on every projection of a Gemma 4 whose layers differ (global q / o of
+    4 x 64, local of 4 x 32, double-wide MLPs on the last two, no K / V there): served greedy
+    tokens equal HF + PEFT's."""
+    import copy
+
+    import peft
+    import torch
+
+    from jaxinfer import LLM, LoRARequest, SamplingParams
+
+    d, hf = _gemma4_dir(tiny_dir, tmp_path / "base")
+    torch.manual_seed(3)
+    pm = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(
+        r=4, lora_alpha=8, init_lora_weights=False, target_modules=[
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])).eval()
+    pm.save_pretrained(tmp_path / "adapter")
+    llm = LLM(str(d), max_slots=2, page_size=8, max_model_len=128, enable_lora=True,
+              max_loras=1, max_lora_rank=8)
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outs = llm.generate(PROMPTS[:3], greedy,
+                        lora_request=LoRARequest("a", 1, str(tmp_path / "adapter")))
+    for o in outs:
+        want = _hf_greedy(pm, o.prompt_token_ids, 12)
+        assert o.token_ids == want and want != _hf_greedy(hf, o.prompt_token_ids, 12)
