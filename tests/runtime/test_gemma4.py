@@ -153,3 +153,39 @@ def test_lora_on_per_layer_dims_equals_hf_peft(tiny_dir, tmp_path):
     for o in outs:
         want = _hf_greedy(pm, o.prompt_token_ids, 12)
         assert o.token_ids == want and want != _hf_greedy(hf, o.prompt_token_ids, 12)
+
+
+def test_composes_with_preemption_ngram_int8_and_int4(tiny_dir, tmp_path):
+    """A page pool too small for the batch (preemption and recompute) and n-gram speculation
+    give HF's greedy tokens; int8 and int4 weights load with per-layer shapes."""
+    from jaxinfer import LLM, SamplingParams
+
+    d, hf = _gemma4_dir(tiny_dir, tmp_path)
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    want = None
+    for opts in (dict(num_pages=14, max_slots=4), dict(speculative={"method": "ngram", "k": 3,
+                                                                      "n": 2}, max_slots=2)):
+        llm = LLM(str(d), page_size=8, max_model_len=128, **opts)
+        outs = llm.generate(PROMPTS, greedy)
+        want = want or [_hf_greedy(hf, o.prompt_token_ids, 16) for o in outs]
+        assert [o.token_ids for o in outs] == want, opts
+        if "num_pages" in opts:
+            assert llm.engine.scheduler.num_preemptions > 0
+    # int8 / int4: the served tokens are those of the float forward over the same weights
+    # widened (a random Gemma 4, its q / k / v RMS-normed, moves far under any rounding: the
+    # oracle is the quantized weights themselves)
+    import jax
+
+    from jaxinfer.runtime.device.quantization import QuantizedArray
+
+    for fmt in ("int8", "int4"):
+        q = LLM(str(d), page_size=8, max_model_len=128, max_slots=2, quantization=fmt)
+        w = q.get_weights()
+        assert isinstance(w.layers[3].w_gate, QuantizedArray)
+        assert w.layers[3].w_gate.shape[-1] == 2 * 128  # the double-wide MLP, quantized
+        widened = jax.tree.map(lambda a: a.dequantize() if isinstance(a, QuantizedArray) else a,
+                               w, is_leaf=lambda a: isinstance(a, QuantizedArray))
+        for o in q.generate(PROMPTS[1:3], greedy):
+            _, ref, _ = run_sequence(widened, q.engine.cfg, o.prompt_token_ids, page_size=8,
+                                     decode_steps=16)
+            assert o.token_ids == ref, fmt
