@@ -49,3 +49,39 @@ def latent_qkv(lp, h: jax.Array, positions: jax.Array, cfg: ModelConfig, i: int)
 def latent_out(lp, o: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Attention over the latent head o [T, H, C + R] -> the heads' values [T, H, V]."""
     return einsum("thc,hcv->thv", o[..., :cfg.kv_lora_rank], lp.w_uv)
+
+
+def expanded_attention(lp, q: jax.Array, cached: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The reference, and the form to weigh at long prefill: one causal sequence whose cached
+    latent heads are expanded to per-head K and V before ordinary attention. q [T, H, N + R]
+    (projected and rotated, before absorption), cached [S, C + R] the sequence's cached heads,
+    the T queries at its last T positions -> [T, H, V].
+
+        k_nope = c @ w_uk^T  [S, H, N]      v = c @ w_uv  [S, H, V]
+        scores = q_nope . k_nope + q_r . k_r
+
+    Work: S * H * C * (N + V) to expand, T * S * H * (N + R + V) to attend; the absorbed form
+    spends T * S * H * (2C + R) and nothing to expand."""
+    c_dim, n = cfg.kv_lora_rank, cfg.qk_nope_head_dim
+    t, s = q.shape[0], cached.shape[0]
+    c, k_r = cached[:, :c_dim], cached[:, c_dim:]
+    k_nope = jnp.einsum("sc,hnc->shn", c, lp.w_uk)  # [S, H, N]
+    v = jnp.einsum("sc,hcv->shv", c, lp.w_uv)  # [S, H, V]
+    scores = (jnp.einsum("thn,shn->hts", q[..., :n], k_nope)
+              + jnp.einsum("thr,sr->hts", q[..., n:], k_r)) * cfg.sm_scale
+    causal = jnp.arange(s)[None, :] <= (s - t + jnp.arange(t))[:, None]  # [T, S]
+    p = jax.nn.softmax(jnp.where(causal[None], scores, -jnp.inf), axis=-1)
+    return jnp.einsum("hts,shv->thv", p, v)
+
+
+def absorbed_attention(lp, q: jax.Array, cached: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The engine's form on one causal sequence, dense: q [T, H, N + R] as expanded_attention
+    takes it, absorbed here (q_nope @ w_uk), cached [S, C + R] -> [T, H, V] (what the paged
+    attention and latent_out give)."""
+    n = cfg.qk_nope_head_dim
+    t, s = q.shape[0], cached.shape[0]
+    q = jnp.concatenate([jnp.einsum("thn,hnc->thc", q[..., :n], lp.w_uk), q[..., n:]], -1)
+    scores = jnp.einsum("thc,sc->hts", q, cached) * cfg.sm_scale
+    causal = jnp.arange(s)[None, :] <= (s - t + jnp.arange(t))[:, None]
+    p = jax.nn.softmax(jnp.where(causal[None], scores, -jnp.inf), axis=-1)
+    return latent_out(lp, jnp.einsum("hts,sc->thc", p, cached), cfg)
