@@ -1,4 +1,5 @@
-"""Transformer families (Llama / Mistral / Qwen2 / Qwen3, Gemma 3) as one pure forward.
+"""Transformer families (Llama / Mistral / Qwen2 / Qwen3 and their MoE forms, Mixtral, Gemma 3,
+Gemma 4, gpt-oss, DeepSeek-V3) as one pure forward.
 
 `forward(params, tokens, cache, md, cfg, backend) -> (logits, cache)`: no hidden state; params and
 cache are pytrees (flax struct dataclasses). Family differences are ModelConfig fields, never

@@ -82,6 +82,13 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "kv_a_norm": (None,),
     "w_uk": ("heads", None, None),  # [H, N, C]
     "w_uv": ("heads", None, None),  # [H, C, V]
+    # Gemma 4: the per-layer inputs' table split by vocabulary like the embedding; the rest small
+    "embed_per_layer": ("vocab", None),  # [Vp, L * P]
+    "ple_model_proj": ("embed", None),  # [D, L * P]
+    "ple_gate": ("embed", None),  # [D, P]
+    "ple_proj": (None, "embed"),  # [P, D]
+    "router_scale": ("embed",),  # [D]
+    "expert_scale": (None,),  # [E]
     "q_norm": ("head_dim",),
     "k_norm": ("head_dim",),
     "attn_norm": ("embed",),
