@@ -3,8 +3,10 @@
 Supported architectures (`general.architecture`): "gemma3", "llama" (also Mistral, and Mixtral's
 mixture of experts, converted by llama.cpp), "qwen2", "qwen3" (per-head q/k norms), "qwen3moe"
 (Qwen3's attention, a mixture of experts in every layer), "qwen2moe" (Qwen1.5/Qwen2-MoE:
-Qwen2's attention, routed experts plus a gated shared expert in every layer) and "gpt-oss"
-(OpenAI's gpt-oss, llama.cpp's LLM_ARCH_OPENAI_MOE: see `_gpt_oss` for the facts it relies on).
+Qwen2's attention, routed experts plus a gated shared expert in every layer), "gpt-oss"
+(OpenAI's gpt-oss, llama.cpp's LLM_ARCH_OPENAI_MOE: see `_gpt_oss` for the facts it relies on),
+"deepseek2" (DeepSeek-V3's multi-head latent attention and sigmoid-routed experts: `_deepseek2`)
+and "gemma4" (Gemma 4's text model: `_gemma4`).
 Quantized tensors (Q4_K, Q5_0, Q6_K, Q8_0, MXFP4, ... — whatever `gguf.quants.dequantize`
 implements) and F32 / F16 / BF16 are dequantized one tensor at a time to the runtime dtype, so peak
 host memory stays near one copy of the weights in that dtype plus one f32 tensor.
@@ -14,16 +16,19 @@ Facts about GGUF this loader relies on (checked numerically against HF transform
   is shaped `reversed(ne)`, i.e. `[out, in]` for a linear weight — the same as PyTorch/HF.
 - llama.cpp permutes the rows of q/k projections of the "llama" architecture so that its
   interleaved (GPT-J style) rope acts on pairs (2i, 2i+1). Our forward uses the rotate-half
-  layout (pairs i, i + Dh/2), so those rows are un-permuted here. "gemma3", "qwen2/3" and
-  "gpt-oss" use NEOX-style rope in llama.cpp and are stored unpermuted.
+  layout (pairs i, i + Dh/2), so those rows are un-permuted here. "gemma3", "gemma4",
+  "qwen2/3" and "gpt-oss" use NEOX-style rope in llama.cpp and are stored unpermuted;
+  "deepseek2" rotates interleaved pairs on rows stored as HF has them (HF's DeepSeek-V3 rotates
+  interleaved pairs too), so its rope dims are reordered evens-then-odds, as from HF's files.
 - A mixture-of-experts layer has a router `ffn_gate_inp` (numpy [E, D]) and each projection's
   experts stacked in one tensor: `ffn_gate_exps` / `ffn_up_exps` numpy [E, F, D], `ffn_down_exps`
   numpy [E, D, F] (HF's per-expert [out, in] weights, stacked by expert).
 - A "qwen2moe" layer adds a shared expert, a gated MLP `ffn_gate_shexp` / `ffn_up_shexp`
   numpy [Fs, D], `ffn_down_shexp` numpy [D, Fs], and its gate `ffn_gate_inp_shexp`: HF's [1, D]
   weight written unchanged (ne [D, 1]; llama.cpp reads it as ne [D], the same ggml shape).
-- Gemma norm weights are stored with the +1 already added (llama.cpp adds it at conversion), so
-  they are the effective multiplier our forward expects; they are loaded unchanged.
+- Gemma norm weights are stored with the +1 already added (llama.cpp adds it at conversion;
+  Gemma 4's HF norms already hold their multiplier and are written as they are), so they are
+  the effective multiplier our forward expects; they are loaded unchanged.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import math
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from decimal import Decimal
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -57,7 +63,8 @@ except ImportError:  # pragma: no cover - gguf is a declared dependency
 if TYPE_CHECKING:
     from jaxinfer.checkpoints.gguf_header import GGUFFile
 
-ARCHITECTURES = ("gemma3", "gpt-oss", "llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe")
+ARCHITECTURES = ("deepseek2", "gemma3", "gemma4", "gpt-oss", "llama", "qwen2", "qwen2moe",
+                 "qwen3", "qwen3moe")
 
 
 def _require_gguf() -> None:
@@ -129,6 +136,17 @@ class _Meta:
     def string(self, key: str, default=_MISSING) -> str:
         return self._typed(key, default, (str,), "a string")
 
+    def boolean(self, key: str, default=_MISSING) -> bool:
+        v = self.get(key)
+        if v is None:
+            if default is _MISSING:
+                raise CheckpointError(f"{self.source}: GGUF metadata key {key!r} is missing")
+            return default
+        if not isinstance(v, bool):
+            raise CheckpointError(f"{self.source}: GGUF metadata key {key!r} must be a bool, "
+                                  f"got {type(v).__name__} {_short(v)}")
+        return v
+
     def _typed(self, key: str, default, types: tuple, what: str):
         v = self.get(key)
         if v is None:
@@ -186,21 +204,27 @@ def gguf_config(reader, source: str) -> ModelConfig:
     hidden = m.integer(a + "embedding_length", least=1)
     n_layers = m.integer(a + "block_count", least=1)
     n_heads = m.integer(a + "attention.head_count", least=1)
-    n_kv = _uniform(m, a + "attention.head_count_kv", n_heads)
-    # gpt-oss: llama.cpp reads only expert_feed_forward_length (its converter writes both)
-    ffn = _uniform(m, a + "feed_forward_length", None if arch == "gpt-oss" else _MISSING)
-    head_dim = m.integer(a + "attention.key_length", 0) or hidden // n_heads
-    v_len = m.integer(a + "attention.value_length", None)
-    if v_len is not None and v_len != head_dim:
-        raise CheckpointError(
-            f"{source}: key_length {head_dim} != value_length {v_len} is not supported"
-        )
-    rope_dims = m.integer(a + "rope.dimension_count", None)
-    if rope_dims is not None and rope_dims != head_dim:
-        raise CheckpointError(
-            f"{source}: partial rope (rope.dimension_count {rope_dims} < head_dim {head_dim}) "
-            "is not supported"
-        )
+    # gemma4: per-layer KV heads and MLP lengths, two layer types' head lengths: _gemma4
+    n_kv = _uniform(m, a + "attention.head_count_kv", n_heads) if arch != "gemma4" else 1
+    # gpt-oss: llama.cpp reads only expert_feed_forward_length (its converter writes both);
+    # deepseek2: only its leading dense layers use feed_forward_length
+    ffn = None if arch == "gemma4" else _uniform(
+        m, a + "feed_forward_length", None if arch in ("gpt-oss", "deepseek2") else _MISSING)
+    if arch in ("deepseek2", "gemma4"):
+        head_dim = 0  # the latent head's (_deepseek2 reads the MLA keys), or per layer type
+    else:
+        head_dim = m.integer(a + "attention.key_length", 0) or hidden // n_heads
+        v_len = m.integer(a + "attention.value_length", None)
+        if v_len is not None and v_len != head_dim:
+            raise CheckpointError(
+                f"{source}: key_length {head_dim} != value_length {v_len} is not supported"
+            )
+        rope_dims = m.integer(a + "rope.dimension_count", None)
+        if rope_dims is not None and rope_dims != head_dim:
+            raise CheckpointError(
+                f"{source}: partial rope (rope.dimension_count {rope_dims} < head_dim "
+                f"{head_dim}) is not supported"
+            )
     bos = m.integer("tokenizer.ggml.bos_token_id", None)
     eos = []
     for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):
@@ -224,6 +248,10 @@ def gguf_config(reader, source: str) -> ModelConfig:
     try:
         if arch == "gpt-oss":
             return _gpt_oss(m, tensors, common, tuple(eos))
+        if arch == "deepseek2":
+            return _deepseek2(m, tensors, common, tuple(eos))
+        if arch == "gemma4":
+            return _gemma4(m, tensors, common, tuple(eos))
         rope_scaling = _rope_scaling(m, a, reader, head_dim,
                                      float(m.get(a + "rope.freq_base", 1e4)))
         if arch == "gemma3":
@@ -386,6 +414,412 @@ def _yarn(m: _Meta, a: str, n_ctx: int) -> RopeScaling | None:
         beta_slow=m.number(a + "rope.scaling.yarn_beta_slow", 1.0),
         truncate=False,
         attention_factor=m.number(a + "rope.scaling.yarn_attn_factor", None))
+
+
+# deepseek2 (llama.cpp's LLM_ARCH_DEEPSEEK2: DeepSeek-V2 / V2.5 / V3 and relatives). The values
+# of `expert_gating_func` (llama.cpp's llama_expert_gating_func_type; gguf.ExpertGatingFuncType).
+_GATING_FUNCS = {1: "softmax", 2: "sigmoid", 3: "softmax_weight"}
+_GATING_SIGMOID = 2
+
+
+def _deepseek2(m: _Meta, tensors: dict, common: dict, eos: tuple[int, ...]) -> ModelConfig:
+    """ModelConfig of a "deepseek2" GGUF (multi-head latent attention, routed + shared experts),
+    as llama.cpp reads and runs one (src/models/deepseek2.cpp, convert_hf_to_gguf.py's
+    DeepseekV2Model):
+    - required keys (llama.cpp's get_key without a default): attention.layer_norm_rms_epsilon,
+      attention.kv_lora_rank, rope.dimension_count (R; its default, key_length, cannot leave
+      nope dims), and, where a layer has experts, expert_count, expert_used_count,
+      expert_feed_forward_length, expert_shared_count; attention.q_lora_rank unless q is
+      projected directly (`attn_q`, the "lite" models);
+    - the attention's dims, two layouts. The current converter splits HF's kv_b_proj
+      ([H * (N + V), C], per head the N nope rows then the V value rows) into `attn_k_b` (per
+      head its nope rows transposed: numpy [H, C, N]) and `attn_v_b` (numpy [H, V, C]) and
+      writes key_length C + R, value_length C (the cached latent head), key_length_mla N + R,
+      value_length_mla V. Older files keep `attn_kv_b` whole and write key_length N + R,
+      value_length V without the _mla keys (llama.cpp's is_mla() false); both are read;
+    - rope: llama.cpp rotates deepseek2 with its "normal" rope (pairs (2i, 2i + 1)) and the
+      converter leaves q_b / kv_a_mqa rows as HF has them: the rope dims are reordered at load to
+      evens then odds (the rotate-half layout of the same rotation), as for HF's checkpoint;
+    - routing: llama.cpp gates with `expert_gating_func`, and with softmax where it is absent
+      (DeepSeek-V2 / V2.5 files); only DeepSeek-V3's sigmoid (2) is supported, with the choice
+      bias `exp_probs_b.bias` (HF's e_score_correction_bias), groups `expert_group_count`
+      (default 1) of which the best `expert_group_used_count` are kept, the weights renormalised
+      if `expert_weights_norm` (default false) and scaled by `expert_weights_scale` (default 1);
+      the first `leading_dense_block_count` layers (default 0) have a dense MLP of
+      feed_forward_length; every other one `expert_shared_count` shared experts of
+      expert_feed_forward_length each (one MLP `ffn_*_shexp`);
+    - YaRN (rope.scaling.type "yarn"): llama.cpp leaves cos / sin unscaled for deepseek2 (its
+      yarn_attn_factor is mscale(s, mscale) / mscale(s, mscale_all_dim) with mscale taken equal
+      to mscale_all_dim, which DeepSeek's own configs have) and scales the softmax by
+      mscale(s, mscale_all_dim)^2 / sqrt(N + R), mscale_all_dim being
+      rope.scaling.yarn_log_multiplier / 0.1 (the converter writes 0.1 * mscale_all_dim); the
+      ramp's ends are rounded (ggml_rope_yarn_corr_dims), as HF's DeepSeek YaRN does."""
+    a = "deepseek2."
+    src = m.source
+    n_layers, n_heads = common["num_layers"], common["num_heads"]
+    hidden, ffn = common["hidden_size"], common["intermediate_size"]
+    m.number(a + "attention.layer_norm_rms_epsilon")  # required by llama.cpp
+    c = m.integer(a + "attention.kv_lora_rank", least=1)
+    r = m.integer(a + "rope.dimension_count", least=2)
+    if r % 2:
+        raise CheckpointError(f"{src}: GGUF metadata key {a + 'rope.dimension_count'!r} is {r}, "
+                              f"must be even")
+    q_lora = m.integer(a + "attention.q_lora_rank", None, least=0)
+    if not q_lora and "blk.0.attn_q_a.weight" in tensors:
+        raise CheckpointError(f"{src}: GGUF metadata key {a + 'attention.q_lora_rank'!r} is "
+                              f"{'missing' if q_lora is None else 0} (the file has compressed-q "
+                              f"tensors 'attn_q_a')")
+    q_lora = q_lora or 0
+    k_len = m.integer(a + "attention.key_length", hidden // n_heads, least=1)
+    v_len = m.integer(a + "attention.value_length", k_len, least=1)
+    k_mla = m.integer(a + "attention.key_length_mla", None, least=1)
+    v_mla = m.integer(a + "attention.value_length_mla", None, least=1)
+    if (k_mla is None) != (v_mla is None):
+        have, lacks = ("key", "value") if v_mla is None else ("value", "key")
+        raise CheckpointError(f"{src}: GGUF metadata key {a + f'attention.{lacks}_length_mla'!r} "
+                              f"is missing (attention.{have}_length_mla is set)")
+    if k_mla is not None:  # the converter's split attn_k_b / attn_v_b
+        if (k_len, v_len) != (c + r, c):
+            raise CheckpointError(
+                f"{src}: key_length {k_len} / value_length {v_len} must be kv_lora_rank + "
+                f"rope.dimension_count {c + r} / kv_lora_rank {c} (the latent head) when "
+                f"key_length_mla is set")
+        if common["num_kv_heads"] != 1:
+            raise CheckpointError(f"{src}: GGUF metadata key {a + 'attention.head_count_kv'!r} "
+                                  f"is {common['num_kv_heads']}, must be 1 (one latent head)")
+        qk, v = k_mla, v_mla
+    else:  # an older file: attn_kv_b whole, key / value_length the expanded heads'
+        qk, v = k_len, v_len
+    nope = qk - r
+    if nope < 1:
+        raise CheckpointError(f"{src}: the q/k head length {qk} leaves no nope dims beside "
+                              f"rope.dimension_count {r}")
+    dense = m.integer(a + "leading_dense_block_count", 0, least=0)
+    if dense > n_layers:
+        raise CheckpointError(f"{src}: GGUF metadata key {a + 'leading_dense_block_count'!r} is "
+                              f"{dense}, more than block_count {n_layers}")
+    if dense and not ffn:
+        raise CheckpointError(f"{src}: GGUF metadata key {a + 'feed_forward_length'!r} is "
+                              f"missing ({dense} leading dense layers)")
+    experts = _deepseek2_experts(m, tensors, hidden, n_layers, dense) if dense < n_layers else {}
+    rope_scaling, scale = _deepseek2_yarn(m, common["max_position_embeddings"])
+    return ModelConfig(
+        family="llama",
+        **(common | dict(num_kv_heads=1, head_dim=c + r, intermediate_size=ffn or 0)),
+        eos_token_ids=eos,
+        rope_theta=m.number(a + "rope.freq_base", 10_000.0),
+        rope_scaling=rope_scaling,
+        activation="silu",
+        kv_lora_rank=c, q_lora_rank=q_lora, qk_nope_head_dim=nope, qk_rope_head_dim=r,
+        v_head_dim=v,
+        query_pre_attn_scalar=(nope + r) / scale ** 4,  # softmax scale scale^2 / sqrt(N + R)
+        dense_layers=tuple(range(dense)) if experts else (),
+        **experts,
+    )
+
+
+def _deepseek2_experts(m: _Meta, tensors: dict, hidden: int, n_layers: int,
+                       dense: int) -> dict:
+    """deepseek2's routing fields, checked against each expert layer's tensors."""
+    a = "deepseek2."
+    src = m.source
+    n = m.integer(a + "expert_count", least=1)
+    used = m.integer(a + "expert_used_count", least=1)
+    if used > n:
+        raise CheckpointError(f"{src}: expert_used_count {used} > expert_count {n}")
+    f = m.integer(a + "expert_feed_forward_length", least=1)
+    n_shared = m.integer(a + "expert_shared_count", least=0)
+    gating = m.integer(a + "expert_gating_func", None)
+    if gating is None:
+        raise CheckpointError(
+            f"{src}: GGUF metadata key {a + 'expert_gating_func'!r} is missing: llama.cpp then "
+            f"routes with softmax (DeepSeek-V2 / V2.5 files), which is not supported; only "
+            f"DeepSeek-V3's sigmoid gating ({_GATING_SIGMOID}) is")
+    if gating != _GATING_SIGMOID:
+        raise CheckpointError(
+            f"{src}: GGUF metadata key {a + 'expert_gating_func'!r} is {gating} "
+            f"({_GATING_FUNCS.get(gating, 'unknown')}); only {_GATING_SIGMOID} (sigmoid, "
+            f"DeepSeek-V3's routing) is supported")
+    scaling = m.number(a + "expert_weights_scale", 1.0)
+    if not scaling > 0:
+        raise CheckpointError(f"{src}: GGUF metadata key {a + 'expert_weights_scale'!r} is "
+                              f"{scaling}, must be > 0")
+    groups = m.integer(a + "expert_group_count", 0, least=0) or 1
+    topk_groups = m.integer(a + "expert_group_used_count", least=1) if groups > 1 else 1
+    if n % groups or topk_groups > groups:
+        raise CheckpointError(f"{src}: expert_group_count {groups} must divide expert_count {n} "
+                              f"and expert_group_used_count {topk_groups} be <= it")
+    fused = next((k for k in tensors if k.endswith(".ffn_gate_up_exps.weight")), None)
+    if fused is not None:
+        raise CheckpointError(f"{src}: fused gate/up expert tensors ({fused!r}) are not "
+                              f"supported; convert with gate and up apart")
+    implied = f"{a}expert_count {n}, embedding_length {hidden}, expert length {f}"
+    want = {kind + ".weight": (ne(hidden, f, n), implied) for kind, ne in _EXPERT_NE.items()}
+    want["exp_probs_b.bias"] = ([n], implied)
+    shared = f * n_shared
+    if shared:
+        implied = (f"embedding_length {hidden}, expert_shared_count {n_shared} x expert length "
+                   f"{f}")
+        want |= {kind + ".weight": (ne(hidden, shared), implied)
+                 for kind, ne in _SHARED_NE.items() if kind != "ffn_gate_inp_shexp"}
+    for i in range(dense, n_layers):
+        for kind, (ne, implied_by) in want.items():
+            name = f"blk.{i}.{kind}"
+            t = tensors.get(name)
+            if t is None:
+                raise CheckpointError(
+                    f"{src}: layer {i} has no expert tensor {name!r} ({a}expert_count {n}, "
+                    f"leading_dense_block_count {dense}: every later layer has experts"
+                    + (", a choice bias" if kind.startswith("exp_probs_b") else "")
+                    + (f", {n_shared} shared" if shared else "") + ")")
+            got = [int(x) for x in t.shape]
+            if _ggml_shape(got) != _ggml_shape(ne):
+                raise CheckpointError(f"{src}: tensor {name!r} has ne {got}, the metadata "
+                                      f"implies {ne} ({implied_by})")
+    return dict(num_experts=n, experts_per_token=used, moe_intermediate_size=f,
+                norm_topk_prob=m.boolean(a + "expert_weights_norm", False),
+                shared_expert_size=shared, router_scoring="sigmoid", router_groups=groups,
+                router_topk_groups=topk_groups, routed_scaling=scaling)
+
+
+def _deepseek2_yarn(m: _Meta, n_ctx: int) -> tuple[RopeScaling | None, float]:
+    """(rope scaling, the softmax scale's mscale) of a deepseek2 file (see _deepseek2)."""
+    a = "deepseek2."
+    src = m.source
+    kind = m.string(a + "rope.scaling.type", "none")
+    if kind == "none":
+        return None, 1.0
+    if kind != "yarn":
+        raise CheckpointError(f"{src}: unsupported rope scaling type {kind!r} for deepseek2 "
+                              f"(yarn or none)")
+    for key, neutral in (("rope.scaling.yarn_ext_factor", 1.0),
+                         ("rope.scaling.attn_factor", 1.0),
+                         ("rope.scaling.yarn_attn_factor", 1.0)):
+        v = m.number(a + key, neutral)
+        if v != neutral:
+            raise CheckpointError(f"{src}: GGUF metadata key {a + key!r} = {v} is not "
+                                  f"supported for deepseek2 (only {neutral})")
+    factor = m.number(a + "rope.scaling.factor")
+    if not factor > 0:
+        raise CheckpointError(f"{src}: GGUF metadata key {a + 'rope.scaling.factor'!r} is "
+                              f"{factor}, must be > 0")
+    log_mul = m.number(a + "rope.scaling.yarn_log_multiplier", None)
+    if not log_mul:  # llama.cpp would then also scale cos / sin, unlike HF's DeepSeek YaRN
+        raise CheckpointError(
+            f"{src}: GGUF metadata key {a + 'rope.scaling.yarn_log_multiplier'!r} is "
+            f"{'missing' if log_mul is None else log_mul}: DeepSeek YaRN without "
+            f"mscale_all_dim is not supported")
+    # the converter wrote 0.1 * mscale_all_dim (f32): back to the decimal it was given
+    mscale_all_dim = float(Decimal(repr(log_mul)) * 10)
+    scaling = RopeScaling(
+        kind="yarn", factor=factor,
+        original_max_position_embeddings=m.integer(a + "rope.scaling.original_context_length",
+                                                   n_ctx, least=1),
+        beta_fast=m.number(a + "rope.scaling.yarn_beta_fast", 32.0),
+        beta_slow=m.number(a + "rope.scaling.yarn_beta_slow", 1.0),
+        truncate=True, attention_factor=1.0)
+    mscale = 1.0 if factor <= 1 else 0.1 * mscale_all_dim * math.log(factor) + 1.0
+    return scaling, mscale
+
+
+def _per_layer(m: _Meta, key: str, n: int, default=_MISSING) -> list[int]:
+    """A key llama.cpp reads with get_key_or_arr: one positive integer for every layer, or a list
+    of n of them."""
+    v = m.get(key)
+    if isinstance(v, list):
+        if len(v) != n or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in v):
+            raise CheckpointError(f"{m.source}: GGUF metadata key {key!r} must hold {n} positive "
+                                  f"integers (one a layer), got {_short(v)}")
+        return list(v)
+    return [m.integer(key, default, least=1)] * n
+
+
+def _gemma4(m: _Meta, tensors: dict, common: dict, eos: tuple[int, ...]) -> ModelConfig:
+    """ModelConfig of a "gemma4" GGUF (Gemma 4's text model), as llama.cpp reads and runs one
+    (src/models/gemma4.cpp; convert_hf_to_gguf.py's Gemma4Model):
+    - required keys (get_key without a default): attention.layer_norm_rms_epsilon,
+      attention.sliding_window, attention.sliding_window_pattern (a bool a layer: sliding),
+      attention.key_length_swa / value_length_swa (the sliding layers' head length; key_length /
+      value_length the full-attention layers'; key = value length for each, as llama.cpp
+      demands), embedding_length_per_layer_input (0: no per-layer inputs);
+      attention.head_count_kv and feed_forward_length may be lists, one value a layer (the
+      converter writes the two layer types' KV heads, and the doubled MLP of the KV-sharing
+      layers with use_double_wide_mlp); attention.shared_kv_layers (default 0): the last layers
+      read the KV of layer n_kv - 2 (sliding) or n_kv - 1 (full), n_kv the layers that store
+      their own — llama.cpp's reuse rule, which must agree with "the last earlier layer of its
+      type" (HF's);
+    - rope: NEOX style (q/k rows unpermuted); rope.freq_base the full-attention layers',
+      rope.freq_base_swa (default the same) the sliding ones'; rope.dimension_count(_swa) must be
+      each type's head length: the full-attention layers' partial ("proportional") rotation is
+      the `rope_freqs` tensor the converter writes, a frequency divisor per pair: 1 for the
+      first head_dim * partial_rotary_factor / 2 pairs, 1e30 (unrotated) for the rest;
+    - the graph: embeddings x sqrt(D), q / k RMS-normed with weights and v without, softmax
+      scale 1, sandwich norms, gelu-tanh MLPs; no `attn_v` on a layer (use_alternative_attention)
+      means V = K (only the full-attention layers, all of them, are supported so); a router
+      `ffn_gate_inp` in a layer means experts beside its MLP (in every layer, or none):
+      router input rms_norm(x) / sqrt(D) x `ffn_gate_inp.scale`, softmax, top k renormalised,
+      each expert's output x `ffn_down_exps.scale`, experts `ffn_gate_up_exps` (gate rows then
+      up rows) or `ffn_gate_exps` + `ffn_up_exps`; `layer_output_scale` (a layer's output
+      multiplier), in every layer or none; norm weights stored as their multipliers (the
+      converter adds nothing, unlike Gemma 3's)."""
+    a = "gemma4."
+    src = m.source
+    n, hidden, n_heads = common["num_layers"], common["hidden_size"], common["num_heads"]
+    m.number(a + "attention.layer_norm_rms_epsilon")  # required by llama.cpp
+    window = m.integer(a + "attention.sliding_window", least=1)
+    pattern = m.get(a + "attention.sliding_window_pattern")
+    if pattern is None:
+        raise CheckpointError(f"{src}: GGUF metadata key "
+                              f"{a + 'attention.sliding_window_pattern'!r} is missing")
+    if isinstance(pattern, bool):
+        pattern = [pattern] * n
+    if not isinstance(pattern, list) or len(pattern) != n or any(
+            not isinstance(x, bool) for x in pattern):
+        raise CheckpointError(f"{src}: GGUF metadata key {a + 'attention.sliding_window_pattern'!r}"
+                              f" must hold {n} bools (one a layer: sliding), got {_short(pattern)}")
+    local = [i for i in range(n) if pattern[i]]
+    full = [i for i in range(n) if not pattern[i]]
+    g_len = m.integer(a + "attention.key_length", hidden // n_heads, least=1)
+    l_len = m.integer(a + "attention.key_length_swa", least=1)
+    for key, k_len in (("attention.value_length", g_len), ("attention.value_length_swa", l_len)):
+        v_len = m.integer(a + key, g_len if key == "attention.value_length" else _MISSING,
+                          least=1)
+        if v_len != k_len:
+            raise CheckpointError(f"{src}: GGUF metadata key {a + key!r} is {v_len}, must equal "
+                                  f"the key length {k_len} (Gemma 4)")
+    kv = _per_layer(m, a + "attention.head_count_kv", n, n_heads)
+    kv_l, kv_g = {kv[i] for i in local}, {kv[i] for i in full}
+    if len(kv_l) > 1 or len(kv_g) > 1:
+        raise CheckpointError(f"{src}: attention.head_count_kv {kv}: each layer type must have "
+                              f"one count")
+    kv_l = kv_l.pop() if local else kv_g.pop()
+    kv_g = kv_g.pop() if full else kv_l
+    theta = m.number(a + "rope.freq_base", 10_000.0)
+    g_rot = m.integer(a + "rope.dimension_count", g_len, least=1)
+    l_rot = m.integer(a + "rope.dimension_count_swa", g_rot, least=1)
+    if (full and g_rot != g_len) or (local and l_rot != l_len):
+        raise CheckpointError(
+            f"{src}: rope.dimension_count {g_rot} / rope.dimension_count_swa {l_rot} must be the "
+            f"head lengths {g_len} / {l_len} (partial rotation only through rope_freqs)")
+    kind = m.string(a + "rope.scaling.type", "none")
+    factor = m.number(a + "rope.scaling.factor", 1.0)
+    attn_factor = m.number(a + "rope.scaling.attn_factor", 1.0)
+    if kind not in ("none", "linear") or factor not in (0.0, 1.0) or attn_factor != 1.0:
+        raise CheckpointError(f"{src}: rope scaling {kind!r} (factor {factor}, attn_factor "
+                              f"{attn_factor}) is not supported for gemma4")
+    scaling = _gemma4_rope_freqs(m, tensors, g_len) if full else None
+    shared = m.integer(a + "attention.shared_kv_layers", 0, least=0)
+    first = n - shared
+    if first < 1:
+        raise CheckpointError(f"{src}: attention.shared_kv_layers {shared} leaves no layer of "
+                              f"the {n} storing its KV")
+    for i in range(first, n):  # llama.cpp's reuse rule vs the last earlier layer of the type
+        theirs = first - (2 if pattern[i] else 1)
+        ours = next((j for j in range(first - 1, -1, -1) if pattern[j] == pattern[i]), None)
+        if theirs != ours:
+            raise CheckpointError(
+                f"{src}: KV-sharing layer {i} reads layer {theirs} in llama.cpp, not the last "
+                f"earlier layer of its type ({ours}); not supported")
+    no_v = [i for i in range(first) if f"blk.{i}.attn_v.weight" not in tensors]
+    if no_v and no_v != [i for i in full if i < first]:
+        raise CheckpointError(f"{src}: layers {no_v} have no attn_v (V = K): only every "
+                              f"full-attention layer's may be missing")
+    ffn = _per_layer(m, a + "feed_forward_length", n)
+    double = any(f != ffn[0] for f in ffn)
+    if ffn[:first] != [ffn[0]] * first or ffn[first:] != [ffn[0] * (2 if double else 1)] * shared:
+        raise CheckpointError(f"{src}: feed_forward_length {ffn}: the layers must share one "
+                              f"length, the KV-sharing ones' doubled or not")
+    ple = m.integer(a + "embedding_length_per_layer_input", least=0)
+    if ple:
+        t = tensors.get("per_layer_token_embd.weight")
+        want = [ple * n, common["vocab_size"]]
+        if t is None or _ggml_shape([int(x) for x in t.shape]) != want:
+            raise CheckpointError(
+                f"{src}: embedding_length_per_layer_input {ple} needs a tensor "
+                f"'per_layer_token_embd.weight' of ne {want}, "
+                + ("missing" if t is None else f"got {[int(x) for x in t.shape]}"))
+    scalars = [i for i in range(n) if f"blk.{i}.layer_output_scale.weight" in tensors]
+    if scalars and len(scalars) != n:
+        raise CheckpointError(f"{src}: layer_output_scale in layers {scalars} only (all or none "
+                              f"are supported)")
+    routers = [i for i in range(n) if f"blk.{i}.ffn_gate_inp.weight" in tensors]
+    if routers and len(routers) != n:
+        raise CheckpointError(f"{src}: experts (ffn_gate_inp) in layers {routers} only (all or "
+                              f"none are supported)")
+    experts = _gemma4_experts(m, tensors, hidden, n) if routers else {}
+    return ModelConfig(
+        family="gemma4",
+        **(common | dict(head_dim=l_len if local else g_len, num_kv_heads=kv_l,
+                         intermediate_size=ffn[0])),
+        eos_token_ids=eos,
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rope_local_theta=m.number(a + "rope.freq_base_swa", theta),
+        activation="gelu_tanh",
+        qk_norm=True,
+        sandwich_norms=True,
+        embed_scale=math.sqrt(hidden),
+        query_pre_attn_scalar=1.0,
+        sliding_window=window,
+        layer_types=tuple("local" if s else "global" for s in pattern),
+        final_logit_softcap=_opt_float(m.number(a + "final_logit_softcapping", None)),
+        global_head_dim=g_len if local and full and g_len != l_len else 0,
+        global_kv_heads=kv_g if local and full and kv_g != kv_l else 0,
+        global_k_eq_v=bool(no_v),
+        v_norm=True,
+        kv_shared_layers=shared,
+        double_wide_shared_mlp=double,
+        per_layer_input_size=ple,
+        per_layer_vocab=common["vocab_size"] if ple else 0,
+        moe_block=bool(routers),
+        layer_scalar=bool(scalars),
+        **experts,
+    )
+
+
+def _gemma4_rope_freqs(m: _Meta, tensors: dict, head_dim: int) -> RopeScaling | None:
+    """The full-attention layers' proportional rope from `rope_freqs.weight` (see _gemma4)."""
+    t = tensors.get("rope_freqs.weight")
+    if t is None:
+        raise CheckpointError(f"{m.source}: gemma4 needs a 'rope_freqs.weight' tensor (the "
+                              f"full-attention layers' rope frequencies)")
+    f = np.asarray(_dequantize(t, m.source), np.float64).reshape(-1)
+    k = int(np.argmin(f == 1.0)) if not np.all(f == 1.0) else f.size
+    if f.size != head_dim // 2 or np.any(f[k:] < 1e29):
+        raise CheckpointError(
+            f"{m.source}: rope_freqs.weight must hold {head_dim // 2} values, 1 for the rotated "
+            f"pairs then 1e30 for the rest; got {f.size} values "
+            f"{_short([float(x) for x in f[:8]])}")
+    if k == f.size:
+        return None
+    return RopeScaling(kind="proportional", factor=1.0, partial_rotary_factor=2 * k / head_dim)
+
+
+def _gemma4_experts(m: _Meta, tensors: dict, hidden: int, n_layers: int) -> dict:
+    """Gemma 4's expert fields, checked against every layer's tensors."""
+    a = "gemma4."
+    src = m.source
+    n = m.integer(a + "expert_count", least=1)
+    used = m.integer(a + "expert_used_count", least=1)
+    f = m.integer(a + "expert_feed_forward_length", least=1)
+    implied = f"{a}expert_count {n}, embedding_length {hidden}, expert length {f}"
+    for i in range(n_layers):
+        fused = f"blk.{i}.ffn_gate_up_exps.weight" in tensors
+        want = {"ffn_gate_inp.weight": [hidden, n], "ffn_gate_inp.scale": [hidden],
+                "ffn_down_exps.scale": [n], "ffn_down_exps.weight": [f, hidden, n]}
+        want |= ({"ffn_gate_up_exps.weight": [hidden, 2 * f, n]} if fused else
+                 {"ffn_gate_exps.weight": [hidden, f, n], "ffn_up_exps.weight": [hidden, f, n]})
+        for kind, ne in want.items():
+            name = f"blk.{i}.{kind}"
+            t = tensors.get(name)
+            if t is None:
+                raise CheckpointError(f"{src}: layer {i} has a router but no {name!r}")
+            got = [int(x) for x in t.shape]
+            if _ggml_shape(got) != _ggml_shape(ne):
+                raise CheckpointError(f"{src}: tensor {name!r} has ne {got}, the metadata "
+                                      f"implies {ne} ({implied})")
+    return dict(num_experts=n, experts_per_token=used, moe_intermediate_size=f,
+                norm_topk_prob=True)
 
 
 # A mixture-of-experts layer's tensors -> their ne (ggml order) for D, expert F, E experts
@@ -615,8 +1049,15 @@ def _mlp_plan(suffix: str = "") -> dict[str, tuple[str, Callable]]:
     return {f"ffn_{p}{suffix}.weight": (f"w_{p}", lambda w: w.T) for p in ("gate", "up", "down")}
 
 
-def gguf_tensor_plan(cfg: ModelConfig, arch: str) -> dict[str, tuple[str, Callable]]:
-    """GGUF tensor name -> (our param path, transform from the numpy [out, in] layout)."""
+def gguf_tensor_plan(cfg: ModelConfig, arch: str, names: frozenset[str] = frozenset()
+                     ) -> dict[str, tuple[str, Callable] | list]:
+    """GGUF tensor name -> (our param path, transform from the numpy [out, in] layout), or a
+    list of them where one tensor holds several params. `names`: the file's tensor names
+    (deepseek2: which of its two attention layouts the file has)."""
+    if arch == "deepseek2":
+        return _deepseek2_plan(cfg, split="blk.0.attn_kv_b.weight" not in names)
+    if arch == "gemma4":
+        return _gemma4_plan(cfg, names)
     d, hq, hkv, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     ident = lambda w: w  # noqa: E731
     perm_q = _unpermute_rows(hq) if arch == "llama" else ident
@@ -676,6 +1117,117 @@ def gguf_tensor_plan(cfg: ModelConfig, arch: str) -> dict[str, tuple[str, Callab
             layer |= {f"ffn_{p}_exps.bias": (f"we_{p}_b", ident) for p in ("gate", "up", "down")}
         for k, (field, fn) in layer.items():
             plan[f"blk.{i}.{k}"] = (f"layers.{i}.{field}", fn)
+    return plan
+
+
+def _deepseek2_plan(cfg: ModelConfig, split: bool) -> dict[str, tuple[str, Callable] | list]:
+    """deepseek2's tensors -> the latent attention's params (runtime/device/mla.py) and the
+    routed / shared experts. `split`: `attn_k_b` numpy [H, C, N] and `attn_v_b` numpy [H, V, C]
+    (the current converter), else `attn_kv_b` numpy [H * (N + V), C] (HF's kv_b_proj). The rope
+    dims of q_b (or q) and kv_a_mqa come interleaved, as in HF's checkpoint, and are reordered
+    to evens then odds (see _deepseek2)."""
+    d, h, c, r = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    n, v = cfg.qk_nope_head_dim, cfg.v_head_dim
+    rope_order = np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2)])
+    q_order = np.concatenate([np.arange(n), n + rope_order])
+    kv_a_order = np.concatenate([np.arange(c), c + rope_order])
+    ident = lambda w: w  # noqa: E731
+
+    def q_out(w):  # numpy [H * (N + R), in] -> [in, H, N + R], rope dims reordered
+        return w.T.reshape(w.shape[1], h, n + r)[..., q_order]
+
+    layer = {
+        "attn_norm.weight": ("attn_norm", ident),
+        "attn_kv_a_mqa.weight": ("wkv_a", lambda w: w.T[:, kv_a_order]),  # [D, C + R]
+        "attn_kv_a_norm.weight": ("kv_a_norm", ident),
+        "attn_output.weight": ("wo", lambda w: w.T.reshape(h, v, d)),
+        "ffn_norm.weight": ("mlp_norm", ident),
+    }
+    if cfg.q_lora_rank:
+        layer |= {"attn_q_a.weight": ("wq_a", lambda w: w.T),
+                  "attn_q_a_norm.weight": ("q_a_norm", ident),
+                  "attn_q_b.weight": ("wq_b", q_out)}
+    else:
+        layer["attn_q.weight"] = ("wq", q_out)
+    if split:
+        layer |= {"attn_k_b.weight": ("w_uk", lambda w: w.transpose(0, 2, 1)),  # [H, N, C]
+                  "attn_v_b.weight": ("w_uv", lambda w: w.transpose(0, 2, 1))}  # [H, C, V]
+    else:
+        layer["attn_kv_b.weight"] = [
+            ("w_uk", lambda w: w.reshape(h, n + v, c)[:, :n]),
+            ("w_uv", lambda w: w.reshape(h, n + v, c)[:, n:].transpose(0, 2, 1))]
+    moe = _EXPERT_PLAN | {"exp_probs_b.bias": ("router_choice_b", ident)}
+    if cfg.shared_expert_size:
+        moe |= _mlp_plan("_shexp")
+    plan = {"token_embd.weight": ("embed", ident), "output_norm.weight": ("final_norm", ident)}
+    if not cfg.tie_word_embeddings:
+        plan["output.weight"] = ("lm_head", ident)
+    for i in range(cfg.num_layers):
+        for k, entry in (layer | (moe if cfg.layer_has_experts(i) else _mlp_plan())).items():
+            plan[f"blk.{i}.{k}"] = ([(f"layers.{i}.{f}", fn) for f, fn in entry]
+                                    if isinstance(entry, list) else (f"layers.{i}.{entry[0]}",
+                                                                     entry[1]))
+    return plan
+
+
+def _gemma4_plan(cfg: ModelConfig, names: frozenset[str]
+                 ) -> dict[str, tuple[str, Callable] | list]:
+    """gemma4's tensors (see _gemma4) -> Gemma 4's params: per layer its type's head length and
+    KV heads; the KV-sharing layers have no K / V / k_norm, full-attention layers with V = K no
+    V; the experts fused ([E, 2F, D]: gate rows then up rows) or apart ([E, F, D] each)."""
+    d, hq, f_e = cfg.hidden_size, cfg.num_heads, cfg.moe_intermediate_size
+    same = lambda w: w  # noqa: E731
+    t = lambda w: w.T  # noqa: E731
+    exps = lambda w: w.swapaxes(1, 2)  # noqa: E731  numpy [E, out, in] -> [E, in, out]
+    plan = {"token_embd.weight": ("embed", same), "output_norm.weight": ("final_norm", same)}
+    if not cfg.tie_word_embeddings:
+        plan["output.weight"] = ("lm_head", same)
+    if cfg.per_layer_input_size:
+        plan |= {"per_layer_token_embd.weight": ("embed_per_layer", same),
+                 "per_layer_model_proj.weight": ("ple_model_proj", t),
+                 "per_layer_proj_norm.weight": ("ple_proj_norm", same)}
+    for i in range(cfg.num_layers):
+        dh, hkv = cfg.layer_head_dim(i), cfg.layer_kv_heads(i)
+        layer = {
+            "attn_norm.weight": ("attn_norm", same),
+            "attn_q.weight": ("wq", lambda w, dh=dh: w.T.reshape(-1, hq, dh)),
+            "attn_q_norm.weight": ("q_norm", same),
+            "attn_output.weight": ("wo", lambda w, dh=dh: w.T.reshape(hq, -1, d)),
+            "post_attention_norm.weight": ("post_attn_norm", same),
+            "ffn_norm.weight": ("mlp_norm", same),
+            "post_ffw_norm.weight": ("post_mlp_norm", same),
+            **_mlp_plan(),
+        }
+        if cfg.layer_scalar:
+            layer["layer_output_scale.weight"] = ("scalar", same)
+        if cfg.layer_kv_source(i) == i:
+            kv = lambda w, dh=dh, hkv=hkv: w.T.reshape(-1, hkv, dh)  # noqa: E731
+            layer |= {"attn_k.weight": ("wk", kv), "attn_k_norm.weight": ("k_norm", same)}
+            if not cfg.layer_k_eq_v(i):
+                layer["attn_v.weight"] = ("wv", kv)
+        if cfg.per_layer_input_size:
+            layer |= {"inp_gate.weight": ("ple_gate", t), "proj.weight": ("ple_proj", t),
+                      "post_norm.weight": ("ple_norm", same)}
+        if cfg.moe_block:
+            layer |= {
+                "ffn_gate_inp.weight": ("router", t),
+                "ffn_gate_inp.scale": ("router_scale", same),
+                "ffn_down_exps.scale": ("expert_scale", same),
+                "ffn_down_exps.weight": ("we_down", exps),
+                "post_ffw_norm_1.weight": ("mlp_out_norm", same),
+                "pre_ffw_norm_2.weight": ("expert_in_norm", same),
+                "post_ffw_norm_2.weight": ("expert_out_norm", same),
+            }
+            if f"blk.{i}.ffn_gate_up_exps.weight" in names:
+                layer["ffn_gate_up_exps.weight"] = [
+                    ("we_gate", lambda w: exps(w[:, :f_e])), ("we_up", lambda w: exps(w[:, f_e:]))]
+            else:
+                layer |= {"ffn_gate_exps.weight": ("we_gate", exps),
+                          "ffn_up_exps.weight": ("we_up", exps)}
+        for k, entry in layer.items():
+            plan[f"blk.{i}.{k}"] = ([(f"layers.{i}.{f}", fn) for f, fn in entry]
+                                    if isinstance(entry, list) else (f"layers.{i}.{entry[0]}",
+                                                                     entry[1]))
     return plan
 
 
@@ -800,10 +1352,11 @@ def load_gguf(path: str | os.PathLike, dtype=jnp.float32, *, reader=None, place=
     cfg = gguf_config(reader, source)
     arch = architecture(reader, source)
     _check_unsupported_types(reader, source)
-    plan = gguf_tensor_plan(cfg, arch)
+    plan = gguf_tensor_plan(cfg, arch, frozenset(t.name for t in reader.tensors))
     # the matmul weights' blocks are decoded once; kept, or widened on the device
-    blocks = frozenset(name for name, (target, _) in plan.items()
-                       if weight_name(target) in WEIGHT_REDUCE_AXES)
+    blocks = frozenset(name for name, entry in plan.items()
+                       if not isinstance(entry, list) and weight_name(entry[0])
+                       in WEIGHT_REDUCE_AXES)
     tensors = iter_gguf_tensors(reader, source, blocks, keep_quantized)
     try:
         params = assemble_params(cfg, tensors, plan, dtype, place)

@@ -228,7 +228,13 @@ def _gemma4(hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
     if over and (set(over) != set(glob) or len(set(over.values())) != 1):
         raise ConfigError(f"per_layer_config {per_layer}: every global layer must take the same "
                           f"head_dim / num_key_value_heads")
-    g_dim, g_kv = next(iter(over.values())) if over else (0, 0)
+    if over:
+        g_dim, g_kv = next(iter(over.values()))
+    else:  # as transformers builds per_layer_config when a config has none: global layers
+        # take global_head_dim (512 unset) and, with attention_k_eq_v, num_global_key_value_heads
+        g_dim = int(hf.get("global_head_dim") or 512)
+        g_kv = int(hf.get("num_global_key_value_heads") or 0) if hf.get(
+            "attention_k_eq_v", False) else 0
     rp = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
     full, local = rp.get("full_attention") or {}, rp.get("sliding_attention") or {}
     if local.get("rope_type", "default") != "default":

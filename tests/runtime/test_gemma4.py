@@ -107,6 +107,12 @@ def test_bad_config_fields_are_config_errors(bad, word):
                 num_kv_shared_layers=2)
     cfg = from_hf_config(base)
     assert (cfg.global_head_dim, cfg.global_kv_heads, cfg.kv_shared_layers) == (16, 1, 2)
+    # Google's configs name them directly (transformers then builds per_layer_config)
+    direct = {k: v for k, v in base.items() if k != "per_layer_config"}
+    cfg = from_hf_config({**direct, "global_head_dim": 16, "num_global_key_value_heads": 1,
+                          "attention_k_eq_v": True})
+    assert (cfg.global_head_dim, cfg.global_kv_heads) == (16, 1)
+    assert from_hf_config(direct).global_head_dim == 512  # transformers' default
     with pytest.raises(ConfigError, match=word):
         from_hf_config({**base, **bad})
 
