@@ -23,6 +23,19 @@ measured. Sections, in order:
   moe        a random-init Qwen3-30B-A3B-shaped MoE (128 experts, top 8; 12 of its 48 layers)
              in bf16: batch-1 and 64-way decode tok/s (first run, then steady state), and int8
              experts at batch 1.
+  deepseek_v3
+             a random-init DeepSeek-V3-shaped model in bf16: multi-head latent attention (128
+             heads, kv_lora_rank 512, q_lora_rank 1536, nope 128 / rope 64 / v 128 dims), 256
+             experts of 2048 (top 8 of the best 4 of 8 groups, sigmoid scores, scaled 2.5) and a
+             shared expert of 2048, vocabulary 129280; 2 of its 61 layers, the first dense (MLP
+             18432), the second MoE, so its ~28 GB of weights fit an 80 GB H100. Batch-1 and
+             64-way decode tok/s (first run, then steady state); the latent KV cache's bytes per
+             token against the K and V of the 128 heads it stands for (their ratio: 71x).
+  gpt_oss    a random-init gpt-oss-20b-shaped model in bf16 (64 query / 8 KV heads of 64,
+             attention sinks, q/k/v/o and router and expert biases, 32 experts of 2880, top 4,
+             clamped GLU; a 128-token sliding window on alternate layers; YaRN rope, factor 32
+             over 4096; vocabulary 201088); 4 of its 24 layers. Batch-1 and 64-way decode tok/s
+             (first run, then steady state).
 
 Three sets of shapes (`Shapes`), one code path:
   full       the shapes above: the default on a TPU or GPU. On CPU, where they would take hours
@@ -31,15 +44,21 @@ Three sets of shapes (`Shapes`), one code path:
              run it).
   --cpu-scale N
              CPU only (refused with exit status 2 on a TPU or GPU, where the full shapes run).
-             Every kernel case, layout, bandwidth grid point and engine / moe batch of the full
-             run, with its dimensions divided by N. Rounded up: KV lengths, query lengths over 16
-             (decode and verify queries are kept), contexts, prompt and output lengths (decode
-             rates over at least 8 new tokens), hidden / MLP / expert widths and vocabulary.
-             Rounded down, at least 1: layers and KV heads (query heads keep the model's GQA
-             ratio). Kept: batch sizes, request counts, slots, head_dim, page sizes, the kernel
-             cases' GQA and dtypes, expert count and top-k. Kernels run in interpret mode. Each
-             row of a scaled run has a `shape` cell "nominal -> run": its figures are those of
-             the shapes run, not of the nominal ones. N=16 takes about 8 minutes on 2 cores.
+             Every kernel case, layout, bandwidth grid point and engine section's batch of the
+             full run, with its dimensions divided by N. Rounded up: KV lengths, query lengths
+             over 16 (decode and verify queries are kept), contexts, prompt and output lengths
+             (decode rates over at least 8 new tokens), sliding windows, hidden / MLP / expert /
+             shared expert widths, latent attention's kv_lora_rank and q_lora_rank, and
+             vocabulary. Rounded down, at least 1: layers (an MoE model's dense first layers and
+             its MoE layers apart; sliding and full layers keep one of each) and KV heads (query
+             heads keep the model's GQA ratio; latent attention keeps its one KV head and
+             divides the query heads). Kept: batch sizes, request counts, slots, head_dim
+             (latent attention: its rope, nope and v dims, head_dim = the divided kv_lora_rank
+             + rope), page sizes, the kernel cases' GQA and dtypes, expert count, groups and
+             top-k. Kernels run in interpret mode. Each row of a scaled run has a `shape` cell
+             "nominal -> run": its figures are those of the shapes run, not of the nominal
+             ones. N=16 takes about 8 minutes on 2 cores, the deepseek_v3 and gpt_oss sections
+             a minute or two more.
 """
 
 from __future__ import annotations
@@ -54,6 +73,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxinfer.runtime.config import RopeScaling
 from jaxinfer.runtime.host.tokenizer import Tokenizer
 
 # JAX and the kernels are imported where they run: `jaxinfer --help` registers this command
@@ -70,6 +90,37 @@ QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144
                      moe_intermediate_size=768, norm_topk_prob=True)
 TINY_MOE = dict(TINY_LLAMA, qk_norm=True, num_experts=16, experts_per_token=4,
                 moe_intermediate_size=32, norm_topk_prob=True)
+# DeepSeek-V3's attention and expert dims; 2 of its 61 layers (the first dense, the second MoE);
+# softmax scale (nope + rope)^-0.5 (its YaRN mscale left out: rope scaling does not change speed)
+DEEPSEEK_V3 = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, num_layers=2,
+                   num_heads=128, num_kv_heads=1, head_dim=512 + 64, kv_lora_rank=512,
+                   q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                   query_pre_attn_scalar=128.0 + 64, num_experts=256, experts_per_token=8,
+                   moe_intermediate_size=2048, shared_expert_size=2048, dense_layers=(0,),
+                   norm_topk_prob=True, router_scoring="sigmoid", router_groups=8,
+                   router_topk_groups=4, routed_scaling=2.5)
+# head_dim 48 + 16 = 64: the TPU kernel's multiple of 64
+TINY_DEEPSEEK_V3 = dict(DEEPSEEK_V3, vocab_size=512, hidden_size=64, intermediate_size=128,
+                        num_heads=4, head_dim=48 + 16, kv_lora_rank=48, q_lora_rank=32,
+                        qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+                        query_pre_attn_scalar=16.0 + 16, num_experts=16, experts_per_token=4,
+                        moe_intermediate_size=32, shared_expert_size=32, router_groups=4,
+                        router_topk_groups=2)
+# gpt-oss-20b's dims; 4 of its 24 layers, sliding (window 128) and full alternating
+GPT_OSS_20B = dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_layers=4,
+                   num_heads=64, num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5,
+                   rope_theta=150000.0, sliding_window=128, layer_types=("local", "global") * 2,
+                   rope_scaling=RopeScaling(kind="yarn", factor=32.0,
+                                            original_max_position_embeddings=4096,
+                                            truncate=False),
+                   qkv_bias=True, num_experts=32, experts_per_token=4,
+                   moe_intermediate_size=2880, norm_topk_prob=True, attn_sinks=True,
+                   attn_out_bias=True, router_bias=True, expert_bias=True, swiglu_limit=7.0,
+                   swiglu_alpha=1.702)
+TINY_GPT_OSS = dict(GPT_OSS_20B, vocab_size=512, hidden_size=64, intermediate_size=32,
+                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, sliding_window=8,
+                    layer_types=("local", "global"), num_experts=8, experts_per_token=2,
+                    moe_intermediate_size=32)
 
 
 
@@ -153,17 +204,45 @@ class Shapes:
     def repeats(self) -> int:
         return 5 if self.kind == "full" else 3
 
-    # engine / moe
+    # the engine sections
     def model(self, full: dict, tiny: dict) -> dict:
-        """ModelConfig fields: `tiny` for smoke, `full` divided for a scaled run."""
+        """ModelConfig fields: `tiny` for smoke, `full` divided for a scaled run. Latent
+        attention keeps its one KV head and divides the query heads and the latent widths
+        (head_dim: the divided kv_lora_rank + the kept rope dims); an MoE model's dense first
+        layers and its MoE layers are divided apart, and sliding / full layer types keep a
+        layer of each kind."""
         if self.smoke:
             return tiny
-        kv = max(1, full["num_kv_heads"] // self.div)
-        out = dict(full, num_layers=max(1, full["num_layers"] // self.div), num_kv_heads=kv,
-                   num_heads=kv * (full["num_heads"] // full["num_kv_heads"]))
-        for k in ("hidden_size", "intermediate_size", "vocab_size", "moe_intermediate_size"):
-            if k in full:
+        out = dict(full, **self._layers(full))
+        if full.get("kv_lora_rank"):
+            out.update(num_heads=max(1, full["num_heads"] // self.div),
+                       head_dim=self.n(full["kv_lora_rank"]) + full["qk_rope_head_dim"])
+        else:
+            kv = max(1, full["num_kv_heads"] // self.div)
+            out.update(num_kv_heads=kv, num_heads=kv * (full["num_heads"] // full["num_kv_heads"]))
+        for k in ("hidden_size", "intermediate_size", "vocab_size", "moe_intermediate_size",
+                  "shared_expert_size", "kv_lora_rank", "q_lora_rank", "sliding_window"):
+            if full.get(k):
                 out[k] = self.n(full[k])
+        return out
+
+    def _layers(self, full: dict) -> dict:
+        """num_layers (dense_layers, layer_types) of a scaled run: the dense first layers (an
+        MoE model's dense_layers, a prefix) and the other layers each divided, at least 1; at
+        least as many layers as it takes layer_types to show each of its kinds."""
+        n, types = full["num_layers"], tuple(full.get("layer_types", ()))
+        dense = len(full.get("dense_layers", ()))
+        if tuple(full.get("dense_layers", ())) != tuple(range(dense)):
+            raise ValueError(f"dense_layers {full['dense_layers']}: not the first layers")
+        kd = max(1, dense // self.div) if dense else 0
+        layers = kd + (max(1, (n - dense) // self.div) if n > dense else 0)
+        if types:
+            layers = max(layers, 1 + max(types.index(t) for t in set(types)))
+        out = dict(num_layers=layers)
+        if dense:
+            out["dense_layers"] = tuple(range(kd))
+        if types:
+            out["layer_types"] = types[:layers]
         return out
 
     @property
@@ -191,11 +270,24 @@ class Shapes:
 
 
 def model_desc(c: dict) -> str:
-    """Layers, width, query / KV heads, head_dim, MLP width, experts, vocabulary: one line."""
+    """Layers, width, attention (query / KV heads and head_dim, or latent attention's dims:
+    C kv_lora_rank, q q_lora_rank, N nope, R rope, V value), sliding-window layers, MLP width
+    (an MoE model's dense layers), experts (+ the shared expert's width), vocabulary: one
+    line."""
+    if c.get("kv_lora_rank"):
+        attn = (f"H{c['num_heads']} MLA C{c['kv_lora_rank']} q{c.get('q_lora_rank', 0)} "
+                f"N{c['qk_nope_head_dim']} R{c['qk_rope_head_dim']} V{c['v_head_dim']}")
+    else:
+        attn = f"H{c['num_heads']}/{c['num_kv_heads']} d{c['head_dim']}"
+    local = c.get("layer_types", ()).count("local")
+    window = f" {local} local w{c['sliding_window']}" if local else ""
+    dense = len(c.get("dense_layers", ()))
+    ff = (f" ff{c['intermediate_size']}" if not c.get("num_experts")
+          else f" {dense} dense ff{c['intermediate_size']}" if dense else "")
     moe = (f" E{c['num_experts']}/{c['experts_per_token']}x{c['moe_intermediate_size']}"
+           + (f"+{c['shared_expert_size']}" if c.get("shared_expert_size") else "")
            if c.get("num_experts") else "")
-    return (f"L{c['num_layers']} h{c['hidden_size']} H{c['num_heads']}/{c['num_kv_heads']} "
-            f"d{c['head_dim']} ff{c['intermediate_size']}{moe} V{c['vocab_size']}")
+    return f"L{c['num_layers']} h{c['hidden_size']} {attn}{window}{ff}{moe} V{c['vocab_size']}"
 
 
 # --------------------------------------------------------------------------------- the report
@@ -435,7 +527,8 @@ def bandwidth_section(rep: Report, shapes: Shapes, platform: str, mem_bytes: int
 
 def _decode_rate(eng, batch: int, prompt_len: int, new_tokens: int, seed: int) -> dict:
     """`batch` requests of random prompts: wall until every one has its first token (prefill),
-    then decode tokens/s and ms/step until all finish."""
+    then decode tokens/s and ms/step until all finish. A failed step (the engine ends its
+    requests with finish reason "error") aborts the rest and raises."""
     from jaxinfer.runtime.host.requests import SamplingParams
 
     rng = np.random.default_rng(seed)
@@ -443,13 +536,20 @@ def _decode_rate(eng, batch: int, prompt_len: int, new_tokens: int, seed: int) -
     rids = [eng.add_request(rng.integers(3, eng.cfg.vocab_size, prompt_len).tolist(), sp)
             for _ in range(batch)]
     t0, got = time.perf_counter(), {r: 0 for r in rids}  # tokens so far, by request
-    while not all(got.values()):
+
+    def step():
         for d in eng.step():
+            if d.finish_reason == "error":
+                for r in rids:
+                    eng.abort(r)
+                raise RuntimeError(d.error)
             got[d.request_id] += len(d.token_ids)
+
+    while not all(got.values()):
+        step()
     t1, tok1, steps = time.perf_counter(), sum(got.values()), 0
     while eng.num_unfinished:
-        for d in eng.step():
-            got[d.request_id] += len(d.token_ids)
+        step()
         steps += 1
     t2 = time.perf_counter()
     toks = sum(got.values()) - tok1
@@ -483,14 +583,36 @@ def moe_section(rep: Report, shapes: Shapes, bw: float) -> None:
                  else "Qwen3-30B-A3B shape (12 of 48 layers), random init", bw, formats=("int8",))
 
 
+def deepseek_v3_section(rep: Report, shapes: Shapes, bw: float) -> None:
+    _engine_rows(rep, "deepseek_v3", shapes, DEEPSEEK_V3, TINY_DEEPSEEK_V3,
+                 "tiny DeepSeek-V3 (latent attention, grouped sigmoid routing, shared expert, "
+                 "first layer dense)" if shapes.smoke
+                 else "DeepSeek-V3 shape (2 of 61 layers: the first dense, the second MoE, so "
+                      "the bf16 weights, ~28 GB, fit an H100's 80 GB), random init", bw,
+                 formats=())
+
+
+def gpt_oss_section(rep: Report, shapes: Shapes, bw: float) -> None:
+    _engine_rows(rep, "gpt_oss", shapes, GPT_OSS_20B, TINY_GPT_OSS,
+                 "tiny gpt-oss (sinks, biases, clamped GLU, sliding and full layers, YaRN)"
+                 if shapes.smoke else "gpt-oss-20b shape (4 of 24 layers), random init", bw,
+                 formats=())
+
+
+# name -> the section: a random-init model through the engine
+ENGINE_SECTIONS = {"engine": engine_section, "moe": moe_section,
+                   "deepseek_v3": deepseek_v3_section, "gpt_oss": gpt_oss_section}
+
+
 def _engine_rows(rep: Report, section: str, shapes: Shapes, full: dict, tiny: dict, model: str,
                  bw: float, formats: tuple[str, ...], mixed: bool = False) -> None:
     import jax
     import jax.numpy as jnp
 
-    """Decode rates of a random-init model at each batch (first run, then steady state), the
-    mixed workload continuous against static batches (`mixed`), then decode of its weights in
-    each of `formats` at batch 1."""
+    """Decode rates of a random-init model at each batch (first run, then steady state), its
+    latent KV cache against the expanded K/V (latent attention: `latent_kv`), the mixed
+    workload continuous against static batches (`mixed`), then decode of its weights in each
+    of `formats` at batch 1."""
     from jaxinfer.checkpoints.quantize import quantize_params
     from jaxinfer.runtime.config import EngineConfig, ModelConfig
     from jaxinfer.runtime.build import prepare
@@ -528,12 +650,19 @@ def _engine_rows(rep: Report, section: str, shapes: Shapes, full: dict, tiny: di
             try:
                 r = _decode_rate(eng, batch, prompt, new, seed=batch)
             except Exception as e:
-                rep.row(section, dict(weights="float", batch=batch, run=run, **lens_tag,
+                rep.row(section, dict(weights=dname, batch=batch, run=run, **lens_tag,
                                        error=f"{type(e).__name__}: {str(e)[:200]}"))
                 break
             rep.row(section, dict(weights=dname, batch=batch, run=run, **lens_tag,
                                    wall_s=time.perf_counter() - t0,
                                    compiles=eng.compile_count - c0, **r))
+    if cfg.latent_attention:
+        try:
+            rep.row(section, dict(weights=dname, batch="kv", **shapes.tag(
+                model_desc(full), model_desc(fields)), **latent_kv(eng.cache, cfg)))
+        except Exception as e:
+            rep.row(section, dict(weights=dname, batch="kv",
+                                  error=f"{type(e).__name__}: {str(e)[:200]}"))
     del eng
     if mixed:
         m, n = shapes.mixed, (MIXED_FULL["prompt"], MIXED_FULL["output"])
@@ -564,6 +693,18 @@ def _engine_rows(rep: Report, section: str, shapes: Shapes, full: dict, tiny: di
         except Exception as e:
             rep.row(section, dict(weights=fmt, batch=1, **lens_tag,
                                    error=f"{type(e).__name__}: {str(e)[:200]}"))
+
+
+def latent_kv(cache, cfg) -> dict:
+    """The engine's latent KV cache: bytes a token takes (every layer's pool) against the
+    expanded K (H heads of nope + rope dims) and V (H heads of v dims) it stands for, at the
+    pool's itemsize, and their ratio."""
+    latent = cache.bytes_per_token
+    itemsize = cache.k[0].dtype.itemsize
+    expanded = cfg.num_layers * cfg.num_heads * (
+        cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) * itemsize
+    return dict(kv_bytes_per_token=latent, expanded_kv_bytes_per_token=expanded,
+                kv_compression=expanded / latent)
 
 
 MIXED_FULL = Shapes().mixed
@@ -632,10 +773,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="tiny shapes, 8 kernel cases, interpret-mode kernels (runs on CPU)")
     g.add_argument("--cpu-scale", type=_scale, default=None, metavar="N",
                    help="CPU only (refused on a TPU or GPU): every kernel case, layout, bandwidth "
-                        "grid point and engine / moe batch of the full run, with lengths, head "
+                        "grid point and engine section batch of the full run, with lengths, head "
                         "counts, model widths, layers and vocabulary divided by N; each row's "
-                        "shape column says nominal -> run. 16: about 8 minutes on 2 cores")
-    p.add_argument("--sections", default="env,kernels,bandwidth,engine,moe")
+                        "shape column says nominal -> run. 16: about 10 minutes on 2 cores")
+    p.add_argument("--sections", default=",".join(["env", "kernels", "bandwidth",
+                                                   *ENGINE_SECTIONS]),
+                   help="comma-separated, run in this order (default: %(default)s)")
     p.add_argument("--platform", default=None, choices=["tpu", "gpu"],
                    help="kernel to run (default: the device's; 'tpu' in interpret mode on CPU)")
 
@@ -686,10 +829,10 @@ def cmd(args) -> int:
                 kernels_section(rep, shapes, platform)
             elif name == "bandwidth":
                 bw = bandwidth_section(rep, shapes, platform, mem)
-            elif name in ("engine", "moe"):
+            elif name in ENGINE_SECTIONS:
                 if bw is None:
                     bw = copy_bandwidth(shapes.copy_bytes, 3)
-                (engine_section if name == "engine" else moe_section)(rep, shapes, bw)
+                ENGINE_SECTIONS[name](rep, shapes, bw)
             elif name != "env":
                 raise ValueError(f"unknown section {name!r}")
         except Exception:

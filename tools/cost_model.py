@@ -1,23 +1,41 @@
 """The cost model on paper: predicted decode step time and tokens/s of the jitted step on TPUs
 and GPUs, from XLA's cost analysis of that step and the chips' published peaks.
 
-    python -m jaxinfer.tools.cost_model --out docs/cost_model.md   # ~2 min on 2 CPU cores
+    python -m jaxinfer.tools.cost_model --out docs/cost_model.md   # ~10 min on 2 CPU cores
 
-For each model shape (Llama-3-8B, -70B), tensor parallel degree and batch, the decode step
-(one token per sequence, every sequence at `--context` tokens, the XLA attention path) is
-compiled for CPU devices standing in for the chips, sharded as the engine shards it, and
-`compiled.cost_analysis()` gives one device's FLOPs and bytes accessed. Layers are identical,
-so the step is compiled at 1 and 2 layers and the per-layer cost extrapolated (exact: the
-tests check it at 3). It is compiled in f32 and its bytes halved for bf16: XLA:CPU widens a
-bf16 dot's weights to f32 first, which would count every weight five times (measured: 79.7 GB
-for Llama-3-8B batch 1, whose bf16 weights are 16.1 GB).
+For each model shape (Llama-3-8B, -70B, DeepSeek-V3, gpt-oss-120b), tensor parallel degree
+and batch, the decode step (one token per sequence, every sequence at `--context` tokens, the
+XLA attention path) is compiled for CPU devices standing in for the chips, sharded as the
+engine shards it, and `compiled.cost_analysis()` gives one device's FLOPs and bytes accessed.
+The step is compiled for a model of one layer of each kind (dense or MoE MLP, sliding or full
+attention) and for that model with each kind's layer doubled, and the whole model's cost
+extrapolated from the differences (`extrapolated`; exact: the tests compile whole models). It
+is compiled in f32 and its bytes halved for bf16: XLA:CPU widens a bf16 dot's weights to f32
+first, which would count every weight five times (measured: 79.7 GB for Llama-3-8B batch 1,
+whose bf16 weights are 16.1 GB).
+
+Mixture-of-experts layers are compiled as dense ones as wide as a token's active experts plus
+the shared expert, the router's product added by hand (`step_cost`; XLA:CPU's own expert form
+loops over blocks of rows, and XLA's cost analysis counts a loop's body once): a token's FLOPs
+are its experts', and XLA's bytes one token's experts' weights (the floor's: the batch's).
+Latent attention (DeepSeek-V3) is compiled as the engine runs it: absorbed up-projections,
+attention over the one cached head of kv_lora_rank + rope dims.
 
 Two byte counts per step: XLA's (the XLA attention path gathers each sequence's pages before
-attending, so it reads and writes the KV about three times) and the floor (weights + KV read
-once: the Pallas kernels' goal, whose custom calls XLA's cost analysis cannot see into). The
-prediction on a chip is the roofline max(FLOPs / peak FLOP/s, floor bytes / HBM bandwidth);
-the larger term names the bound. Not modelled: tensor-parallel all-reduces (two of
-[batch, hidden] per layer), launch and host overheads.
+attending, so it reads and writes the KV about three times) and the floor (`floor_bytes`:
+weights the batch multiplies + KV read once: the Pallas kernels' goal, whose custom calls
+XLA's cost analysis cannot see into). The floor's weights: every dense projection and the
+vocabulary projection, and per MoE layer its router, shared expert and the distinct routed
+experts `batch` tokens choose were routing uniform (`routed_experts`: k at batch 1, nearly
+every expert at batch 256); its KV: each layer's heads over the context, a sliding layer's
+over at most its window, latent attention's one head of kv_lora_rank + rope dims (its K and
+V). The prediction on a chip is the roofline max(FLOPs / peak FLOP/s, floor bytes / HBM
+bandwidth); the larger term names the bound. Not modelled: tensor-parallel all-reduces (two
+of [batch, hidden] per layer) and expert parallelism's load imbalance (every device is
+assumed to hold 1 / tp of the weights read: DeepSeek-V3's wq_a, wkv_a and routers are in
+fact replicated), routing skew, the engine's own MoE forms (gathered expert weights,
+ragged_dot) and their padding, launch and host overheads. Weights and KV are bf16 (DeepSeek-V3
+in bf16, 1.3 TB, fits no chip here even at tp 8; its FP8 checkpoint is not modelled).
 """
 
 from __future__ import annotations
@@ -43,19 +61,57 @@ MODELS = {
     "Llama-3-70B": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
                         num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128,
                         rope_theta=500000.0),
+    # latent attention (one cached head of 512 + 64), 256 experts top 8 + a shared one, the
+    # first 3 of 61 layers dense
+    "DeepSeek-V3": dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+                        num_layers=61, num_heads=128, num_kv_heads=1, head_dim=512 + 64,
+                        kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128,
+                        qk_rope_head_dim=64, v_head_dim=128, query_pre_attn_scalar=128.0 + 64,
+                        num_experts=256, experts_per_token=8, moe_intermediate_size=2048,
+                        shared_expert_size=2048, dense_layers=(0, 1, 2), norm_topk_prob=True,
+                        router_scoring="sigmoid", router_groups=8, router_topk_groups=4,
+                        routed_scaling=2.5),
+    # 128 experts top 4 in every layer, a 128-token window on alternate layers
+    "gpt-oss-120b": dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+                         num_layers=36, num_heads=64, num_kv_heads=8, head_dim=64,
+                         rope_theta=150000.0, sliding_window=128,
+                         layer_types=("local", "global") * 18, qkv_bias=True, num_experts=128,
+                         experts_per_token=4, moe_intermediate_size=2880, norm_topk_prob=True,
+                         attn_sinks=True, attn_out_bias=True, router_bias=True,
+                         expert_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702),
 }
 TP = (1, 4, 8)
 BATCHES = (1, 64, 256)
 
 
-def step_cost(shape: dict, layers: int, batch: int, context: int, tp: int,
+def _config(shape: dict):
+    from jaxinfer.runtime.config import ModelConfig
+
+    return ModelConfig(family="llama", **shape)
+
+
+def mlp_width(cfg, i: int) -> int:
+    """The MLP width layer i multiplies a token by: the dense MLP's, or an MoE layer's active
+    experts and shared expert (experts_per_token x moe_intermediate_size + shared_expert_size)."""
+    if not cfg.layer_has_experts(i):
+        return cfg.intermediate_size
+    return cfg.experts_per_token * cfg.moe_intermediate_size + cfg.shared_expert_size
+
+
+def step_cost(shape: dict, batch: int, context: int, tp: int, layers: tuple[int, ...] | None = None,
               page_size: int = 16) -> dict[str, float]:
-    """One device's {"flops", "bytes"} of the f32 decode step at `layers` layers (compiled,
-    not run: every input is abstract)."""
+    """One device's {"flops", "bytes"} of the f32 decode step (compiled, not run: every input is
+    abstract) of the model made of `shape`'s layers `layers` (indices into its layers, repeats
+    allowed; None: all of them). An MoE layer is compiled as a dense one whose gated MLP is as
+    wide as a token's active experts and shared expert (`mlp_width`), its router's product
+    (2 x D x E FLOPs a token, its D x E weights read whole by every device) added by hand:
+    XLA:CPU's expert blocks run in a loop whose body XLA's cost analysis counts once, and
+    TPU/GPU run other forms (gathered weights, ragged_dot) whose count would not be theirs."""
+    import dataclasses
+
     import jax
     import jax.numpy as jnp
 
-    from jaxinfer.runtime.config import ModelConfig
     from jaxinfer.runtime.device.kv_cache import init_cache
     from jaxinfer.runtime.device.model import init_params
     from jaxinfer.runtime.plan import STEP_GROUPS, fields_of
@@ -63,9 +119,19 @@ def step_cost(shape: dict, layers: int, batch: int, context: int, tp: int,
                                            replicated)
     from jaxinfer.runtime.device.steps import step
 
-    cfg = ModelConfig(family="llama", **(shape | {"num_layers": layers}))
+    full = _config(shape)
+    idx = tuple(range(full.num_layers)) if layers is None else tuple(layers)
+    cfg = dataclasses.replace(
+        full, num_layers=len(idx), dense_layers=(), num_experts=0, experts_per_token=0,
+        moe_intermediate_size=0, shared_expert_size=0,
+        layer_types=tuple(full.layer_types[i] for i in idx) if full.layer_types else ())
+    by_width = {f: jax.eval_shape(lambda f=f: init_params(
+        dataclasses.replace(cfg, intermediate_size=f), jax.random.key(0), dtype=jnp.float32))
+        for f in {mlp_width(full, i) for i in idx}}
+    params = next(iter(by_width.values()))
+    params = params.replace(layers=tuple(by_width[mlp_width(full, i)].layers[j]
+                                         for j, i in enumerate(idx)))
     pages = -(-context // page_size)
-    params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), dtype=jnp.float32))
     cache = jax.eval_shape(lambda: init_cache(cfg, batch * pages + 1, page_size, jnp.float32))
     dims = {"T": batch, "S": batch, "P": pages, "K": 0, "W": -(-cfg.vocab_size // 32)}
     arrays = {f.name: jax.ShapeDtypeStruct(f.extent(dims), f.dtype)
@@ -77,32 +143,91 @@ def step_cost(shape: dict, layers: int, batch: int, context: int, tp: int,
                               replicated(mesh)))
     cost = f.lower(params, cache, arrays).compile().cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    return {"flops": float(cost.get("flops", 0.0)), "bytes": float(cost.get("bytes accessed", 0.0))}
+    routers = sum(full.layer_has_experts(i) for i in idx) * full.hidden_size * full.num_experts
+    return {"flops": float(cost.get("flops", 0.0)) + 2 * batch * routers,
+            "bytes": float(cost.get("bytes accessed", 0.0)) + 4 * routers}
+
+
+def layer_kinds(cfg) -> list[int]:
+    """Per layer, the first layer of its kind: the same static attention (runtime/device/model.py
+    layer_kind: window, RoPE) and the same MLP (dense or MoE)."""
+    from jaxinfer.runtime.device.model import layer_kind
+
+    key = lambda i: (layer_kind(cfg, i), cfg.layer_has_experts(i))  # noqa: E731
+    return [next(j for j in range(i + 1) if key(j) == key(i)) for i in range(cfg.num_layers)]
 
 
 def extrapolated(shape: dict, batch: int, context: int, tp: int) -> dict[str, float]:
-    """step_cost at the model's layer count from its values at 1 and 2 layers."""
-    one = step_cost(shape, 1, batch, context, tp)
-    two = step_cost(shape, 2, batch, context, tp)
-    n = shape["num_layers"]
-    return {k: one[k] + (n - 1) * (two[k] - one[k]) for k in one}
+    """step_cost of the whole model from a model of one layer of each kind (`layer_kinds`:
+    e.g. DeepSeek-V3's dense and MoE layers, gpt-oss's sliding and full ones) and, for each
+    kind, that model with the kind's layer doubled: the difference is a layer of the kind, and
+    the whole model the first plus each further layer's kind's difference. Exact (the tests
+    compile whole models to check): XLA's counts add up over layers once every kind is present
+    (what layers of several kinds share, e.g. a sliding window's mask, is in the first)."""
+    kinds = layer_kinds(_config(shape))
+    reps = tuple(dict.fromkeys(kinds))  # the first layer of each kind
+    base = step_cost(shape, batch, context, tp, reps)
+    per = {}
+    for r in reps:
+        two = step_cost(shape, batch, context, tp, reps + (r,))
+        per[r] = {k: two[k] - base[k] for k in base}
+    return {k: base[k] + sum(per[r][k] for i, r in enumerate(kinds) if r != i) for k in base}
+
+
+def layer_params(cfg, i: int, experts: float) -> float:
+    """Weights layer i's products read for its tokens: attention's projections (latent
+    attention: wq_a and wq_b, or wq; wkv_a; w_uk; w_uv; wo), then the dense MLP, or an MoE
+    layer's router, `experts` routed experts and its shared expert. Norms and biases: none."""
+    d = cfg.hidden_size
+    if cfg.latent_attention:
+        h, c, cq = cfg.num_heads, cfg.kv_lora_rank, cfg.q_lora_rank
+        n, r, v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        q = d * cq + cq * h * (n + r) if cq else d * h * (n + r)
+        attn = q + d * (c + r) + h * n * c + h * c * v + h * v * d
+    else:
+        hq, hkv, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        attn = d * (hq + 2 * hkv) * dh + hq * dh * d
+    if not cfg.layer_has_experts(i):
+        return attn + 3 * d * cfg.intermediate_size
+    return (attn + d * cfg.num_experts + experts * 3 * d * cfg.moe_intermediate_size
+            + 3 * d * cfg.shared_expert_size)
 
 
 def matmul_params(shape: dict) -> int:
-    """Weights a token multiplies: every layer's projections and the vocabulary projection."""
-    d, f, v, n = (shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"],
-                  shape["num_layers"])
-    hq, hkv, dh = shape["num_heads"], shape["num_kv_heads"], shape["head_dim"]
-    return n * (d * (hq + 2 * hkv) * dh + hq * dh * d + 3 * d * f) + v * d
+    """Weights a token multiplies: every layer's projections (an MoE layer's router, its
+    experts_per_token active experts and its shared expert) and the vocabulary projection."""
+    cfg = _config(shape)
+    return sum(layer_params(cfg, i, cfg.experts_per_token) for i in range(cfg.num_layers)) + (
+        cfg.vocab_size * cfg.hidden_size)
+
+
+def routed_experts(cfg, batch: int) -> float:
+    """Distinct experts an MoE layer reads for `batch` tokens, each choosing experts_per_token
+    of num_experts, were the choices uniform and independent: E (1 - (1 - k / E)^batch)."""
+    e, k = cfg.num_experts, cfg.experts_per_token
+    return e * (1 - (1 - k / e) ** batch) if e else 0.0
+
+
+def kv_bytes(shape: dict, batch: int, context: int, tp: int, itemsize: int = 2) -> float:
+    """Bytes of KV pages one device reads per decode step: each layer's K and V heads (latent
+    attention: its one head of kv_lora_rank + qk_rope_head_dim, both K and V) over the context
+    (a sliding layer: at most its window), the KV heads split over min(tp, KV heads)."""
+    cfg = _config(shape)
+    per_token = (cfg.kv_lora_rank + cfg.qk_rope_head_dim if cfg.latent_attention
+                 else 2 * cfg.num_kv_heads * cfg.head_dim)
+    tokens = sum(min(context, cfg.layer_window(i) or context) for i in range(cfg.num_layers))
+    return batch * tokens * per_token * itemsize / min(tp, cfg.num_kv_heads)
 
 
 def floor_bytes(shape: dict, batch: int, context: int, tp: int, itemsize: int = 2) -> float:
-    """Bytes one device must read per decode step: its shard of the weights (the embedding
-    table's rows are a gather: not counted) and its KV heads' pages."""
-    n, hkv, dh = shape["num_layers"], shape["num_kv_heads"], shape["head_dim"]
-    weights = matmul_params(shape) * itemsize / tp
-    kv = 2 * n * batch * context * hkv * dh * itemsize / min(tp, hkv)
-    return weights + kv
+    """Bytes one device must read per decode step: its shard of the weights the batch
+    multiplies (the embedding table's rows are a gather: not counted; an MoE layer's
+    routed_experts for `batch` tokens) and its KV heads' pages (kv_bytes)."""
+    cfg = _config(shape)
+    experts = routed_experts(cfg, batch)
+    weights = sum(layer_params(cfg, i, experts) for i in range(cfg.num_layers)) + (
+        cfg.vocab_size * cfg.hidden_size)
+    return weights * itemsize / tp + kv_bytes(shape, batch, context, tp, itemsize)
 
 
 def predict(flops: float, nbytes: float, chip: str, batch: int) -> dict:
@@ -114,9 +239,11 @@ def predict(flops: float, nbytes: float, chip: str, batch: int) -> dict:
 
 
 def fits(shape: dict, chip: str, batch: int, context: int, tp: int) -> bool:
-    """Weights (the embedding table too) and KV fit in 90 % of one chip's HBM."""
-    table = shape["vocab_size"] * shape["hidden_size"] * 2 / tp
-    return floor_bytes(shape, batch, context, tp) + table < 0.9 * CHIPS[chip][2]
+    """Weights (every expert, the embedding table too) and KV fit in 90 % of one chip's HBM."""
+    cfg = _config(shape)
+    weights = sum(layer_params(cfg, i, cfg.num_experts) for i in range(cfg.num_layers)) + (
+        2 * cfg.vocab_size * cfg.hidden_size)
+    return weights * 2 / tp + kv_bytes(shape, batch, context, tp) < 0.9 * CHIPS[chip][2]
 
 
 def build(models=MODELS, tps=TP, batches=BATCHES, context: int = 2048, log=print) -> list[dict]:
@@ -160,7 +287,12 @@ def markdown(rows: list[dict], command: str) -> str:
          "bandwidth, C = compute); `-` = weights + KV do not fit the chips' HBM. Context "
          f"{rows[0]['context']} tokens per sequence, bf16 weights and KV. GFLOP and GB are one "
          "device's per step; floor = weight shard + KV read once (the Pallas kernels' goal), "
-         "XLA path = XLA's count for the XLA attention path, which gathers pages first."),
+         "XLA path = XLA's count for the XLA attention path, which gathers pages first. "
+         "Mixture-of-experts layers are compiled as dense ones as wide as a token's active "
+         "experts and shared expert: their FLOPs are those experts', their XLA-path bytes one "
+         "token's experts; the floor reads the distinct experts the batch chooses were "
+         "routing uniform. Sliding-window layers read at most their window of KV, latent "
+         "attention its one head of kv_lora_rank + rope dims."),
         "",
         "| model | tp | batch | GFLOP | GB, XLA path | GB, floor | " + " | ".join(chips) + " |",
         "|---|---|---|---|---|---|" + "---|" * len(chips),
@@ -184,9 +316,13 @@ def markdown(rows: list[dict], command: str) -> str:
                  f"each chip's FLOP-per-byte ridge ({ridge}) to be compute-bound, and the KV "
                  "reads grow with batch × context at a few FLOPs per byte.")]
     out += ["", ("Not modelled: tensor-parallel all-reduces (two of [batch, hidden] per layer), "
-                 "launch and host overheads, and the fusion differences between XLA:CPU, whose "
-                 "counts these are, and XLA:TPU/GPU. No device run exists yet to set beside "
-                 "these predictions (`jaxinfer bench device` makes one)."), ""]
+                 "expert parallelism's load imbalance and routing skew, replicated weights "
+                 "(each device is taken to read 1 / tp of them), the engine's own MoE forms "
+                 "(gathered expert weights, ragged_dot), launch and host overheads, and the "
+                 "fusion differences between XLA:CPU, whose counts these are, and XLA:TPU/GPU. "
+                 "Weights are bf16 (DeepSeek-V3's FP8 checkpoint is not modelled). No device "
+                 "run exists yet to set beside these predictions (`jaxinfer bench device` "
+                 "makes one)."), ""]
     return "\n".join(out)
 
 

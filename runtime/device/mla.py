@@ -38,7 +38,7 @@ def latent_qkv(lp, h: jax.Array, positions: jax.Array, cfg: ModelConfig, i: int)
                                            cfg.rms_norm_eps), lp.wq_b)
     else:
         q = einsum("td,dhk->thk", h, lp.wq)  # [T, H, N + R]
-    q_lat = einsum("thn,hnc->thc", q[..., :n], lp.w_uk)  # [T, H, C]
+    q_lat = _per_head("thn,hnc->thc", q[..., :n], lp.w_uk)  # [T, H, C]
     q = jnp.concatenate([q_lat, rope(q[..., n:])], axis=-1)
     kv = einsum("td,dc->tc", h, lp.wkv_a)  # [T, C + R]
     c = rms_norm(kv[:, :c_dim], lp.kv_a_norm, cfg.rms_norm_eps)
@@ -48,7 +48,15 @@ def latent_qkv(lp, h: jax.Array, positions: jax.Array, cfg: ModelConfig, i: int)
 
 def latent_out(lp, o: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Attention over the latent head o [T, H, C + R] -> the heads' values [T, H, V]."""
-    return einsum("thc,hcv->thv", o[..., :cfg.kv_lora_rank], lp.w_uv)
+    return _per_head("thc,hcv->thv", o[..., :cfg.kv_lora_rank], lp.w_uv)
+
+
+def _per_head(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """A product per head (h a batch axis of both). XLA:CPU has no batched bf16 dot with f32
+    accumulation (its prefill programs fail to run); there it runs in f32."""
+    if jax.default_backend() == "cpu" and x.dtype != jnp.float32:
+        return jnp.einsum(spec, x.astype(jnp.float32), w.astype(jnp.float32)).astype(x.dtype)
+    return einsum(spec, x, w)
 
 
 def expanded_attention(lp, q: jax.Array, cached: jax.Array, cfg: ModelConfig) -> jax.Array:

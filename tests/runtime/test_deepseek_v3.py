@@ -204,3 +204,18 @@ def test_absorbed_attention_equals_the_expanded_reference():
     assert rows[1]["absorbed_gflop"] == pytest.approx(17 * 17 * 4 * 56 / 1e9)
     assert rows[1]["expanded_gflop"] == pytest.approx(
         (2 * 17 * 4 * 24 * 22 + 17 * 17 * 4 * 30) / 1e9)
+
+
+def test_bf16_runs_on_cpu_and_tracks_f32(deepseek):
+    """bf16 weights and cache (the per-head latent products run in f32 on XLA:CPU, which has no
+    batched bf16 dot with f32 accumulation): the prefill and decode steps run and their logits
+    stay near the f32 model's."""
+    d, _ = deepseek
+    cfg, params = load_hf(d)
+    bf = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+    prompt = list(range(3, 30))
+    want, _, _ = run_sequence(params, cfg, prompt, page_size=8, decode_steps=0)
+    got, _, dec = run_sequence(bf, cfg, prompt, page_size=8, decode_steps=2,
+                               cache_dtype=jnp.bfloat16)
+    assert np.isfinite(dec).all()
+    assert np.abs(got - want).max() < 0.03 * np.abs(want).max()

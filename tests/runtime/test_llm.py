@@ -304,7 +304,7 @@ def test_bad_prompts(llm):
 
 
 def test_unknown_options(tiny_dir):
-    with pytest.raises(ValueError, match="quantization must be one of .*'gguf', 'dequantize'"):
+    with pytest.raises(ValueError, match="quantization must be one of .*'gguf', 'mxfp4', 'dequantize'"):
         LLM(str(tiny_dir), quantization="nf4")
     # "gguf" keeps a GGUF file's blocks: refused for an HF dir before anything loads
     with pytest.raises(ValueError, match="not a GGUF file"):
@@ -409,3 +409,10 @@ def test_engine_times_each_step_from_call_to_call_by_rows_and_decode_batch(llm):
     assert {n for n, _ in rows} <= set(sched.token_buckets)
     assert [n for n, _ in seqs] == [3] * 5  # the three decode together
     assert min(t for _, t in rows[:-1]) >= 0.06 and rows[-1][1] < 0.06
+
+
+def test_mxfp4_option_needs_mxfp4_weights(tiny_dir):
+    """quantization="mxfp4" keeps an HF checkpoint's MXFP4 experts; a model without them is
+    refused with an error naming the option."""
+    with pytest.raises(ValueError, match="quantization='mxfp4'.*no such"):
+        LLM(str(tiny_dir), quantization="mxfp4", max_slots=2, max_model_len=64)

@@ -364,7 +364,8 @@ def test_expert_parallel_moves_no_weights_and_the_engine_matches_one_device():
     params = _init(MOE, 3)
     lp = shd.shard_params(params, mesh).layers[0]
     fn = jax.jit(lambda h, lp: moe_mlp(h, lp.router, lp.we_gate, lp.we_up, lp.we_down, k=4,
-                                       norm_topk=False, act=jax.nn.silu))
+                                       norm_topk=False,
+                                       glu=lambda g, u: jax.nn.silu(g) * u))
     for t in (2, 64):  # 8 and 256 pairs over 16 experts
         with jax.set_mesh(mesh):
             hlo = fn.lower(jnp.ones((t, 64)), lp).compile().as_text()

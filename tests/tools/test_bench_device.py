@@ -6,8 +6,10 @@ import json
 
 import pytest
 
-from jaxinfer.tools.bench_device import (LLAMA3_8B, QWEN3_30B_A3B, Shapes, kernel_cases, layouts,
-                                         main, make_case, markdown)
+from jaxinfer.runtime.config import ModelConfig
+from jaxinfer.tools.bench_device import (DEEPSEEK_V3, GPT_OSS_20B, LLAMA3_8B, QWEN3_30B_A3B,
+                                         TINY_DEEPSEEK_V3, Shapes, kernel_cases, layouts, main,
+                                         make_case, markdown)
 from jaxinfer.tools.engine_runs import workload
 
 
@@ -15,7 +17,8 @@ def test_smoke_runs_every_section_and_writes_both_reports(tmp_path):
     assert main(["--smoke", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "device.json").read_text())
     secs = data["sections"]
-    assert list(secs) == ["env", "kernels", "bandwidth", "engine", "moe"]
+    assert list(secs) == ["env", "kernels", "bandwidth", "engine", "moe", "deepseek_v3",
+                          "gpt_oss"]
     assert not any("error" in s for s in secs.values()) and secs["env"]["shapes"] == "smoke"
     kern = secs["kernels"]["rows"]
     assert len(kern) == 8 and all(r["ok"] and r["max_err"] < 0.03 for r in kern)
@@ -47,6 +50,22 @@ def test_smoke_runs_every_section_and_writes_both_reports(tmp_path):
     moe = [r for r in secs["moe"]["rows"] if r["run"] == "steady"]
     assert {(r["batch"], r["weights"][:4]) for r in moe} == {(1, "floa"), (4, "floa"), (1, "int8")}
     assert all(r["compiles"] == 0 and r["decode_tok_s"] > 0 for r in moe)
+    for name in ("deepseek_v3", "gpt_oss"):
+        rows = secs[name]["rows"]
+        assert not any("error" in r for r in rows)
+        steady = [r for r in rows if r.get("run") == "steady"]
+        assert {r["batch"] for r in steady} == {1, 4}
+        assert all(r["compiles"] == 0 and r["decode_tok_s"] > 0 for r in steady)
+    # the latent cache: per token and layer one head of C + R = 48 + 16 (f32), standing for
+    # H = 4 heads of K (N + R = 16 + 16) and V (16): (4 * 32 + 4 * 16) / 64 = 3
+    tiny = TINY_DEEPSEEK_V3
+    assert (tiny["num_heads"], tiny["kv_lora_rank"], tiny["qk_nope_head_dim"],
+            tiny["qk_rope_head_dim"], tiny["v_head_dim"], tiny["num_layers"]) == (
+        4, 48, 16, 16, 16, 2)
+    [kv] = [r for r in secs["deepseek_v3"]["rows"] if r["batch"] == "kv"]
+    assert kv["kv_compression"] == pytest.approx((4 * (16 + 16) + 4 * 16) / (48 + 16)) == 3
+    assert kv["kv_bytes_per_token"] == 2 * (48 + 16) * 4
+    assert kv["expanded_kv_bytes_per_token"] == 2 * 4 * (16 + 16 + 16) * 4
     md = (tmp_path / "device.md").read_text()
     assert md == markdown(data) and "| layout | page_size | head_dim |" in md
     assert "## kernels" in md and "passed: 8/8" in md and "continuous_vs_static" in md
@@ -76,6 +95,26 @@ def test_cpu_scale_keeps_every_full_case_and_divides_the_dimensions():
     moe = s.model(QWEN3_30B_A3B, {})
     assert (moe["num_layers"], moe["hidden_size"], moe["moe_intermediate_size"],
             moe["num_experts"], moe["experts_per_token"]) == (1, 128, 48, 128, 8)
+    # latent attention: one KV head, query heads and latent widths divided, head_dim C + R;
+    # the dense first layer and the MoE layer apart
+    ds = s.model(DEEPSEEK_V3, {})
+    ModelConfig(family="llama", **ds)
+    assert {k: ds[k] for k in ("num_layers", "dense_layers", "num_heads", "num_kv_heads",
+                               "kv_lora_rank", "q_lora_rank", "head_dim", "qk_rope_head_dim",
+                               "hidden_size", "intermediate_size", "moe_intermediate_size",
+                               "shared_expert_size", "num_experts", "router_groups")} == dict(
+        num_layers=2, dense_layers=(0,), num_heads=8, num_kv_heads=1, kv_lora_rank=32,
+        q_lora_rank=96, head_dim=32 + 64, qk_rope_head_dim=64, hidden_size=448,
+        intermediate_size=1152, moe_intermediate_size=128, shared_expert_size=128,
+        num_experts=256, router_groups=8)
+    # a sliding and a full layer kept, the window divided
+    oss = s.model(GPT_OSS_20B, {})
+    ModelConfig(family="llama", **oss)
+    assert (oss["num_layers"], oss["layer_types"], oss["sliding_window"], oss["num_heads"],
+            oss["num_kv_heads"], oss["head_dim"], oss["moe_intermediate_size"]) == (
+        2, ("local", "global"), 8, 8, 1, 64, 180)
+    assert full.model(DEEPSEEK_V3, {}) == DEEPSEEK_V3
+    assert s.batches("deepseek_v3") == s.batches("gpt_oss") == (1, 64)
     assert s.batches("engine") == full.batches("engine") == (1, 64, 256)
     assert s.batches("moe") == full.batches("moe") == (1, 64)
     assert (s.decode_lens, full.decode_lens) == ((8, 8), (128, 64))

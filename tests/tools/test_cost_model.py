@@ -7,25 +7,90 @@ from jaxinfer.tools import cost_model as cm
 
 SMALL = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
              num_kv_heads=2, head_dim=32)
+# latent attention (C 32, Cq 24, N 16, R 8, V 12; one cached head of 40), the first of 3 layers
+# dense, then 8 experts of 16 (top 2) and a shared expert of 16
+LATENT = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4,
+              num_kv_heads=1, head_dim=40, kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16,
+              qk_rope_head_dim=8, v_head_dim=12, num_experts=8, experts_per_token=2,
+              moe_intermediate_size=16, shared_expert_size=16, dense_layers=(0,),
+              norm_topk_prob=True, router_scoring="sigmoid", router_groups=4,
+              router_topk_groups=2, routed_scaling=2.5)
+# gpt-oss: 8 experts of 32 (top 2) in both layers, the first sliding (window 8)
+GPT_OSS = dict(vocab_size=512, hidden_size=64, intermediate_size=32, num_layers=2, num_heads=4,
+               num_kv_heads=2, head_dim=16, sliding_window=8, layer_types=("local", "global"),
+               qkv_bias=True, num_experts=8, experts_per_token=2, moe_intermediate_size=32,
+               norm_topk_prob=True, attn_sinks=True, attn_out_bias=True, router_bias=True,
+               expert_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702)
 
 
-def test_per_layer_cost_is_exactly_linear():
-    c1, c2, c3 = (cm.step_cost(SMALL, n, batch=4, context=64, tp=1) for n in (1, 2, 3))
-    for k in ("flops", "bytes"):
-        assert c3[k] == pytest.approx(2 * c2[k] - c1[k], rel=1e-9)
+def _cost(shape, layers=None, batch=4, context=64, tp=1):
+    return cm.step_cost(shape, batch, context, tp, layers)
+
+
+def test_extrapolation_equals_the_whole_model_compiled():
+    # identical layers: one and two layers give the third
+    assert cm.extrapolated(dict(SMALL, num_layers=3), 4, 64, 1) == _cost(
+        dict(SMALL, num_layers=3))
+    # a dense first layer, then MoE layers alternating sliding and full: one layer of each of
+    # the three kinds, and each doubled, give the five layers
+    mixed = dict(LATENT, num_layers=5, sliding_window=8,
+                 layer_types=("local", "global", "local", "global", "local"))
+    assert cm.layer_kinds(cm._config(mixed)) == [0, 1, 2, 1, 2]
+    assert cm.extrapolated(mixed, 4, 64, 1) == _cost(mixed)
+
+
+def test_matmul_params_count_what_a_token_multiplies():
+    d, h, c, cq, n, r, v = 64, 4, 32, 24, 16, 8, 12
+    attn = (d * cq + cq * h * (n + r)  # wq_a, wq_b
+            + d * (c + r)  # wkv_a
+            + h * n * c + h * c * v  # w_uk, w_uv
+            + h * v * d)  # wo
+    assert attn == 1536 + 2304 + 2560 + 2048 + 1536 + 3072 == 13056
+    dense = 3 * d * 96
+    moe = d * 8 + 2 * 3 * d * 16 + 3 * d * 16  # router, 2 of 8 experts, the shared expert
+    assert cm.matmul_params(LATENT) == 3 * attn + dense + 2 * moe + 512 * d == 109824
+    # q projected directly: wq [D, H, N + R] instead of wq_a and wq_b
+    assert cm.matmul_params(dict(LATENT, q_lora_rank=0)) == 109824 + 3 * (d * h * (n + r) - 3840)
+    # gpt-oss: q, k, v, o; router and 2 of 8 experts (biases: no products)
+    attn = d * 4 * 16 + 2 * d * 2 * 16 + 4 * 16 * d
+    assert cm.matmul_params(GPT_OSS) == 2 * (attn + d * 8 + 2 * 3 * d * 32) + 512 * d == 82944
+    # the published active parameters (gpt-oss-120b: 5.1B; DeepSeek-V3: 37B, with its
+    # 0.9B embedding table, which a token gathers)
+    assert cm.matmul_params(cm.MODELS["gpt-oss-120b"]) == pytest.approx(5.13e9, rel=0.01)
+    assert cm.matmul_params(cm.MODELS["DeepSeek-V3"]) + 129280 * 7168 == pytest.approx(
+        37e9, rel=0.02)
+
+
+def test_floor_reads_the_latent_head_the_window_and_the_chosen_experts():
+    # latent: per token and layer one head of C + R = 40 values (K and V), whatever the tp
+    assert cm.kv_bytes(LATENT, 2, 40, 1) == 3 * 2 * 40 * 40 * 2 == cm.kv_bytes(LATENT, 2, 40, 4)
+    # gpt-oss: 2 KV heads x 16 dims, K and V; the sliding layer reads 8 of the 40 tokens
+    assert cm.kv_bytes(GPT_OSS, 2, 40, 1) == 2 * (8 + 40) * 2 * 2 * 16 * 2 == 12288
+    assert cm.kv_bytes(GPT_OSS, 2, 40, 2) == 12288 / 2
+    # batch 1: one token's weights; batch 2: 8 (1 - (6/8)^2) = 3.5 distinct experts a layer
+    assert cm.routed_experts(cm._config(LATENT), 1) == pytest.approx(2)
+    assert cm.floor_bytes(LATENT, 1, 40, 1) == pytest.approx(109824 * 2 + 3 * 40 * 40 * 2)
+    extra = 2 * 1.5 * 3 * 64 * 16  # 1.5 more experts in each MoE layer
+    assert cm.floor_bytes(LATENT, 2, 40, 1) == pytest.approx((109824 + extra) * 2 + 19200)
 
 
 def test_counts_match_hand_worked_flops_and_bytes():
     batch, context = 4, 64
-    cost = cm.step_cost(SMALL, 2, batch=batch, context=context, tp=1)
+    cost = _cost(SMALL, batch=batch, context=context)
     # 2 FLOPs per weight per token, plus q.k and p.v over the context for every head
     attention = 2 * 2 * batch * context * SMALL["num_heads"] * SMALL["head_dim"] * 2
     flops = 2 * batch * cm.matmul_params(SMALL) + attention
     assert flops <= cost["flops"] <= 1.5 * flops
     # f32 compile: at least every weight and the KV once, and not several times over
     floor = cm.floor_bytes(SMALL, batch=1, context=context, tp=1, itemsize=4)
-    one = cm.step_cost(SMALL, 2, batch=1, context=context, tp=1)
+    one = _cost(SMALL, batch=1, context=context)
     assert floor <= one["bytes"] <= 2 * floor
+    # MoE layers: a token's active experts' products, as if dense; latent attention: q . k and
+    # p . v over the cached head's C + R = 40 dims for every head
+    cost = _cost(LATENT, batch=batch, context=context)
+    attention = 2 * 2 * batch * context * 4 * 40 * 3
+    flops = 2 * batch * cm.matmul_params(LATENT) + attention
+    assert flops <= cost["flops"] <= 1.5 * flops
 
 
 def test_roofline_and_fit():
@@ -37,6 +102,10 @@ def test_roofline_and_fit():
     big = cm.MODELS["Llama-3-70B"]
     assert not cm.fits(big, "H200 SXM", 1, 2048, 1)  # 141 GB of bf16 weights
     assert cm.fits(big, "H200 SXM", 1, 2048, 4)
+    # every expert held: gpt-oss-120b's 234 GB of bf16 weights need 4 H100s
+    oss = cm.MODELS["gpt-oss-120b"]
+    assert not cm.fits(oss, "H200 SXM", 1, 2048, 1) and cm.fits(oss, "H100 SXM", 1, 2048, 4)
+    assert not cm.fits(cm.MODELS["DeepSeek-V3"], "H200 SXM", 1, 2048, 8)  # 1.3 TB
 
 
 def test_table_from_a_small_build():
