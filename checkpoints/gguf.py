@@ -388,32 +388,44 @@ def _gpt_oss(m: _Meta, tensors: dict, common: dict, eos: tuple[int, ...]) -> Mod
 def _yarn(m: _Meta, a: str, n_ctx: int) -> RopeScaling | None:
     """YaRN rope scaling from the rope.scaling.* keys (None when rope.scaling.type is absent or
     "none"); keys whose effect HF's YaRN has no counterpart for must be absent or neutral."""
+    factor = _yarn_factor(m, a, (("rope.scaling.yarn_ext_factor", 1.0),
+                                 ("rope.scaling.yarn_log_multiplier", 0.0),
+                                 ("rope.scaling.attn_factor", 1.0)))
+    if factor is None:
+        return None
+    return _yarn_scaling(m, a, n_ctx, factor, truncate=False,
+                         attention_factor=m.number(a + "rope.scaling.yarn_attn_factor", None))
+
+
+def _yarn_factor(m: _Meta, a: str, neutral: tuple) -> float | None:
+    """rope.scaling.factor of a YaRN file (None: no scaling); an other scaling type, a
+    `neutral` key ((key, value) pairs) set otherwise, or a factor <= 0: a CheckpointError."""
     kind = m.string(a + "rope.scaling.type", "none")
     if kind == "none":
         return None
     if kind != "yarn":
         raise CheckpointError(f"{m.source}: unsupported rope scaling type {kind!r} for "
                               f"{a[:-1]} (yarn or none)")
-    for key, neutral in (("rope.scaling.yarn_ext_factor", 1.0),
-                         ("rope.scaling.yarn_log_multiplier", 0.0),
-                         ("rope.scaling.attn_factor", 1.0)):
-        v = m.number(a + key, neutral)
-        if v != neutral:
+    for key, value in neutral:
+        v = m.number(a + key, value)
+        if v != value:
             raise CheckpointError(f"{m.source}: GGUF metadata key {a + key!r} = {v} is not "
-                                  f"supported (only {neutral})")
+                                  f"supported for {a[:-1]} (only {value})")
     factor = m.number(a + "rope.scaling.factor")
     if not factor > 0:
         raise CheckpointError(f"{m.source}: GGUF metadata key {a + 'rope.scaling.factor'!r} "
                               f"is {factor}, must be > 0")
+    return factor
+
+
+def _yarn_scaling(m: _Meta, a: str, n_ctx: int, factor: float, **kw) -> RopeScaling:
     return RopeScaling(
         kind="yarn", factor=factor,
         # llama.cpp's default for a missing original context: the training context
         original_max_position_embeddings=m.integer(a + "rope.scaling.original_context_length",
                                                    n_ctx, least=1),
         beta_fast=m.number(a + "rope.scaling.yarn_beta_fast", 32.0),
-        beta_slow=m.number(a + "rope.scaling.yarn_beta_slow", 1.0),
-        truncate=False,
-        attention_factor=m.number(a + "rope.scaling.yarn_attn_factor", None))
+        beta_slow=m.number(a + "rope.scaling.yarn_beta_slow", 1.0), **kw)
 
 
 # deepseek2 (llama.cpp's LLM_ARCH_DEEPSEEK2: DeepSeek-V2 / V2.5 / V3 and relatives). The values
@@ -586,23 +598,11 @@ def _deepseek2_yarn(m: _Meta, n_ctx: int) -> tuple[RopeScaling | None, float]:
     """(rope scaling, the softmax scale's mscale) of a deepseek2 file (see _deepseek2)."""
     a = "deepseek2."
     src = m.source
-    kind = m.string(a + "rope.scaling.type", "none")
-    if kind == "none":
+    factor = _yarn_factor(m, a, (("rope.scaling.yarn_ext_factor", 1.0),
+                                 ("rope.scaling.attn_factor", 1.0),
+                                 ("rope.scaling.yarn_attn_factor", 1.0)))
+    if factor is None:
         return None, 1.0
-    if kind != "yarn":
-        raise CheckpointError(f"{src}: unsupported rope scaling type {kind!r} for deepseek2 "
-                              f"(yarn or none)")
-    for key, neutral in (("rope.scaling.yarn_ext_factor", 1.0),
-                         ("rope.scaling.attn_factor", 1.0),
-                         ("rope.scaling.yarn_attn_factor", 1.0)):
-        v = m.number(a + key, neutral)
-        if v != neutral:
-            raise CheckpointError(f"{src}: GGUF metadata key {a + key!r} = {v} is not "
-                                  f"supported for deepseek2 (only {neutral})")
-    factor = m.number(a + "rope.scaling.factor")
-    if not factor > 0:
-        raise CheckpointError(f"{src}: GGUF metadata key {a + 'rope.scaling.factor'!r} is "
-                              f"{factor}, must be > 0")
     log_mul = m.number(a + "rope.scaling.yarn_log_multiplier", None)
     if not log_mul:  # llama.cpp would then also scale cos / sin, unlike HF's DeepSeek YaRN
         raise CheckpointError(
@@ -611,13 +611,7 @@ def _deepseek2_yarn(m: _Meta, n_ctx: int) -> tuple[RopeScaling | None, float]:
             f"mscale_all_dim is not supported")
     # the converter wrote 0.1 * mscale_all_dim (f32): back to the decimal it was given
     mscale_all_dim = float(Decimal(repr(log_mul)) * 10)
-    scaling = RopeScaling(
-        kind="yarn", factor=factor,
-        original_max_position_embeddings=m.integer(a + "rope.scaling.original_context_length",
-                                                   n_ctx, least=1),
-        beta_fast=m.number(a + "rope.scaling.yarn_beta_fast", 32.0),
-        beta_slow=m.number(a + "rope.scaling.yarn_beta_slow", 1.0),
-        truncate=True, attention_factor=1.0)
+    scaling = _yarn_scaling(m, a, n_ctx, factor, truncate=True, attention_factor=1.0)
     mscale = 1.0 if factor <= 1 else 0.1 * mscale_all_dim * math.log(factor) + 1.0
     return scaling, mscale
 

@@ -23,7 +23,6 @@ import gguf
 import jax
 import numpy as np
 import pytest
-import torch
 from gguf import GGMLQuantizationType as QT
 from safetensors.numpy import load_file
 
@@ -31,6 +30,7 @@ from jaxinfer.checkpoints.errors import CheckpointError, read_json_object
 from jaxinfer.checkpoints.gguf import load_gguf
 from jaxinfer.checkpoints.hf_config import from_hf_config
 from jaxinfer.runtime.config import RopeScaling
+from tests.gguf_files import assert_gguf_served_equals_hf, hf_logits, write_gguf
 from tests.hf_models import make_hf_model
 from tests.model_utils import run_sequence
 
@@ -136,26 +136,8 @@ def _metadata(c: dict, sp_model: Path, split: bool = True) -> dict:
     return meta
 
 
-def write_gguf(path: Path, meta: dict, tensors: list, *, drop=(), set_kv=None,
-               types: dict | None = None) -> Path:
-    """`types`: tensor name -> a ggml type to quantize it to (else F32)."""
-    w = gguf.GGUFWriter(str(path), "deepseek2")
-    for key, (method, value) in (meta | (set_kv or {})).items():
-        if key not in drop:
-            getattr(w, method)(key, value)
-    for name, a in tensors:
-        if name in drop:
-            continue
-        qtype = (types or {}).get(name)
-        if qtype is None:
-            w.add_tensor(name, a)
-        else:
-            w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+def _write(path, meta, tensors, **kw):
+    return write_gguf(path, "deepseek2", meta, tensors, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -167,12 +149,7 @@ def deepseek_gguf(tiny_dir, tmp_path_factory):
     hf_json = read_json_object(d / "hf" / "config.json", "test")
     sd = load_file(d / "hf" / "model.safetensors")  # what the converter reads
     meta, tensors = _metadata(hf_json, tiny_dir / "tokenizer.model"), _tensors(sd, hf_json)
-    return hf, hf_json, write_gguf(d / "ds.gguf", meta, tensors), meta, tensors, sd
-
-
-def _hf_logits(model, ids):
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float().numpy()
+    return hf, hf_json, _write(d / "ds.gguf", meta, tensors), meta, tensors, sd
 
 
 def _leaves(params):
@@ -206,7 +183,7 @@ def test_logits_equal_hf_over_prefill_and_decode(deepseek_gguf, tmp_path, tiny_d
     hf, hf_json, path, _, _, sd = deepseek_gguf
     cfg, params = load_gguf(path)
     prefill, decoded, dec = run_sequence(params, cfg, PROMPT, page_size=8, decode_steps=DECODE)
-    ref = _hf_logits(hf, PROMPT + decoded)
+    ref = hf_logits(hf, PROMPT + decoded)
     assert np.abs(prefill - ref[:len(PROMPT)]).max() <= 1e-4
     assert np.abs(dec - ref[len(PROMPT):len(PROMPT) + DECODE]).max() <= 1e-4
     # the rope dims read in the file's (interleaved) order, not reordered: other logits
@@ -216,7 +193,7 @@ def test_logits_equal_hf_over_prefill_and_decode(deepseek_gguf, tmp_path, tiny_d
         lp.replace(wq_b=lp.wq_b[..., q_back], wkv_a=lp.wkv_a[:, kv_back]) for lp in params.layers))
     unordered, _, _ = run_sequence(as_stored, cfg, PROMPT, page_size=8)
     assert np.abs(unordered - prefill).max() > 1e-3  # > 10x the tolerance
-    legacy = write_gguf(tmp_path / "legacy.gguf",
+    legacy = _write(tmp_path / "legacy.gguf",
                         _metadata(hf_json, tiny_dir / "tokenizer.model", split=False),
                         _tensors(sd, hf_json, split=False))
     cfg_old, params_old = load_gguf(legacy)
@@ -234,10 +211,10 @@ def test_q8_0_tensors_and_kept_blocks(deepseek_gguf, tmp_path):
              if a.ndim >= 2 and a.shape[-1] % 32 == 0 and "ffn_gate_inp" not in name}
     assert {"blk.0.attn_k_b.weight", "blk.1.ffn_down_exps.weight", "blk.0.attn_q_a.weight",
             "blk.1.attn_kv_a_mqa.weight", "blk.1.attn_output.weight"} <= set(types)
-    q8 = write_gguf(tmp_path / "q8.gguf", meta, tensors, types=types)
+    q8 = _write(tmp_path / "q8.gguf", meta, tensors, types=types)
     widened = [(name, gguf.quants.dequantize(gguf.quants.quantize(a, QT.Q8_0), QT.Q8_0)
                 if name in types else a) for name, a in tensors]
-    f32 = write_gguf(tmp_path / "f32.gguf", meta, widened)
+    f32 = _write(tmp_path / "f32.gguf", meta, widened)
     cfg, params = load_gguf(q8)
     _, want = load_gguf(f32)
     for a, b in zip(_leaves(params), _leaves(want), strict=True):
@@ -250,19 +227,8 @@ def test_q8_0_tensors_and_kept_blocks(deepseek_gguf, tmp_path):
 
 
 def test_served_greedy_equals_hf_generate(deepseek_gguf):
-    """LLM(path to the .gguf): its tokenizer from the file, greedy tokens = HF's generate."""
-    from jaxinfer import LLM, SamplingParams
-
     hf, _, path, *_ = deepseek_gguf
-    llm = LLM(str(path), max_slots=2, page_size=8, max_model_len=64)
-    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    outs = llm.generate(["The king is dead; long live the king.", "O Romeo, Romeo"], greedy)
-    for o in outs:
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([o.prompt_token_ids]), max_new_tokens=8,
-                              do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert o.prompt_token_ids[0] == 1 and len(o.prompt_token_ids) > 4
-        assert o.token_ids == ref[0, len(o.prompt_token_ids):].tolist(), o.prompt
+    assert_gguf_served_equals_hf(path, hf)
 
 
 BAD = {
@@ -310,7 +276,7 @@ BAD = {
 def test_bad_metadata_is_a_clear_error(deepseek_gguf, tmp_path, case):
     _, _, _, meta, tensors, _ = deepseek_gguf
     drop, set_kv, pattern = BAD[case]
-    path = write_gguf(tmp_path / "bad.gguf", meta, tensors, drop=drop, set_kv=set_kv)
+    path = _write(tmp_path / "bad.gguf", meta, tensors, drop=drop, set_kv=set_kv)
     with pytest.raises(CheckpointError, match=pattern) as e:
         load_gguf(path)
     assert str(path) in str(e.value)

@@ -25,13 +25,13 @@ import gguf
 import jax
 import numpy as np
 import pytest
-import torch
 from safetensors.numpy import load_file
 
 from jaxinfer.checkpoints.errors import CheckpointError, read_json_object
 from jaxinfer.checkpoints.gguf import load_gguf
 from jaxinfer.checkpoints.hf_config import from_hf_config
 from jaxinfer.runtime.config import RopeScaling
+from tests.gguf_files import assert_gguf_served_equals_hf, hf_logits, write_gguf
 from tests.hf_models import make_hf_model
 from tests.model_utils import run_sequence
 
@@ -119,21 +119,8 @@ def _metadata(c: dict, sp_model: Path) -> dict:
     return meta
 
 
-def write_gguf(path: Path, meta: dict, tensors: list, *, drop=(), set_kv=None,
-               replace=None) -> Path:
-    """`replace`: tensor name -> the array written instead."""
-    w = gguf.GGUFWriter(str(path), "gemma4")
-    for key, (method, value) in (meta | (set_kv or {})).items():
-        if key not in drop:
-            getattr(w, method)(key, value)
-    for name, a in tensors:
-        if name not in drop:
-            w.add_tensor(name, (replace or {}).get(name, a))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+def _write(path, meta, tensors, **kw):
+    return write_gguf(path, "gemma4", meta, tensors, **kw)
 
 
 def _make(family, d: Path, sp_model: Path, **files):
@@ -141,7 +128,7 @@ def _make(family, d: Path, sp_model: Path, **files):
     hf_json = read_json_object(d / "hf" / "config.json", "test")
     sd = load_file(d / "hf" / "model.safetensors")  # what the converter reads
     meta, tensors = _metadata(hf_json, sp_model), _tensors(sd, hf_json)
-    return hf, hf_json, write_gguf(d / "g4.gguf", meta, tensors), meta, tensors, sd
+    return hf, hf_json, _write(d / "g4.gguf", meta, tensors), meta, tensors, sd
 
 
 @pytest.fixture(scope="module")
@@ -152,15 +139,10 @@ def gemma4_gguf(tiny_dir, tmp_path_factory):
                  tiny_dir / "tokenizer.model")
 
 
-def _hf_logits(model, ids):
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float().numpy()
-
-
 def _check_logits(hf, path):
     cfg, params = load_gguf(path)
     prefill, decoded, dec = run_sequence(params, cfg, PROMPT, page_size=8, decode_steps=DECODE)
-    ref = _hf_logits(hf, PROMPT + decoded)
+    ref = hf_logits(hf, PROMPT + decoded)
     assert np.abs(prefill - ref[:len(PROMPT)]).max() <= 1e-4
     assert np.abs(dec - ref[len(PROMPT):len(PROMPT) + DECODE]).max() <= 1e-4
     return cfg, params
@@ -191,7 +173,7 @@ def test_logits_equal_hf_over_prefill_and_decode(gemma4_gguf, tmp_path):
     load to the same weights."""
     hf, hf_json, path, meta, _, sd = gemma4_gguf
     _, params = _check_logits(hf, path)
-    apart = write_gguf(tmp_path / "apart.gguf", meta, _tensors(sd, hf_json, fused=False))
+    apart = _write(tmp_path / "apart.gguf", meta, _tensors(sd, hf_json, fused=False))
     _, params_apart = load_gguf(apart)
     for a, b in zip(jax.tree_util.tree_leaves(params_apart), jax.tree_util.tree_leaves(params),
                     strict=True):
@@ -208,19 +190,8 @@ def test_dense_gemma4_equals_hf(tiny_dir, tmp_path):
 
 
 def test_served_greedy_equals_hf_generate(gemma4_gguf):
-    """LLM(path to the .gguf): its tokenizer from the file, greedy tokens = HF's generate."""
-    from jaxinfer import LLM, SamplingParams
-
     hf, _, path, *_ = gemma4_gguf
-    llm = LLM(str(path), max_slots=2, page_size=8, max_model_len=64)
-    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    outs = llm.generate(["The king is dead; long live the king.", "O Romeo, Romeo"], greedy)
-    for o in outs:
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([o.prompt_token_ids]), max_new_tokens=8,
-                              do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert o.prompt_token_ids[0] == 1 and len(o.prompt_token_ids) > 4
-        assert o.token_ids == ref[0, len(o.prompt_token_ids):].tolist(), o.prompt
+    assert_gguf_served_equals_hf(path, hf)
 
 
 BAD = {
@@ -259,7 +230,7 @@ BAD = {
 def test_bad_metadata_is_a_clear_error(gemma4_gguf, tmp_path, case):
     _, _, _, meta, tensors, _ = gemma4_gguf
     drop, set_kv, replace, pattern = BAD[case]
-    path = write_gguf(tmp_path / "bad.gguf", meta, tensors, drop=drop, set_kv=set_kv,
+    path = _write(tmp_path / "bad.gguf", meta, tensors, drop=drop, set_kv=set_kv,
                       replace=replace)
     with pytest.raises(CheckpointError, match=pattern) as e:
         load_gguf(path)

@@ -26,6 +26,7 @@ from jaxinfer.checkpoints.errors import CheckpointError, read_json_object
 from jaxinfer.checkpoints.gguf import load_gguf, load_gguf_tokenizer, open_gguf
 from jaxinfer.checkpoints.hf_config import from_hf_config
 from jaxinfer.runtime.config import RopeScaling
+from tests.gguf_files import assert_gguf_served_equals_hf, hf_logits, write_gguf
 from tests.hf_models import FAMILIES, make_hf_model
 from tests.model_utils import run_sequence
 
@@ -131,28 +132,9 @@ def _metadata(hf, sp_model: Path) -> dict:
     }
 
 
-def write_gpt_oss_gguf(path: Path, meta: dict, tensors: list, *, drop=(), set_kv=None,
-                       extra_tensors=()) -> Path:
-    w = gguf.GGUFWriter(str(path), "gpt-oss")
-    for key, (method, value) in (meta | (set_kv or {})).items():
-        if key in drop:
-            continue
-        if method == "add_array":
-            w.add_array(key, value)
-        else:
-            getattr(w, method)(key, value)
-    for name, a, raw in list(tensors) + list(extra_tensors):
-        if name in drop:
-            continue
-        if raw is None:
-            w.add_tensor(name, a)
-        else:
-            w.add_tensor(name, a, raw_dtype=raw)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+def write_gpt_oss_gguf(path: Path, meta: dict, tensors: list, *, extra_tensors=(), **kw
+                       ) -> Path:
+    return write_gguf(path, "gpt-oss", meta, list(tensors) + list(extra_tensors), **kw)
 
 
 @pytest.fixture(scope="module")
@@ -168,11 +150,6 @@ def gpt_oss_gguf(tiny_dir, tmp_path_factory):
     meta = _metadata(hf, tiny_dir / "tokenizer.model")
     path = write_gpt_oss_gguf(d / "gpt-oss.gguf", meta, tensors)
     return hf, hf_json, path, meta, tensors, blocks
-
-
-def hf_logits(model, ids):
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float().numpy()
 
 
 def test_config_equals_the_hf_config(gpt_oss_gguf):
@@ -303,3 +280,10 @@ def test_fused_gate_up_experts_are_refused(gpt_oss_gguf, tmp_path):
                        r"\('blk.0.ffn_gate_up_exps.weight'") as e:
         load_gguf(path)
     assert str(path) in str(e.value)
+
+
+def test_served_greedy_equals_hf_generate(gpt_oss_gguf):
+    """LLM(path) keeps the MXFP4 experts (the CPU default where the kernels load, else
+    dequantized) and gives HF's greedy tokens."""
+    hf, _, path, *_ = gpt_oss_gguf
+    assert_gguf_served_equals_hf(path, hf)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -18,36 +17,18 @@ import pytest
 from jaxinfer.checkpoints.hf import load_hf
 from jaxinfer.runtime.config import ConfigError, ModelConfig
 from tests.aot import cuda_target
-from tests.hf_models import make_hf_model
+from tests.family_checks import assert_served_equals_hf, assert_tp_tokens_equal, served_dir
 from tests.model_utils import run_sequence
-from tests.runtime.test_gpt_oss import PROMPTS, SECOND, _hf_greedy
 from tests.runtime.test_tensor_parallel import on_8_devices
-
-
-def _deepseek_dir(tiny_dir, out):
-    hf = make_hf_model("deepseek_v3", out, hidden=64, layers=2, vocab=2000)
-    for name in ("tokenizer.model", "tokenizer_config.json"):
-        shutil.copy(tiny_dir / name, out / name)
-    return out, hf
 
 
 @pytest.fixture(scope="module")
 def deepseek(tiny_dir, tmp_path_factory):
-    return _deepseek_dir(tiny_dir, tmp_path_factory.mktemp("deepseek_v3"))
+    return served_dir("deepseek_v3", tiny_dir, tmp_path_factory.mktemp("deepseek_v3"))
 
 
 def test_served_greedy_equals_hf_with_two_slots_chunks_and_prefix_hits(deepseek):
-    from jaxinfer import LLM, SamplingParams
-
-    d, hf = deepseek
-    llm = LLM(str(d), max_slots=2, page_size=8, max_model_len=160, prefill_chunk=16)
-    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    outs = llm.generate(PROMPTS, greedy)
-    again = llm.generate(SECOND, greedy)
-    assert max(len(o.prompt_token_ids) for o in outs) > 16  # chunked
-    assert all(o.usage["cached_tokens"] >= 16 for o in again)  # prefix hits
-    for o in outs + again:
-        assert o.token_ids == _hf_greedy(hf, o.prompt_token_ids, 16), o.prompt
+    llm = assert_served_equals_hf(*deepseek)
     # the cache: one pool a layer (V is K), one head of latent + rope dims a token
     cfg, cache = llm.engine.cfg, llm.engine.cache
     assert all(v is None for v in cache.v) and cache.k[0].shape[0] == 1
@@ -173,19 +154,10 @@ def test_bad_config_fields_are_config_errors(bad, word):
 @on_8_devices
 def test_tp_2_and_4_give_one_devices_greedy_tokens(tiny_dir, tmp_path):
     """Heads split by tp (the one latent head whole on every device), experts by expert."""
-    from jaxinfer import LLM, SamplingParams
+    def heads_split(llm, tp):
+        assert len(llm.engine.params.layers[0].w_uk.sharding.device_set) == tp
 
-    (tmp_path / "deepseek").mkdir()
-    d, _ = _deepseek_dir(tiny_dir, tmp_path / "deepseek")
-    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-    outs = {}
-    for tp in (1, 2, 4):
-        llm = LLM(str(d), tensor_parallel=tp, max_slots=2, page_size=8, max_model_len=96,
-                  prefill_chunk=16)
-        outs[tp] = [o.token_ids for o in llm.generate(PROMPTS, greedy)]
-        if tp > 1:
-            assert len(llm.engine.params.layers[0].w_uk.sharding.device_set) == tp
-    assert outs[2] == outs[1] and outs[4] == outs[1]
+    assert_tp_tokens_equal(served_dir("deepseek_v3", tiny_dir, tmp_path / "ds")[0], heads_split)
 
 
 def test_absorbed_attention_equals_the_expanded_reference():

@@ -7,7 +7,6 @@ tests/runtime/test_model_hf.py (the "gemma4" and "gemma4_moe" families)."""
 from __future__ import annotations
 
 import dataclasses
-import shutil
 
 import jax.numpy as jnp
 import numpy as np
@@ -17,15 +16,13 @@ from jaxinfer.checkpoints.hf import load_hf
 from jaxinfer.runtime.config import ConfigError
 from tests.hf_models import make_hf_model
 from tests.model_utils import run_sequence
-from tests.runtime.test_gpt_oss import PROMPTS, SECOND, _hf_greedy
+from tests.family_checks import (PROMPTS, assert_served_equals_hf, assert_tp_tokens_equal,
+                                 hf_greedy, served_dir)
 from tests.runtime.test_tensor_parallel import on_8_devices
 
 
 def _gemma4_dir(tiny_dir, out, family="gemma4"):
-    hf = make_hf_model(family, out, hidden=64, vocab=2000, vocab_size_per_layer_input=2000)
-    for name in ("tokenizer.model", "tokenizer_config.json"):
-        shutil.copy(tiny_dir / name, out / name)
-    return out, hf
+    return served_dir(family, tiny_dir, out, vocab_size_per_layer_input=2000)
 
 
 @pytest.fixture(scope="module", params=["gemma4", "gemma4_moe"])
@@ -34,17 +31,7 @@ def gemma4(request, tiny_dir, tmp_path_factory):
 
 
 def test_served_greedy_equals_hf_with_two_slots_chunks_and_prefix_hits(gemma4):
-    from jaxinfer import LLM, SamplingParams
-
-    d, hf = gemma4
-    llm = LLM(str(d), max_slots=2, page_size=8, max_model_len=160, prefill_chunk=16)
-    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    outs = llm.generate(PROMPTS, greedy)
-    again = llm.generate(SECOND, greedy)
-    assert max(len(o.prompt_token_ids) for o in outs) > 16  # chunked
-    assert all(o.usage["cached_tokens"] >= 16 for o in again)  # prefix hits
-    for o in outs + again:
-        assert o.token_ids == _hf_greedy(hf, o.prompt_token_ids, 16), o.prompt
+    llm = assert_served_equals_hf(*gemma4)
     # the cache: the two reading layers store nothing; global layers 1 head of 64
     cache = llm.engine.cache
     assert [k is None for k in cache.k] == [False, False, True, True]
@@ -121,17 +108,7 @@ def test_bad_config_fields_are_config_errors(bad, word):
 def test_tp_2_and_4_give_one_devices_greedy_tokens(tiny_dir, tmp_path):
     """Heads split by tp (the global layers' one KV head replicated), shared KV read on every
     device, the MoE block's experts split by expert."""
-    from jaxinfer import LLM, SamplingParams
-
-    (tmp_path / "g4").mkdir()
-    d, _ = _gemma4_dir(tiny_dir, tmp_path / "g4", "gemma4_moe")
-    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-    outs = {}
-    for tp in (1, 2, 4):
-        llm = LLM(str(d), tensor_parallel=tp, max_slots=2, page_size=8, max_model_len=96,
-                  prefill_chunk=16)
-        outs[tp] = [o.token_ids for o in llm.generate(PROMPTS, greedy)]
-    assert outs[2] == outs[1] and outs[4] == outs[1]
+    assert_tp_tokens_equal(_gemma4_dir(tiny_dir, tmp_path / "g4", "gemma4_moe")[0])
 
 
 def test_lora_on_per_layer_dims_equals_hf_peft(tiny_dir, tmp_path):
@@ -157,8 +134,8 @@ def test_lora_on_per_layer_dims_equals_hf_peft(tiny_dir, tmp_path):
     outs = llm.generate(PROMPTS[:3], greedy,
                         lora_request=LoRARequest("a", 1, str(tmp_path / "adapter")))
     for o in outs:
-        want = _hf_greedy(pm, o.prompt_token_ids, 12)
-        assert o.token_ids == want and want != _hf_greedy(hf, o.prompt_token_ids, 12)
+        want = hf_greedy(pm, o.prompt_token_ids, 12)
+        assert o.token_ids == want and want != hf_greedy(hf, o.prompt_token_ids, 12)
 
 
 def test_composes_with_preemption_ngram_int8_and_int4(tiny_dir, tmp_path):
@@ -173,7 +150,7 @@ def test_composes_with_preemption_ngram_int8_and_int4(tiny_dir, tmp_path):
                                                                       "n": 2}, max_slots=2)):
         llm = LLM(str(d), page_size=8, max_model_len=128, **opts)
         outs = llm.generate(PROMPTS, greedy)
-        want = want or [_hf_greedy(hf, o.prompt_token_ids, 16) for o in outs]
+        want = want or [hf_greedy(hf, o.prompt_token_ids, 16) for o in outs]
         assert [o.token_ids for o in outs] == want, opts
         if "num_pages" in opts:
             assert llm.engine.scheduler.num_preemptions > 0

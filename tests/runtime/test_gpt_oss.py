@@ -6,56 +6,25 @@ steps: tests/runtime/test_model_hf.py (the "gpt_oss" family)."""
 from __future__ import annotations
 
 import dataclasses
-import shutil
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 
 from jaxinfer.checkpoints.hf import load_hf
 from jaxinfer.runtime.config import ConfigError
-from tests.hf_models import make_hf_model
+from tests.family_checks import (PROMPTS, assert_served_equals_hf, assert_tp_tokens_equal,
+                                 hf_greedy, served_dir)
 from tests.model_utils import run_sequence
 from tests.runtime.test_tensor_parallel import on_8_devices
 
-PROMPTS = ["The king is dead; long live the king. " * 3, "Hello there", "O Romeo, Romeo " * 4,
-           "Now is the winter of our discontent", "Cry havoc " * 5]
-# the same long prefix again: whole pages of it come from the prefix cache
-SECOND = [PROMPTS[0] + "And then?", PROMPTS[2] + "wherefore"]
-
-
-def _gpt_oss_dir(tiny_dir, out, **hf_kw):
-    hf = make_hf_model("gpt_oss", out, hidden=64, layers=2, vocab=2000, **hf_kw)
-    for name in ("tokenizer.model", "tokenizer_config.json"):
-        shutil.copy(tiny_dir / name, out / name)
-    return out, hf
-
-
 @pytest.fixture(scope="module")
 def gpt_oss(tiny_dir, tmp_path_factory):
-    return _gpt_oss_dir(tiny_dir, tmp_path_factory.mktemp("gpt_oss"))
-
-
-def _hf_greedy(hf, ids, n):
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+    return served_dir("gpt_oss", tiny_dir, tmp_path_factory.mktemp("gpt_oss"))
 
 
 def test_served_greedy_equals_hf_with_two_slots_chunks_and_prefix_hits(gpt_oss):
-    from jaxinfer import LLM, SamplingParams
-
-    d, hf = gpt_oss
-    llm = LLM(str(d), max_slots=2, page_size=8, max_model_len=160, prefill_chunk=16)
-    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    outs = llm.generate(PROMPTS, greedy)
-    again = llm.generate(SECOND, greedy)
-    assert max(len(o.prompt_token_ids) for o in outs) > 16  # chunked
-    assert all(o.usage["cached_tokens"] >= 16 for o in again)  # prefix hits
-    for o in outs + again:
-        assert o.token_ids == _hf_greedy(hf, o.prompt_token_ids, 16), o.prompt
+    assert_served_equals_hf(*gpt_oss)
 
 
 def test_each_mechanism_moves_the_logits(gpt_oss):
@@ -107,13 +76,13 @@ def test_int8_and_ngram_speculation(gpt_oss):
     spec = LLM(str(d), max_slots=2, page_size=8, max_model_len=128,
                speculative={"method": "ngram", "k": 3, "n": 2})
     for o in spec.generate(PROMPTS[2:4], greedy):
-        assert o.token_ids == _hf_greedy(hf, o.prompt_token_ids, 12)
+        assert o.token_ids == hf_greedy(hf, o.prompt_token_ids, 12)
     q8 = LLM(str(d), max_slots=2, page_size=8, max_model_len=128, quantization="int8")
     lp = q8.engine.params.layers[0]
     assert type(lp.we_gate).__name__ == "QuantizedArray"
     assert lp.we_gate_b.dtype == jnp.float32  # biases stay float
     agree = [a == b for o in q8.generate(PROMPTS, greedy)
-             for a, b in zip(o.token_ids, _hf_greedy(hf, o.prompt_token_ids, 12))]
+             for a, b in zip(o.token_ids, hf_greedy(hf, o.prompt_token_ids, 12))]
     assert np.mean(agree) > 0.5
 
 
@@ -147,19 +116,11 @@ def test_bad_config_fields_are_config_errors(bad, word):
 @on_8_devices
 def test_tp_2_and_4_give_one_devices_greedy_tokens(tiny_dir, tmp_path):
     """Heads split by tp, sinks with them; experts split by expert (8 experts: 4 / 2 a device)."""
-    from jaxinfer import LLM, SamplingParams
+    def sinks_split(llm, tp):
+        assert len(llm.engine.params.layers[0].sinks.sharding.device_set) == tp
 
-    (tmp_path / "gpt_oss").mkdir()
-    d, _ = _gpt_oss_dir(tiny_dir, tmp_path / "gpt_oss")
-    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-    outs = {}
-    for tp in (1, 2, 4):
-        llm = LLM(str(d), tensor_parallel=tp, max_slots=2, page_size=8, max_model_len=96,
-                  prefill_chunk=16)
-        outs[tp] = [o.token_ids for o in llm.generate(PROMPTS, greedy)]
-        if tp > 1:
-            assert len(llm.engine.params.layers[0].sinks.sharding.device_set) == tp
-    assert outs[2] == outs[1] and outs[4] == outs[1]
+    assert_tp_tokens_equal(served_dir("gpt_oss", tiny_dir, tmp_path / "gpt_oss")[0],
+                           sinks_split)
 
 
 def test_yarn_inverse_frequencies_equal_hfs():
