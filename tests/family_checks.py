@@ -65,3 +65,20 @@ def assert_tp_tokens_equal(d: Path, check=None):
         if check is not None and tp > 1:
             check(llm, tp)
     assert outs[2] == outs[1] and outs[4] == outs[1]
+
+
+def assert_pallas_interpret_equals_xla(d: Path) -> None:
+    """The checkpoint in d through the Pallas kernel path (interpret mode on CPU): a prefill
+    and 3 decode steps give the XLA path's logits."""
+    import numpy as np
+
+    from jaxinfer.checkpoints.hf import load_hf
+    from tests.model_utils import run_sequence
+
+    cfg, params = load_hf(d)
+    prompt = list(range(3, 30))
+    want, _, dec_want = run_sequence(params, cfg, prompt, page_size=8, decode_steps=3)
+    got, _, dec_got = run_sequence(params, cfg, prompt, page_size=8, decode_steps=3,
+                                   backend="pallas_interpret")
+    np.testing.assert_allclose(got, want, atol=2e-5)
+    np.testing.assert_allclose(dec_got, dec_want, atol=2e-5)

@@ -17,7 +17,8 @@ import pytest
 from jaxinfer.checkpoints.hf import load_hf
 from jaxinfer.runtime.config import ConfigError, ModelConfig
 from tests.aot import cuda_target
-from tests.family_checks import assert_served_equals_hf, assert_tp_tokens_equal, served_dir
+from tests.family_checks import (assert_pallas_interpret_equals_xla, assert_served_equals_hf,
+                                 assert_tp_tokens_equal, served_dir)
 from tests.model_utils import run_sequence
 from tests.runtime.test_tensor_parallel import on_8_devices
 
@@ -80,14 +81,7 @@ def test_decode_step_exports(platform):
 
 
 def test_pallas_interpret_attention_equals_xla(deepseek):
-    d, _ = deepseek
-    cfg, params = load_hf(d)
-    prompt = list(range(3, 30))
-    want, _, dec_want = run_sequence(params, cfg, prompt, page_size=8, decode_steps=3)
-    got, _, dec_got = run_sequence(params, cfg, prompt, page_size=8, decode_steps=3,
-                                   backend="pallas_interpret")
-    np.testing.assert_allclose(got, want, atol=2e-5)
-    np.testing.assert_allclose(dec_got, dec_want, atol=2e-5)
+    assert_pallas_interpret_equals_xla(deepseek[0])
 
 
 def test_each_mechanism_moves_the_logits(deepseek):

@@ -16,8 +16,9 @@ from jaxinfer.checkpoints.hf import load_hf
 from jaxinfer.runtime.config import ConfigError
 from tests.hf_models import make_hf_model
 from tests.model_utils import run_sequence
-from tests.family_checks import (PROMPTS, assert_served_equals_hf, assert_tp_tokens_equal,
-                                 hf_greedy, served_dir)
+from tests.family_checks import (PROMPTS, assert_pallas_interpret_equals_xla,
+                                 assert_served_equals_hf, assert_tp_tokens_equal, hf_greedy,
+                                 served_dir)
 from tests.runtime.test_tensor_parallel import on_8_devices
 
 
@@ -60,17 +61,11 @@ def test_each_mechanism_moves_the_logits(tiny_dir, tmp_path):
 
 
 def test_pallas_interpret_attention_equals_xla(tmp_path):
-    """Per-layer head dims (32 / 64) and shared KV through the Pallas kernel path."""
-    # head dims 64 / 128: the TPU kernel takes multiples of 64
+    """Per-layer head dims and shared KV through the Pallas kernel path (head dims 64 / 128:
+    the TPU kernel takes multiples of 64)."""
     make_hf_model("gemma4", tmp_path, hidden=64, vocab=2000, vocab_size_per_layer_input=2000,
                   head_dim=64, global_head_dim=128)
-    cfg, params = load_hf(tmp_path)
-    prompt = list(range(3, 30))
-    want, _, dec_want = run_sequence(params, cfg, prompt, page_size=8, decode_steps=3)
-    got, _, dec_got = run_sequence(params, cfg, prompt, page_size=8, decode_steps=3,
-                                   backend="pallas_interpret")
-    np.testing.assert_allclose(got, want, atol=2e-5)
-    np.testing.assert_allclose(dec_got, dec_want, atol=2e-5)
+    assert_pallas_interpret_equals_xla(tmp_path)
 
 
 @pytest.mark.parametrize("bad,word", [

@@ -13,8 +13,9 @@ import pytest
 
 from jaxinfer.checkpoints.hf import load_hf
 from jaxinfer.runtime.config import ConfigError
-from tests.family_checks import (PROMPTS, assert_served_equals_hf, assert_tp_tokens_equal,
-                                 hf_greedy, served_dir)
+from tests.family_checks import (PROMPTS, assert_pallas_interpret_equals_xla,
+                                 assert_served_equals_hf, assert_tp_tokens_equal, hf_greedy,
+                                 served_dir)
 from tests.model_utils import run_sequence
 from tests.runtime.test_tensor_parallel import on_8_devices
 
@@ -56,14 +57,7 @@ def test_each_mechanism_moves_the_logits(gpt_oss):
 def test_pallas_interpret_attention_with_sinks_equals_xla(gpt_oss):
     """The engine's Pallas kernel path (interpret mode on CPU) with sinks gives the XLA path's
     logits."""
-    d, _ = gpt_oss
-    cfg, params = load_hf(d)
-    prompt = list(range(3, 30))
-    want, _, dec_want = run_sequence(params, cfg, prompt, page_size=8, decode_steps=3)
-    got, _, dec_got = run_sequence(params, cfg, prompt, page_size=8, decode_steps=3,
-                                   backend="pallas_interpret")
-    np.testing.assert_allclose(got, want, atol=2e-5)
-    np.testing.assert_allclose(dec_got, dec_want, atol=2e-5)
+    assert_pallas_interpret_equals_xla(gpt_oss[0])
 
 
 def test_int8_and_ngram_speculation(gpt_oss):
