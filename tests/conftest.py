@@ -98,6 +98,23 @@ def llm_for():
     return _SHARED_ENGINES
 
 
+@pytest.fixture
+def stalled(monkeypatch):
+    """No step program compiled ahead of time (runtime/device/programs.py): the process's
+    tables emptied (engines of one model share them) and the background compiler stalled (it
+    never gets to its queue), so every body runs layer by layer."""
+    from jaxinfer.runtime.device import programs
+
+    class Stalled(programs.Compiler):
+        def submit(self, job, priority, owner=None):
+            pass
+
+    programs._table.cache_clear()
+    monkeypatch.setattr(programs, "compiler", lambda: Stalled())
+    yield
+    programs._table.cache_clear()
+
+
 @pytest.fixture(autouse=True)
 def _shared_engines_left_clean():
     """Fails the test that left unfinished requests (or a replaced step) in a shared engine,

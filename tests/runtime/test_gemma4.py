@@ -165,3 +165,18 @@ def test_composes_with_preemption_ngram_int8_and_int4(tiny_dir, tmp_path):
             _, ref, _ = run_sequence(widened, q.engine.cfg, o.prompt_token_ids, page_size=8,
                                      decode_steps=16)
             assert o.token_ids == ref, fmt
+
+
+def test_layer_by_layer_programs_equal_hf(tiny_dir, tmp_path, stalled):
+    """compile_mode="background" with its compiler stalled: every step runs layer by layer
+    (one program per layer kind: the reading layers are kinds of their own, their pages the
+    source layers'), and the tokens are HF's."""
+    from jaxinfer import LLM, SamplingParams
+
+    d, hf = _gemma4_dir(tiny_dir, tmp_path)
+    llm = LLM(str(d), max_slots=2, page_size=8, max_model_len=128, compile_mode="background")
+    outs = llm.generate(PROMPTS[:3], SamplingParams(max_tokens=8, temperature=0,
+                                                    ignore_eos=True))
+    assert all(o.token_ids == hf_greedy(hf, o.prompt_token_ids, 8) for o in outs)
+    assert llm.engine._step.layerwise_steps > 0
+    assert len(set(llm.engine._step._kinds)) == 4  # local / global, storing / reading

@@ -20,23 +20,6 @@ PROMPTS = [[5, 17, 300, 41, 9, 77, 1200, 8, 3], [9, 4, 250], list(range(40, 75))
 SP = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
 
 
-class Stalled(programs.Compiler):
-    """A background compiler that never gets to its queue: every body stays layer by layer."""
-
-    def submit(self, job, priority, owner=None):
-        pass
-
-
-@pytest.fixture
-def stalled(monkeypatch):
-    """No program compiled ahead of time: the process's tables emptied (engines of one model
-    share them), the compiler stalled."""
-    programs._table.cache_clear()
-    monkeypatch.setattr(programs, "compiler", lambda: Stalled())
-    yield
-    programs._table.cache_clear()
-
-
 def _tokens_and_logprobs(llm, prompts=PROMPTS, sp=SP):
     outs = llm.generate(prompts, sp)
     toks = [o.outputs[0].token_ids for o in outs]
