@@ -185,3 +185,22 @@ def test_bf16_runs_on_cpu_and_tracks_f32(deepseek):
                                cache_dtype=jnp.bfloat16)
     assert np.isfinite(dec).all()
     assert np.abs(got - want).max() < 0.03 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas_interpret"])
+def test_nan_in_unused_latent_pages_changes_nothing(deepseek, backend):
+    """The latent pool is read as both K and V: NaN in the pages and slots a sequence does not
+    own (a freed sequence's leftovers, the null page) must not reach its logits."""
+    from jaxinfer.runtime.device.kv_cache import init_cache
+    from tests.model_utils import _fwd, single_sequence_metadata
+
+    d, _ = deepseek
+    cfg, params = load_hf(d)
+    tokens = jnp.asarray(list(range(3, 23)) + [0] * 4, jnp.int32)  # 20 tokens, 4 padding rows
+    md = single_sequence_metadata(0, 20, 8, [2, 4, 5, 0], rows=24)
+    clean = init_cache(cfg, 7, 8)
+    dirty = clean.replace(k=tuple(jnp.full_like(k, jnp.nan) for k in clean.k))
+    want, _ = _fwd(params, tokens, clean, md, cfg, backend)
+    got, _ = _fwd(params, tokens, dirty, md, cfg, backend)
+    np.testing.assert_array_equal(np.asarray(got)[:20], np.asarray(want)[:20])
+    assert np.isfinite(np.asarray(got)[:20]).all()
