@@ -36,6 +36,13 @@ measured. Sections, in order:
              clamped GLU; a 128-token sliding window on alternate layers; YaRN rope, factor 32
              over 4096; vocabulary 201088); 4 of its 24 layers. Batch-1 and 64-way decode tok/s
              (first run, then steady state).
+  gemma4     a random-init Gemma-4-26B-A4B-shaped model in bf16: five sliding layers (16 query /
+             8 KV heads of 256, window 1024) to one global (2 KV heads of 512, V from K's
+             projection, proportional RoPE over a quarter of the dims), 128 experts of 704 (top
+             8) beside a dense MLP of 2112 in every layer, q / k / v norms, sandwich norms, layer
+             scalars, a tied head of 262144 soft-capped at 30; 12 of its 30 layers (~21 GB of
+             its ~50 GB). Batch-1 and 64-way decode tok/s (first run, then steady state); the
+             KV bytes a token takes in a sliding and in a global layer, and in all of them.
 
 Three sets of shapes (`Shapes`), one code path:
   full       the shapes above: the default on a TPU or GPU. On CPU, where they would take hours
@@ -52,19 +59,21 @@ Three sets of shapes (`Shapes`), one code path:
              vocabulary. Rounded down, at least 1: layers (an MoE model's dense first layers and
              its MoE layers apart; sliding and full layers keep one of each) and KV heads (query
              heads keep the model's GQA ratio; latent attention keeps its one KV head and
-             divides the query heads). Kept: batch sizes, request counts, slots, head_dim
-             (latent attention: its rope, nope and v dims, head_dim = the divided kv_lora_rank
-             + rope), page sizes, the kernel cases' GQA and dtypes, expert count, groups and
-             top-k. Kernels run in interpret mode. Each row of a scaled run has a `shape` cell
-             "nominal -> run": its figures are those of the shapes run, not of the nominal
-             ones. N=16 takes about 8 minutes on 2 cores, the deepseek_v3 and gpt_oss sections
-             a minute or two more.
+             divides the query heads; Gemma 4's global layers' KV heads are divided too, to a
+             divisor of the query heads). Kept: batch sizes, request counts, slots, head_dim
+             (Gemma 4's global head_dim too; latent attention: its rope, nope and v dims,
+             head_dim = the divided kv_lora_rank + rope), page sizes, the kernel cases' GQA and
+             dtypes, expert count, groups and top-k. Kernels run in interpret mode. Each row of
+             a scaled run has a `shape` cell "nominal -> run": its figures are those of the
+             shapes run, not of the nominal ones. N=16 takes about 8 minutes on 2 cores, the
+             deepseek_v3 and gpt_oss sections a minute or two more, gemma4 about one.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 import traceback
@@ -121,6 +130,26 @@ TINY_GPT_OSS = dict(GPT_OSS_20B, vocab_size=512, hidden_size=64, intermediate_si
                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, sliding_window=8,
                     layer_types=("local", "global"), num_experts=8, experts_per_token=2,
                     moe_intermediate_size=32)
+# Gemma-4-26B-A4B's dims (its GGUF's metadata; the global layers' 2 KV heads and V = K: NeMo's
+# Gemma 4 provider); no KV-shared layers and no per-layer inputs in this model. 12 of its 30
+# layers: two periods of five sliding layers and one global
+GEMMA4_26B_A4B = dict(family="gemma4", vocab_size=262144, hidden_size=2816,
+                      intermediate_size=2112, num_layers=12, num_heads=16, num_kv_heads=8,
+                      head_dim=256, global_head_dim=512, global_kv_heads=2, global_k_eq_v=True,
+                      v_norm=True, sliding_window=1024,
+                      layer_types=(("local",) * 5 + ("global",)) * 2, rope_theta=1000000.0,
+                      rope_local_theta=10000.0,
+                      rope_scaling=RopeScaling(kind="proportional", factor=1.0,
+                                               partial_rotary_factor=0.25),
+                      qk_norm=True, sandwich_norms=True, embed_scale=2816 ** 0.5,
+                      query_pre_attn_scalar=1.0, final_logit_softcap=30.0,
+                      tie_word_embeddings=True, activation="gelu_tanh", num_experts=128,
+                      experts_per_token=8, moe_intermediate_size=704, norm_topk_prob=True,
+                      moe_block=True, layer_scalar=True)
+TINY_GEMMA4 = dict(GEMMA4_26B_A4B, vocab_size=512, hidden_size=64, intermediate_size=48,
+                   num_layers=2, num_heads=8, num_kv_heads=4, head_dim=16, global_head_dim=32,
+                   global_kv_heads=1, sliding_window=8, layer_types=("local", "global"),
+                   embed_scale=8.0, num_experts=8, experts_per_token=2, moe_intermediate_size=16)
 
 
 
@@ -208,9 +237,10 @@ class Shapes:
     def model(self, full: dict, tiny: dict) -> dict:
         """ModelConfig fields: `tiny` for smoke, `full` divided for a scaled run. Latent
         attention keeps its one KV head and divides the query heads and the latent widths
-        (head_dim: the divided kv_lora_rank + the kept rope dims); an MoE model's dense first
-        layers and its MoE layers are divided apart, and sliding / full layer types keep a
-        layer of each kind."""
+        (head_dim: the divided kv_lora_rank + the kept rope dims); the global layers' own KV
+        heads (Gemma 4) are divided too, to a divisor of the query heads; an MoE model's dense
+        first layers and its MoE layers are divided apart, and sliding / full layer types keep
+        a layer of each kind."""
         if self.smoke:
             return tiny
         out = dict(full, **self._layers(full))
@@ -220,6 +250,9 @@ class Shapes:
         else:
             kv = max(1, full["num_kv_heads"] // self.div)
             out.update(num_kv_heads=kv, num_heads=kv * (full["num_heads"] // full["num_kv_heads"]))
+            if full.get("global_kv_heads"):
+                out["global_kv_heads"] = math.gcd(out["num_heads"],
+                                                  max(1, full["global_kv_heads"] // self.div))
         for k in ("hidden_size", "intermediate_size", "vocab_size", "moe_intermediate_size",
                   "shared_expert_size", "kv_lora_rank", "q_lora_rank", "sliding_window"):
             if full.get(k):
@@ -271,9 +304,10 @@ class Shapes:
 
 def model_desc(c: dict) -> str:
     """Layers, width, attention (query / KV heads and head_dim, or latent attention's dims:
-    C kv_lora_rank, q q_lora_rank, N nope, R rope, V value), sliding-window layers, MLP width
-    (an MoE model's dense layers), experts (+ the shared expert's width), vocabulary: one
-    line."""
+    C kv_lora_rank, q q_lora_rank, N nope, R rope, V value), sliding-window layers, the global
+    layers' own KV heads and head_dim (K=V: their V from K's projection), MLP width (an MoE
+    model's dense layers, or the dense MLP beside the experts), experts (+ the shared expert's
+    width), vocabulary: one line."""
     if c.get("kv_lora_rank"):
         attn = (f"H{c['num_heads']} MLA C{c['kv_lora_rank']} q{c.get('q_lora_rank', 0)} "
                 f"N{c['qk_nope_head_dim']} R{c['qk_rope_head_dim']} V{c['v_head_dim']}")
@@ -281,8 +315,11 @@ def model_desc(c: dict) -> str:
         attn = f"H{c['num_heads']}/{c['num_kv_heads']} d{c['head_dim']}"
     local = c.get("layer_types", ()).count("local")
     window = f" {local} local w{c['sliding_window']}" if local else ""
+    if c.get("global_head_dim"):
+        window += (f" global /{c.get('global_kv_heads') or c['num_kv_heads']} "
+                   f"d{c['global_head_dim']}" + (" K=V" if c.get("global_k_eq_v") else ""))
     dense = len(c.get("dense_layers", ()))
-    ff = (f" ff{c['intermediate_size']}" if not c.get("num_experts")
+    ff = (f" ff{c['intermediate_size']}" if not c.get("num_experts") or c.get("moe_block")
           else f" {dense} dense ff{c['intermediate_size']}" if dense else "")
     moe = (f" E{c['num_experts']}/{c['experts_per_token']}x{c['moe_intermediate_size']}"
            + (f"+{c['shared_expert_size']}" if c.get("shared_expert_size") else "")
@@ -507,13 +544,13 @@ def bandwidth_section(rep: Report, shapes: Shapes, platform: str, mem_bytes: int
                              num_kv_heads=hkv, head_dim=d, page_size=16, dtype=jnp.bfloat16)
             kern = jax.jit(lambda *a: ragged_paged_attention(
                 *a, sm_scale=d ** -0.5, platform=platform, interpret=interpret))
-            t = median_seconds(lambda: kern(*args), 1, repeats)
+            t = median_seconds(lambda a=args: kern(*a), 1, repeats)
             row.update(kernel_ms=t * 1e3, kernel_gbs=kv_bytes / t / 1e9,
                        kernel_of_copy=kv_bytes / t / bw)
             if 3 * kv_bytes < (mem_bytes or 1 << 62) and kv_bytes <= 8 << 30:
                 xla = jax.jit(lambda *a: xla_ragged_paged_attention(*a, sm_scale=d ** -0.5,
                                                                     max_q_len=1))
-                t = median_seconds(lambda: xla(*args), 1, repeats)
+                t = median_seconds(lambda a=args: xla(*a), 1, repeats)
                 row.update(xla_ms=t * 1e3, xla_gbs=kv_bytes / t / 1e9)
             del args
         except Exception as e:
@@ -589,7 +626,7 @@ def deepseek_v3_section(rep: Report, shapes: Shapes, bw: float) -> None:
                  "first layer dense)" if shapes.smoke
                  else "DeepSeek-V3 shape (2 of 61 layers: the first dense, the second MoE, so "
                       "the bf16 weights, ~28 GB, fit an H100's 80 GB), random init", bw,
-                 formats=())
+                 formats=(), kv=latent_kv)
 
 
 def gpt_oss_section(rep: Report, shapes: Shapes, bw: float) -> None:
@@ -599,20 +636,31 @@ def gpt_oss_section(rep: Report, shapes: Shapes, bw: float) -> None:
                  formats=())
 
 
+def gemma4_section(rep: Report, shapes: Shapes, bw: float) -> None:
+    _engine_rows(rep, "gemma4", shapes, GEMMA4_26B_A4B, TINY_GEMMA4,
+                 "tiny Gemma 4 (sliding and global layers of their own KV heads and head_dim, "
+                 "V = K on the global ones, experts beside the dense MLP)" if shapes.smoke
+                 else "Gemma-4-26B-A4B shape (12 of 30 layers: two periods of five sliding and "
+                      "one global, so the bf16 weights, ~21 GB of the whole model's ~50 GB, "
+                      "leave an H100's 80 GB room for the decode's expert temporaries and the "
+                      "section's time short), random init", bw, formats=(), kv=layer_kv)
+
+
 # name -> the section: a random-init model through the engine
 ENGINE_SECTIONS = {"engine": engine_section, "moe": moe_section,
-                   "deepseek_v3": deepseek_v3_section, "gpt_oss": gpt_oss_section}
+                   "deepseek_v3": deepseek_v3_section, "gpt_oss": gpt_oss_section,
+                   "gemma4": gemma4_section}
 
 
 def _engine_rows(rep: Report, section: str, shapes: Shapes, full: dict, tiny: dict, model: str,
-                 bw: float, formats: tuple[str, ...], mixed: bool = False) -> None:
+                 bw: float, formats: tuple[str, ...], mixed: bool = False, kv=None) -> None:
+    """Decode rates of a random-init model at each batch (first run, then steady state), a row
+    of its KV cache's bytes a token (`kv`: latent_kv, layer_kv), the mixed workload continuous
+    against static batches (`mixed`), then decode of its weights in each of `formats` at
+    batch 1."""
     import jax
     import jax.numpy as jnp
 
-    """Decode rates of a random-init model at each batch (first run, then steady state), its
-    latent KV cache against the expanded K/V (latent attention: `latent_kv`), the mixed
-    workload continuous against static batches (`mixed`), then decode of its weights in each
-    of `formats` at batch 1."""
     from jaxinfer.checkpoints.quantize import quantize_params
     from jaxinfer.runtime.config import EngineConfig, ModelConfig
     from jaxinfer.runtime.build import prepare
@@ -621,7 +669,7 @@ def _engine_rows(rep: Report, section: str, shapes: Shapes, full: dict, tiny: di
     from jaxinfer.runtime.device.quantization import param_bytes
 
     fields = shapes.model(full, tiny)
-    cfg = ModelConfig(family="llama", **fields)
+    cfg = ModelConfig(**{"family": "llama", **fields})
     dname = shapes.engine_dtype
     dtype = jnp.bfloat16 if dname == "bfloat16" else jnp.float32
     t0 = time.perf_counter()
@@ -656,10 +704,10 @@ def _engine_rows(rep: Report, section: str, shapes: Shapes, full: dict, tiny: di
             rep.row(section, dict(weights=dname, batch=batch, run=run, **lens_tag,
                                    wall_s=time.perf_counter() - t0,
                                    compiles=eng.compile_count - c0, **r))
-    if cfg.latent_attention:
+    if kv is not None:
         try:
             rep.row(section, dict(weights=dname, batch="kv", **shapes.tag(
-                model_desc(full), model_desc(fields)), **latent_kv(eng.cache, cfg)))
+                model_desc(full), model_desc(fields)), **kv(eng.cache, cfg)))
         except Exception as e:
             rep.row(section, dict(weights=dname, batch="kv",
                                   error=f"{type(e).__name__}: {str(e)[:200]}"))
@@ -705,6 +753,25 @@ def latent_kv(cache, cfg) -> dict:
         cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) * itemsize
     return dict(kv_bytes_per_token=latent, expanded_kv_bytes_per_token=expanded,
                 kv_compression=expanded / latent)
+
+
+def layer_kv(cache, cfg) -> dict:
+    """The engine's KV cache by layer type (Gemma 4): bytes a token takes in one sliding and in
+    one global layer storing its own KV (K and V pools at the type's KV heads and head_dim; a
+    V from K's projection is still cached apart: K is normed and rotated, V only normed), the
+    layers of each type storing their own, those reading another layer's (none stored), and
+    bytes a token takes in every layer's pools."""
+    tokens = cache.num_pages * cache.page_size
+    row = {}
+    for kind, local in (("local", True), ("global", False)):
+        own = [i for i in range(cfg.num_layers)
+               if cfg.layer_is_local(i) == local and cfg.layer_kv_source(i) == i]
+        row[f"{kind}_layers"] = len(own)
+        row[f"{kind}_kv_bytes_per_token"] = (cache.k[own[0]].nbytes
+                                             + cache.v[own[0]].nbytes) / tokens
+    row["kv_shared_layers"] = cfg.kv_shared_layers
+    row["kv_bytes_per_token"] = cache.bytes_per_token
+    return row
 
 
 MIXED_FULL = Shapes().mixed
@@ -775,7 +842,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="CPU only (refused on a TPU or GPU): every kernel case, layout, bandwidth "
                         "grid point and engine section batch of the full run, with lengths, head "
                         "counts, model widths, layers and vocabulary divided by N; each row's "
-                        "shape column says nominal -> run. 16: about 10 minutes on 2 cores")
+                        "shape column says nominal -> run. 16: about 11 minutes on 2 cores")
     p.add_argument("--sections", default=",".join(["env", "kernels", "bandwidth",
                                                    *ENGINE_SECTIONS]),
                    help="comma-separated, run in this order (default: %(default)s)")

@@ -1,25 +1,29 @@
 """The cost model on paper: predicted decode step time and tokens/s of the jitted step on TPUs
 and GPUs, from XLA's cost analysis of that step and the chips' published peaks.
 
-    python -m jaxinfer.tools.cost_model --out docs/cost_model.md   # ~10 min on 2 CPU cores
+    python -m jaxinfer.tools.cost_model --out docs/cost_model.md   # ~6 min on 2 CPU cores
 
-For each model shape (Llama-3-8B, -70B, DeepSeek-V3, gpt-oss-120b), tensor parallel degree
-and batch, the decode step (one token per sequence, every sequence at `--context` tokens, the
-XLA attention path) is compiled for CPU devices standing in for the chips, sharded as the
-engine shards it, and `compiled.cost_analysis()` gives one device's FLOPs and bytes accessed.
-The step is compiled for a model of one layer of each kind (dense or MoE MLP, sliding or full
-attention) and for that model with each kind's layer doubled, and the whole model's cost
-extrapolated from the differences (`extrapolated`; exact: the tests compile whole models). It
-is compiled in f32 and its bytes halved for bf16: XLA:CPU widens a bf16 dot's weights to f32
-first, which would count every weight five times (measured: 79.7 GB for Llama-3-8B batch 1,
-whose bf16 weights are 16.1 GB).
+For each model shape (Llama-3-8B, -70B, DeepSeek-V3, gpt-oss-120b, Gemma-4-26B-A4B), tensor
+parallel degree and batch, the decode step (one token per sequence, every sequence at
+`--context` tokens, the XLA attention path) is compiled for CPU devices standing in for the
+chips, sharded as the engine shards it, and `compiled.cost_analysis()` gives one device's
+FLOPs and bytes accessed. The step is compiled for a model of one layer of each kind (dense or
+MoE MLP, sliding or full attention, storing its KV or reading another layer's) and for that
+model with each kind's layer doubled, and the whole model's cost extrapolated from the
+differences (`extrapolated`; exact: the tests compile whole models). It is compiled in f32 and
+its bytes halved for bf16: XLA:CPU widens a bf16 dot's weights to f32 first, which would count
+every weight five times (measured: 79.7 GB for Llama-3-8B batch 1, whose bf16 weights are
+16.1 GB).
 
 Mixture-of-experts layers are compiled as dense ones as wide as a token's active experts plus
-the shared expert, the router's product added by hand (`step_cost`; XLA:CPU's own expert form
-loops over blocks of rows, and XLA's cost analysis counts a loop's body once): a token's FLOPs
-are its experts', and XLA's bytes one token's experts' weights (the floor's: the batch's).
-Latent attention (DeepSeek-V3) is compiled as the engine runs it: absorbed up-projections,
-attention over the one cached head of kv_lora_rank + rope dims.
+the shared expert (Gemma 4: plus the dense MLP beside them), the router's product added by
+hand (`step_cost`; XLA:CPU's own expert form loops over blocks of rows, and XLA's cost
+analysis counts a loop's body once): a token's FLOPs are its experts', and XLA's bytes one
+token's experts' weights (the floor's: the batch's). Latent attention (DeepSeek-V3) is
+compiled as the engine runs it: absorbed up-projections, attention over the one cached head
+of kv_lora_rank + rope dims. So is Gemma 4: its global layers' own KV heads and head_dim, V =
+K (no V projection), KV-shared layers (no K or V projection, their MLP twice as wide with
+double_wide_shared_mlp), per-layer inputs.
 
 Two byte counts per step: XLA's (the XLA attention path gathers each sequence's pages before
 attending, so it reads and writes the KV about three times) and the floor (`floor_bytes`:
@@ -27,15 +31,17 @@ weights the batch multiplies + KV read once: the Pallas kernels' goal, whose cus
 XLA's cost analysis cannot see into). The floor's weights: every dense projection and the
 vocabulary projection, and per MoE layer its router, shared expert and the distinct routed
 experts `batch` tokens choose were routing uniform (`routed_experts`: k at batch 1, nearly
-every expert at batch 256); its KV: each layer's heads over the context, a sliding layer's
-over at most its window, latent attention's one head of kv_lora_rank + rope dims (its K and
-V). The prediction on a chip is the roofline max(FLOPs / peak FLOP/s, floor bytes / HBM
-bandwidth); the larger term names the bound. Not modelled: tensor-parallel all-reduces (two
-of [batch, hidden] per layer) and expert parallelism's load imbalance (every device is
-assumed to hold 1 / tp of the weights read: DeepSeek-V3's wq_a, wkv_a and routers are in
-fact replicated), routing skew, the engine's own MoE forms (gathered expert weights,
-ragged_dot) and their padding, launch and host overheads. Weights and KV are bf16 (DeepSeek-V3
-in bf16, 1.3 TB, fits no chip here even at tp 8; its FP8 checkpoint is not modelled).
+every expert at batch 256), Gemma 4's per-layer input projections; its KV: each layer's
+heads (Gemma 4's global layers: their own KV heads and head_dim) over the context, a sliding
+layer's over at most its window, latent attention's one head of kv_lora_rank + rope dims (its
+K and V), a KV-shared layer's the pages of the layer it reads, once more. The prediction on a
+chip is the roofline max(FLOPs / peak FLOP/s, floor bytes / HBM bandwidth); the larger term
+names the bound. Not modelled: tensor-parallel all-reduces (two of [batch, hidden] per layer)
+and expert parallelism's load imbalance (every device is assumed to hold 1 / tp of the
+weights read: DeepSeek-V3's wq_a, wkv_a and routers are in fact replicated), routing skew,
+the engine's own MoE forms (gathered expert weights, ragged_dot) and their padding, launch and
+host overheads. Weights and KV are bf16 (DeepSeek-V3 in bf16, 1.3 TB, fits no chip here even
+at tp 8; its FP8 checkpoint is not modelled).
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ import json
 import sys
 import time
 from pathlib import Path
+
+from jaxinfer.runtime.config import RopeScaling
 
 # Published dense bf16 peak FLOP/s, HBM bandwidth (bytes/s) and HBM capacity (bytes) per chip.
 CHIPS = {
@@ -79,6 +87,22 @@ MODELS = {
                          experts_per_token=4, moe_intermediate_size=2880, norm_topk_prob=True,
                          attn_sinks=True, attn_out_bias=True, router_bias=True,
                          expert_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702),
+    # five sliding layers (8 KV heads of 256, window 1024) to one global (2 KV heads of 512,
+    # V = K, a quarter of the dims rotated), 128 experts of 704 (top 8) beside a dense MLP of
+    # 2112 in every layer, a tied head of 262144; no KV-shared layers, no per-layer inputs
+    "Gemma-4-26B-A4B": dict(family="gemma4", vocab_size=262144, hidden_size=2816,
+                            intermediate_size=2112, num_layers=30, num_heads=16, num_kv_heads=8,
+                            head_dim=256, global_head_dim=512, global_kv_heads=2,
+                            global_k_eq_v=True, v_norm=True, sliding_window=1024,
+                            layer_types=(("local",) * 5 + ("global",)) * 5,
+                            rope_theta=1000000.0, rope_local_theta=10000.0,
+                            rope_scaling=RopeScaling(kind="proportional", factor=1.0,
+                                                     partial_rotary_factor=0.25),
+                            qk_norm=True, sandwich_norms=True, embed_scale=2816 ** 0.5,
+                            query_pre_attn_scalar=1.0, final_logit_softcap=30.0,
+                            tie_word_embeddings=True, activation="gelu_tanh", num_experts=128,
+                            experts_per_token=8, moe_intermediate_size=704, norm_topk_prob=True,
+                            moe_block=True, layer_scalar=True),
 }
 TP = (1, 4, 8)
 BATCHES = (1, 64, 256)
@@ -87,23 +111,30 @@ BATCHES = (1, 64, 256)
 def _config(shape: dict):
     from jaxinfer.runtime.config import ModelConfig
 
-    return ModelConfig(family="llama", **shape)
+    return ModelConfig(**{"family": "llama", **shape})
 
 
 def mlp_width(cfg, i: int) -> int:
-    """The MLP width layer i multiplies a token by: the dense MLP's, or an MoE layer's active
-    experts and shared expert (experts_per_token x moe_intermediate_size + shared_expert_size)."""
+    """The MLP width layer i multiplies a token by: the dense MLP's (layer_intermediate: twice
+    as wide on Gemma 4's KV-shared layers with double_wide_shared_mlp), or an MoE layer's active
+    experts and shared expert (experts_per_token x moe_intermediate_size + shared_expert_size),
+    plus the dense MLP beside them (Gemma 4's moe_block)."""
+    dense = cfg.layer_intermediate(i)
     if not cfg.layer_has_experts(i):
-        return cfg.intermediate_size
-    return cfg.experts_per_token * cfg.moe_intermediate_size + cfg.shared_expert_size
+        return dense
+    experts = cfg.experts_per_token * cfg.moe_intermediate_size + cfg.shared_expert_size
+    return experts + (dense if cfg.moe_block else 0)
 
 
 def step_cost(shape: dict, batch: int, context: int, tp: int, layers: tuple[int, ...] | None = None,
               page_size: int = 16) -> dict[str, float]:
     """One device's {"flops", "bytes"} of the f32 decode step (compiled, not run: every input is
     abstract) of the model made of `shape`'s layers `layers` (indices into its layers, repeats
-    allowed; None: all of them). An MoE layer is compiled as a dense one whose gated MLP is as
-    wide as a token's active experts and shared expert (`mlp_width`), its router's product
+    allowed, in order, a layer reading another's KV after every layer storing its own; None:
+    all of them). The layers of `shape`'s last kv_shared_layers stay KV-shared (they read the
+    pages of the last earlier layer of their type among `layers`). An MoE layer is compiled as
+    a dense one whose gated MLP is as wide as a token's active experts and shared expert (and
+    the dense MLP beside them: `mlp_width`), its router's product
     (2 x D x E FLOPs a token, its D x E weights read whole by every device) added by hand:
     XLA:CPU's expert blocks run in a loop whose body XLA's cost analysis counts once, and
     TPU/GPU run other forms (gathered weights, ragged_dot) whose count would not be theirs."""
@@ -123,7 +154,8 @@ def step_cost(shape: dict, batch: int, context: int, tp: int, layers: tuple[int,
     idx = tuple(range(full.num_layers)) if layers is None else tuple(layers)
     cfg = dataclasses.replace(
         full, num_layers=len(idx), dense_layers=(), num_experts=0, experts_per_token=0,
-        moe_intermediate_size=0, shared_expert_size=0,
+        moe_intermediate_size=0, shared_expert_size=0, double_wide_shared_mlp=False,
+        kv_shared_layers=sum(full.layer_kv_source(i) != i for i in idx),
         layer_types=tuple(full.layer_types[i] for i in idx) if full.layer_types else ())
     by_width = {f: jax.eval_shape(lambda f=f: init_params(
         dataclasses.replace(cfg, intermediate_size=f), jax.random.key(0), dtype=jnp.float32))
@@ -159,25 +191,41 @@ def layer_kinds(cfg) -> list[int]:
 
 def extrapolated(shape: dict, batch: int, context: int, tp: int) -> dict[str, float]:
     """step_cost of the whole model from a model of one layer of each kind (`layer_kinds`:
-    e.g. DeepSeek-V3's dense and MoE layers, gpt-oss's sliding and full ones) and, for each
-    kind, that model with the kind's layer doubled: the difference is a layer of the kind, and
-    the whole model the first plus each further layer's kind's difference. Exact (the tests
-    compile whole models to check): XLA's counts add up over layers once every kind is present
-    (what layers of several kinds share, e.g. a sliding window's mask, is in the first)."""
+    e.g. DeepSeek-V3's dense and MoE layers, gpt-oss's sliding and full ones, Gemma 4's layers
+    storing their KV and those reading another's) and, for each kind, that model with the
+    kind's layer doubled (the copy right after it, so KV-shared layers stay last): the
+    difference is a layer of the kind, and the whole model the first plus each further layer's
+    kind's difference. Exact (the tests compile whole models to check): XLA's counts add up
+    over layers once every kind is present (what layers of several kinds share, e.g. a sliding
+    window's mask, is in the first), but for Gemma 4's per-layer inputs: each layer's fusion
+    recomputes the whole [T, L, P] input it slices its own from, a term in L^2. With them one
+    more compile, the first kind's layer tripled, gives that term's second difference 2c, and
+    the m further layers add c m (m - 1) to their differences (each difference holds the c
+    (2 k + 1) of a (k + 1)-th layer)."""
     kinds = layer_kinds(_config(shape))
     reps = tuple(dict.fromkeys(kinds))  # the first layer of each kind
-    base = step_cost(shape, batch, context, tp, reps)
-    per = {}
-    for r in reps:
-        two = step_cost(shape, batch, context, tp, reps + (r,))
-        per[r] = {k: two[k] - base[k] for k in base}
-    return {k: base[k] + sum(per[r][k] for i, r in enumerate(kinds) if r != i) for k in base}
+
+    def cost(j: int = 0, more: int = 0) -> dict[str, float]:  # reps, `more` copies of the j-th
+        return step_cost(shape, batch, context, tp,
+                         reps[:j + 1] + (reps[j],) * more + reps[j + 1:])
+
+    base = cost()
+    per = {r: {k: v - base[k] for k, v in cost(j, 1).items()} for j, r in enumerate(reps)}
+    m = len(kinds) - len(reps)
+    c = dict.fromkeys(base, 0.0)
+    if _config(shape).per_layer_input_size and m > 1:
+        c = {k: (v - base[k] - 2 * per[reps[0]][k]) / 2 for k, v in cost(0, 2).items()}
+    return {k: base[k] + sum(per[r][k] for i, r in enumerate(kinds) if r != i) + c[k] * m * (m - 1)
+            for k in base}
 
 
 def layer_params(cfg, i: int, experts: float) -> float:
     """Weights layer i's products read for its tokens: attention's projections (latent
-    attention: wq_a and wq_b, or wq; wkv_a; w_uk; w_uv; wo), then the dense MLP, or an MoE
-    layer's router, `experts` routed experts and its shared expert. Norms and biases: none."""
+    attention: wq_a and wq_b, or wq; wkv_a; w_uk; w_uv; wo; else wq, wk, wv, wo at the layer's
+    own KV heads and head_dim, no wv where V is K and neither wk nor wv on a layer reading
+    another's KV), then the dense MLP (layer_intermediate wide), or an MoE layer's router,
+    `experts` routed experts and its shared expert (and with moe_block the dense MLP beside
+    them), then Gemma 4's per-layer input gate and projection. Norms and biases: none."""
     d = cfg.hidden_size
     if cfg.latent_attention:
         h, c, cq = cfg.num_heads, cfg.kv_lora_rank, cfg.q_lora_rank
@@ -185,20 +233,30 @@ def layer_params(cfg, i: int, experts: float) -> float:
         q = d * cq + cq * h * (n + r) if cq else d * h * (n + r)
         attn = q + d * (c + r) + h * n * c + h * c * v + h * v * d
     else:
-        hq, hkv, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        attn = d * (hq + 2 * hkv) * dh + hq * dh * d
+        hq, hkv, dh = cfg.num_heads, cfg.layer_kv_heads(i), cfg.layer_head_dim(i)
+        kv = 0 if cfg.layer_kv_source(i) != i else 1 if cfg.layer_k_eq_v(i) else 2
+        attn = d * (hq + kv * hkv) * dh + hq * dh * d
+    attn += 2 * d * cfg.per_layer_input_size
+    dense = 3 * d * cfg.layer_intermediate(i)
     if not cfg.layer_has_experts(i):
-        return attn + 3 * d * cfg.intermediate_size
+        return attn + dense
     return (attn + d * cfg.num_experts + experts * 3 * d * cfg.moe_intermediate_size
-            + 3 * d * cfg.shared_expert_size)
+            + 3 * d * cfg.shared_expert_size + (dense if cfg.moe_block else 0))
+
+
+def model_params(cfg) -> int:
+    """Weights outside the layers a token multiplies: the vocabulary projection and Gemma 4's
+    projection of the embedding to the per-layer inputs (the embedding tables' rows are a
+    gather: not counted)."""
+    return (cfg.vocab_size + cfg.num_layers * cfg.per_layer_input_size) * cfg.hidden_size
 
 
 def matmul_params(shape: dict) -> int:
     """Weights a token multiplies: every layer's projections (an MoE layer's router, its
-    experts_per_token active experts and its shared expert) and the vocabulary projection."""
+    experts_per_token active experts and its shared expert) and model_params."""
     cfg = _config(shape)
     return sum(layer_params(cfg, i, cfg.experts_per_token) for i in range(cfg.num_layers)) + (
-        cfg.vocab_size * cfg.hidden_size)
+        model_params(cfg))
 
 
 def routed_experts(cfg, batch: int) -> float:
@@ -208,15 +266,25 @@ def routed_experts(cfg, batch: int) -> float:
     return e * (1 - (1 - k / e) ** batch) if e else 0.0
 
 
-def kv_bytes(shape: dict, batch: int, context: int, tp: int, itemsize: int = 2) -> float:
-    """Bytes of KV pages one device reads per decode step: each layer's K and V heads (latent
-    attention: its one head of kv_lora_rank + qk_rope_head_dim, both K and V) over the context
-    (a sliding layer: at most its window), the KV heads split over min(tp, KV heads)."""
+def kv_bytes(shape: dict, batch: int, context: int, tp: int, itemsize: int = 2,
+             stored: bool = False) -> float:
+    """Bytes of KV pages one device reads per decode step: each layer's K and V heads at its
+    own KV heads and head_dim (latent attention: its one head of kv_lora_rank +
+    qk_rope_head_dim, both K and V; a global Gemma 4 layer whose V is K's projection still
+    caches V apart: K is normed and rotated, V only normed) over the context (a sliding layer:
+    at most its window), the KV heads split over min(tp, KV heads). A KV-shared layer reads its
+    source layer's pages once more. stored: the pages held instead, which the KV-shared layers
+    add none to."""
     cfg = _config(shape)
-    per_token = (cfg.kv_lora_rank + cfg.qk_rope_head_dim if cfg.latent_attention
-                 else 2 * cfg.num_kv_heads * cfg.head_dim)
-    tokens = sum(min(context, cfg.layer_window(i) or context) for i in range(cfg.num_layers))
-    return batch * tokens * per_token * itemsize / min(tp, cfg.num_kv_heads)
+    total = 0.0
+    for i in range(cfg.num_layers):
+        if stored and cfg.layer_kv_source(i) != i:
+            continue
+        per_token = (cfg.kv_lora_rank + cfg.qk_rope_head_dim if cfg.latent_attention
+                     else 2 * cfg.layer_kv_heads(i) * cfg.layer_head_dim(i))
+        tokens = min(context, cfg.layer_window(i) or context)
+        total += tokens * per_token / min(tp, cfg.layer_kv_heads(i))
+    return batch * total * itemsize
 
 
 def floor_bytes(shape: dict, batch: int, context: int, tp: int, itemsize: int = 2) -> float:
@@ -226,7 +294,7 @@ def floor_bytes(shape: dict, batch: int, context: int, tp: int, itemsize: int = 
     cfg = _config(shape)
     experts = routed_experts(cfg, batch)
     weights = sum(layer_params(cfg, i, experts) for i in range(cfg.num_layers)) + (
-        cfg.vocab_size * cfg.hidden_size)
+        model_params(cfg))
     return weights * itemsize / tp + kv_bytes(shape, batch, context, tp, itemsize)
 
 
@@ -239,11 +307,15 @@ def predict(flops: float, nbytes: float, chip: str, batch: int) -> dict:
 
 
 def fits(shape: dict, chip: str, batch: int, context: int, tp: int) -> bool:
-    """Weights (every expert, the embedding table too) and KV fit in 90 % of one chip's HBM."""
+    """Weights (every expert, the embedding table too unless tied to the head, Gemma 4's
+    per-layer table) and the KV pages held fit in 90 % of one chip's HBM."""
     cfg = _config(shape)
+    tables = ((not cfg.tie_word_embeddings) * cfg.vocab_size * cfg.hidden_size
+              + cfg.per_layer_vocab * cfg.num_layers * cfg.per_layer_input_size)
     weights = sum(layer_params(cfg, i, cfg.num_experts) for i in range(cfg.num_layers)) + (
-        2 * cfg.vocab_size * cfg.hidden_size)
-    return weights * 2 / tp + kv_bytes(shape, batch, context, tp) < 0.9 * CHIPS[chip][2]
+        model_params(cfg) + tables)
+    return weights * 2 / tp + kv_bytes(shape, batch, context, tp, stored=True) < (
+        0.9 * CHIPS[chip][2])
 
 
 def build(models=MODELS, tps=TP, batches=BATCHES, context: int = 2048, log=print) -> list[dict]:
@@ -289,10 +361,12 @@ def markdown(rows: list[dict], command: str) -> str:
          "device's per step; floor = weight shard + KV read once (the Pallas kernels' goal), "
          "XLA path = XLA's count for the XLA attention path, which gathers pages first. "
          "Mixture-of-experts layers are compiled as dense ones as wide as a token's active "
-         "experts and shared expert: their FLOPs are those experts', their XLA-path bytes one "
-         "token's experts; the floor reads the distinct experts the batch chooses were "
-         "routing uniform. Sliding-window layers read at most their window of KV, latent "
-         "attention its one head of kv_lora_rank + rope dims."),
+         "experts and shared expert (Gemma 4: and the dense MLP beside them): their FLOPs are "
+         "those experts', their XLA-path bytes one token's experts; the floor reads the "
+         "distinct experts the batch chooses were routing uniform. Sliding-window layers read "
+         "at most their window of KV, latent attention its one head of kv_lora_rank + rope "
+         "dims, Gemma 4's global layers their own KV heads and head_dim (V = K: no V "
+         "projection, V still cached)."),
         "",
         "| model | tp | batch | GFLOP | GB, XLA path | GB, floor | " + " | ".join(chips) + " |",
         "|---|---|---|---|---|---|" + "---|" * len(chips),

@@ -7,9 +7,10 @@ import json
 import pytest
 
 from jaxinfer.runtime.config import ModelConfig
-from jaxinfer.tools.bench_device import (DEEPSEEK_V3, GPT_OSS_20B, LLAMA3_8B, QWEN3_30B_A3B,
-                                         TINY_DEEPSEEK_V3, Shapes, kernel_cases, layouts, main,
-                                         make_case, markdown)
+from jaxinfer.tools.bench_device import (DEEPSEEK_V3, GEMMA4_26B_A4B, GPT_OSS_20B, LLAMA3_8B,
+                                         QWEN3_30B_A3B, TINY_DEEPSEEK_V3, TINY_GEMMA4, Shapes,
+                                         kernel_cases, layer_kv, layouts, main, make_case,
+                                         markdown)
 from jaxinfer.tools.engine_runs import workload
 
 
@@ -18,7 +19,7 @@ def test_smoke_runs_every_section_and_writes_both_reports(tmp_path):
     data = json.loads((tmp_path / "device.json").read_text())
     secs = data["sections"]
     assert list(secs) == ["env", "kernels", "bandwidth", "engine", "moe", "deepseek_v3",
-                          "gpt_oss"]
+                          "gpt_oss", "gemma4"]
     assert not any("error" in s for s in secs.values()) and secs["env"]["shapes"] == "smoke"
     kern = secs["kernels"]["rows"]
     assert len(kern) == 8 and all(r["ok"] and r["max_err"] < 0.03 for r in kern)
@@ -50,7 +51,7 @@ def test_smoke_runs_every_section_and_writes_both_reports(tmp_path):
     moe = [r for r in secs["moe"]["rows"] if r["run"] == "steady"]
     assert {(r["batch"], r["weights"][:4]) for r in moe} == {(1, "floa"), (4, "floa"), (1, "int8")}
     assert all(r["compiles"] == 0 and r["decode_tok_s"] > 0 for r in moe)
-    for name in ("deepseek_v3", "gpt_oss"):
+    for name in ("deepseek_v3", "gpt_oss", "gemma4"):
         rows = secs[name]["rows"]
         assert not any("error" in r for r in rows)
         steady = [r for r in rows if r.get("run") == "steady"]
@@ -66,6 +67,18 @@ def test_smoke_runs_every_section_and_writes_both_reports(tmp_path):
     assert kv["kv_compression"] == pytest.approx((4 * (16 + 16) + 4 * 16) / (48 + 16)) == 3
     assert kv["kv_bytes_per_token"] == 2 * (48 + 16) * 4
     assert kv["expanded_kv_bytes_per_token"] == 2 * 4 * (16 + 16 + 16) * 4
+    # Gemma 4's pools by layer type (f32): the sliding layer's K and V of 4 heads x 16, the
+    # global layer's of 1 head x 32 (V = K's projection, cached apart)
+    tiny = TINY_GEMMA4
+    assert (tiny["num_kv_heads"], tiny["head_dim"], tiny["global_kv_heads"],
+            tiny["global_head_dim"], tiny["layer_types"]) == (4, 16, 1, 32, ("local", "global"))
+    [kv] = [r for r in secs["gemma4"]["rows"] if r["batch"] == "kv"]
+    assert {k: kv[k] for k in ("local_layers", "local_kv_bytes_per_token", "global_layers",
+                               "global_kv_bytes_per_token", "kv_shared_layers",
+                               "kv_bytes_per_token")} == dict(
+        local_layers=1, local_kv_bytes_per_token=2 * 4 * 16 * 4, global_layers=1,
+        global_kv_bytes_per_token=2 * 1 * 32 * 4, kv_shared_layers=0,
+        kv_bytes_per_token=512 + 256)
     md = (tmp_path / "device.md").read_text()
     assert md == markdown(data) and "| layout | page_size | head_dim |" in md
     assert "## kernels" in md and "passed: 8/8" in md and "continuous_vs_static" in md
@@ -113,8 +126,22 @@ def test_cpu_scale_keeps_every_full_case_and_divides_the_dimensions():
     assert (oss["num_layers"], oss["layer_types"], oss["sliding_window"], oss["num_heads"],
             oss["num_kv_heads"], oss["head_dim"], oss["moe_intermediate_size"]) == (
         2, ("local", "global"), 8, 8, 1, 64, 180)
+    # Gemma 4: five sliding layers and the global one kept; the global layers' KV heads
+    # divided, their head_dim kept
+    g4 = s.model(GEMMA4_26B_A4B, {})
+    ModelConfig(**g4)
+    assert {k: g4[k] for k in ("num_layers", "layer_types", "num_heads", "num_kv_heads",
+                               "head_dim", "global_kv_heads", "global_head_dim", "hidden_size",
+                               "intermediate_size", "moe_intermediate_size", "sliding_window",
+                               "vocab_size")} == dict(
+        num_layers=6, layer_types=("local",) * 5 + ("global",), num_heads=2, num_kv_heads=1,
+        head_dim=256, global_kv_heads=1, global_head_dim=512, hidden_size=176,
+        intermediate_size=132, moe_intermediate_size=44, sliding_window=64, vocab_size=16384)
+    # at 1/4: 2 KV heads, 4 query heads; the global layers' 2 KV heads / 4 rounded down to 1
+    g4 = Shapes("scaled", 4).model(GEMMA4_26B_A4B, {})
+    assert (g4["num_heads"], g4["num_kv_heads"], g4["global_kv_heads"]) == (4, 2, 1)
     assert full.model(DEEPSEEK_V3, {}) == DEEPSEEK_V3
-    assert s.batches("deepseek_v3") == s.batches("gpt_oss") == (1, 64)
+    assert s.batches("deepseek_v3") == s.batches("gpt_oss") == s.batches("gemma4") == (1, 64)
     assert s.batches("engine") == full.batches("engine") == (1, 64, 256)
     assert s.batches("moe") == full.batches("moe") == (1, 64)
     assert (s.decode_lens, full.decode_lens) == ((8, 8), (128, 64))
@@ -157,6 +184,20 @@ def test_cpu_scale_is_refused_on_an_accelerator_and_with_smoke(tmp_path, monkeyp
     assert main(["--cpu-scale", "16", "--out", str(tmp_path / "r")]) == 2
     assert "--cpu-scale is for CPU runs" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def test_layer_kv_counts_each_type_once_and_nothing_for_the_shared_layers():
+    import jax.numpy as jnp
+
+    from jaxinfer.runtime.device.kv_cache import init_cache
+
+    # 2 sliding and 2 global layers, the last two reading layers 0 and 1's KV
+    cfg = ModelConfig(**dict(TINY_GEMMA4, num_layers=4, layer_types=("local", "global") * 2,
+                             kv_shared_layers=2, double_wide_shared_mlp=True))
+    kv = layer_kv(init_cache(cfg, 5, 16, jnp.bfloat16), cfg)
+    assert kv == dict(local_layers=1, local_kv_bytes_per_token=2 * 4 * 16 * 2, global_layers=1,
+                      global_kv_bytes_per_token=2 * 1 * 32 * 2, kv_shared_layers=2,
+                      kv_bytes_per_token=256 + 128)
 
 
 def test_nan_fill_poisons_exactly_the_slots_no_valid_position_reads():

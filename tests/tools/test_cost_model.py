@@ -3,6 +3,7 @@ figures, the layer extrapolation, the roofline and the table."""
 
 import pytest
 
+from jaxinfer.runtime.config import RopeScaling
 from jaxinfer.tools import cost_model as cm
 
 SMALL = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
@@ -21,6 +22,21 @@ GPT_OSS = dict(vocab_size=512, hidden_size=64, intermediate_size=32, num_layers=
                qkv_bias=True, num_experts=8, experts_per_token=2, moe_intermediate_size=32,
                norm_topk_prob=True, attn_sinks=True, attn_out_bias=True, router_bias=True,
                expert_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702)
+# Gemma 4, every mechanism: sliding layers of 2 KV heads x 16, global ones of 1 x 32 with V = K;
+# the last 2 layers (global) read layer 1's KV, their MLP twice as wide; 8 experts of 16 (top 2)
+# beside every layer's dense MLP of 32; per-layer inputs of 8; a tied head
+GEMMA4 = dict(family="gemma4", vocab_size=512, hidden_size=64, intermediate_size=32,
+              num_layers=5, num_heads=4, num_kv_heads=2, head_dim=16, global_head_dim=32,
+              global_kv_heads=1, global_k_eq_v=True, v_norm=True, sliding_window=8,
+              layer_types=("local", "global", "local", "global", "global"), kv_shared_layers=2,
+              double_wide_shared_mlp=True, per_layer_input_size=8, per_layer_vocab=512,
+              rope_theta=1e6, rope_local_theta=1e4,
+              rope_scaling=RopeScaling(kind="proportional", factor=1.0,
+                                       partial_rotary_factor=0.25),
+              qk_norm=True, sandwich_norms=True, embed_scale=8.0, query_pre_attn_scalar=1.0,
+              final_logit_softcap=30.0, tie_word_embeddings=True, activation="gelu_tanh",
+              num_experts=8, experts_per_token=2, moe_intermediate_size=16, norm_topk_prob=True,
+              moe_block=True, layer_scalar=True)
 
 
 def _cost(shape, layers=None, batch=4, context=64, tp=1):
@@ -37,6 +53,10 @@ def test_extrapolation_equals_the_whole_model_compiled():
                  layer_types=("local", "global", "local", "global", "local"))
     assert cm.layer_kinds(cm._config(mixed)) == [0, 1, 2, 1, 2]
     assert cm.extrapolated(mixed, 4, 64, 1) == _cost(mixed)
+    # Gemma 4: a sliding and a global layer storing KV, a global one reading layer 1's; the
+    # per-layer inputs' L^2 term from the first kind's layer tripled
+    assert cm.layer_kinds(cm._config(GEMMA4)) == [0, 1, 0, 3, 3]
+    assert cm.extrapolated(GEMMA4, 4, 64, 1) == _cost(GEMMA4)
 
 
 def test_matmul_params_count_what_a_token_multiplies():
@@ -59,6 +79,22 @@ def test_matmul_params_count_what_a_token_multiplies():
     assert cm.matmul_params(cm.MODELS["gpt-oss-120b"]) == pytest.approx(5.13e9, rel=0.01)
     assert cm.matmul_params(cm.MODELS["DeepSeek-V3"]) + 129280 * 7168 == pytest.approx(
         37e9, rel=0.02)
+    # Gemma 4: q / k / v / o at each layer type's dims, no v where V = K, q and o alone on the
+    # KV-shared layers; the dense MLP (twice as wide on the shared layers) beside the router and
+    # 2 of 8 experts; the per-layer input gate and projection
+    local = 64 * 4 * 16 + 2 * 64 * 2 * 16 + 4 * 16 * 64  # wq, wk, wv, wo
+    glob = 64 * 4 * 32 + 64 * 1 * 32 + 4 * 32 * 64  # wq, wk, wo
+    shared = 64 * 4 * 32 + 4 * 32 * 64  # wq, wo
+    moe, ple = 64 * 8 + 2 * 3 * 64 * 16, 64 * 8 + 8 * 64
+    layers = (2 * (local + 3 * 64 * 32 + moe + ple) + glob + 3 * 64 * 32 + moe + ple
+              + 2 * (shared + 3 * 64 * 64 + moe + ple))
+    assert layers == 2 * 26112 + 32256 + 2 * 36352
+    # + the tied head and the embedding's projection to the 5 layers' inputs
+    assert cm.matmul_params(GEMMA4) == layers + 512 * 64 + 64 * 5 * 8 == 192512
+    # the published 3.8B active, 25.2B in all (its tied 0.74B table counted once, as the head)
+    g4 = cm.MODELS["Gemma-4-26B-A4B"]
+    assert cm.matmul_params(g4) == pytest.approx(3.8e9, rel=0.01)
+    assert cm.matmul_params(dict(g4, experts_per_token=128)) == pytest.approx(25.2e9, rel=0.01)
 
 
 def test_floor_reads_the_latent_head_the_window_and_the_chosen_experts():
@@ -72,6 +108,13 @@ def test_floor_reads_the_latent_head_the_window_and_the_chosen_experts():
     assert cm.floor_bytes(LATENT, 1, 40, 1) == pytest.approx(109824 * 2 + 3 * 40 * 40 * 2)
     extra = 2 * 1.5 * 3 * 64 * 16  # 1.5 more experts in each MoE layer
     assert cm.floor_bytes(LATENT, 2, 40, 1) == pytest.approx((109824 + extra) * 2 + 19200)
+    # Gemma 4, per token: a sliding layer 2 x 2 x 16 values over its window of 8, a global one
+    # 2 x 1 x 32 (V cached apart from K) over all 40; the two KV-shared layers read layer 1's
+    # again but hold none; tp 2 splits the sliding layers' 2 KV heads, not the global one
+    assert cm.kv_bytes(GEMMA4, 2, 40, 1) == 2 * (2 * 8 * 64 + 3 * 40 * 64) * 2 == 34816
+    assert cm.kv_bytes(GEMMA4, 2, 40, 1, stored=True) == 2 * (2 * 8 * 64 + 40 * 64) * 2
+    assert cm.kv_bytes(GEMMA4, 2, 40, 2) == 2 * (2 * 8 * 32 + 3 * 40 * 64) * 2
+    assert cm.floor_bytes(GEMMA4, 1, 40, 1) == pytest.approx(192512 * 2 + 34816 / 2)
 
 
 def test_counts_match_hand_worked_flops_and_bytes():
@@ -106,6 +149,8 @@ def test_roofline_and_fit():
     oss = cm.MODELS["gpt-oss-120b"]
     assert not cm.fits(oss, "H200 SXM", 1, 2048, 1) and cm.fits(oss, "H100 SXM", 1, 2048, 4)
     assert not cm.fits(cm.MODELS["DeepSeek-V3"], "H200 SXM", 1, 2048, 8)  # 1.3 TB
+    g4 = cm.MODELS["Gemma-4-26B-A4B"]  # 50 GB: one H100, not one TPU v6e
+    assert cm.fits(g4, "H100 SXM", 1, 2048, 1) and not cm.fits(g4, "TPU v6e", 1, 2048, 1)
 
 
 def test_table_from_a_small_build():
