@@ -27,6 +27,10 @@ WEIGHT_REDUCE_AXES: dict[str, tuple[int, ...]] = {
     # stacked experts [E, D, F] / [E, F, D] (runtime/device/moe.py): per expert and output channel.
     # The expert forms widen the experts they read whatever the mode (weight-only math).
     "we_gate": (1,), "we_up": (1,), "we_down": (1,),
+    # latent attention's down / up projections of q and the latent (runtime/device/mla.py):
+    # "td,dr->tr", "tr,rhk->thk", "td,dc->tc". Its per-head w_uk / w_uv (a batch axis in
+    # their products) stay in the compute dtype.
+    "wq_a": (0,), "wq_b": (0,), "wkv_a": (0,),
 }
 EMBEDDING_WEIGHTS = ("embed", "lm_head")
 # An int4 model's embedding / lm_head tables are int8 per row, as 4-bit checkpoints keep theirs
