@@ -84,6 +84,7 @@ import numpy as np
 
 from jaxinfer.runtime.config import RopeScaling
 from jaxinfer.runtime.host.tokenizer import Tokenizer
+from jaxinfer.tools.cost_model import MODELS  # the full models' shapes, cut to a few layers here
 
 # JAX and the kernels are imported where they run: `jaxinfer --help` registers this command
 # without starting JAX
@@ -101,13 +102,7 @@ TINY_MOE = dict(TINY_LLAMA, qk_norm=True, num_experts=16, experts_per_token=4,
                 moe_intermediate_size=32, norm_topk_prob=True)
 # DeepSeek-V3's attention and expert dims; 2 of its 61 layers (the first dense, the second MoE);
 # softmax scale (nope + rope)^-0.5 (its YaRN mscale left out: rope scaling does not change speed)
-DEEPSEEK_V3 = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, num_layers=2,
-                   num_heads=128, num_kv_heads=1, head_dim=512 + 64, kv_lora_rank=512,
-                   q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-                   query_pre_attn_scalar=128.0 + 64, num_experts=256, experts_per_token=8,
-                   moe_intermediate_size=2048, shared_expert_size=2048, dense_layers=(0,),
-                   norm_topk_prob=True, router_scoring="sigmoid", router_groups=8,
-                   router_topk_groups=4, routed_scaling=2.5)
+DEEPSEEK_V3 = dict(MODELS["DeepSeek-V3"], num_layers=2, dense_layers=(0,))
 # head_dim 48 + 16 = 64: the TPU kernel's multiple of 64
 TINY_DEEPSEEK_V3 = dict(DEEPSEEK_V3, vocab_size=512, hidden_size=64, intermediate_size=128,
                         num_heads=4, head_dim=48 + 16, kv_lora_rank=48, q_lora_rank=32,
@@ -116,16 +111,11 @@ TINY_DEEPSEEK_V3 = dict(DEEPSEEK_V3, vocab_size=512, hidden_size=64, intermediat
                         moe_intermediate_size=32, shared_expert_size=32, router_groups=4,
                         router_topk_groups=2)
 # gpt-oss-20b's dims; 4 of its 24 layers, sliding (window 128) and full alternating
-GPT_OSS_20B = dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_layers=4,
-                   num_heads=64, num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5,
-                   rope_theta=150000.0, sliding_window=128, layer_types=("local", "global") * 2,
+GPT_OSS_20B = dict(MODELS["gpt-oss-120b"], num_layers=4, layer_types=("local", "global") * 2,
+                   num_experts=32, rms_norm_eps=1e-5,
                    rope_scaling=RopeScaling(kind="yarn", factor=32.0,
                                             original_max_position_embeddings=4096,
-                                            truncate=False),
-                   qkv_bias=True, num_experts=32, experts_per_token=4,
-                   moe_intermediate_size=2880, norm_topk_prob=True, attn_sinks=True,
-                   attn_out_bias=True, router_bias=True, expert_bias=True, swiglu_limit=7.0,
-                   swiglu_alpha=1.702)
+                                            truncate=False))
 TINY_GPT_OSS = dict(GPT_OSS_20B, vocab_size=512, hidden_size=64, intermediate_size=32,
                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, sliding_window=8,
                     layer_types=("local", "global"), num_experts=8, experts_per_token=2,
@@ -133,19 +123,8 @@ TINY_GPT_OSS = dict(GPT_OSS_20B, vocab_size=512, hidden_size=64, intermediate_si
 # Gemma-4-26B-A4B's dims (its GGUF's metadata; the global layers' 2 KV heads and V = K: NeMo's
 # Gemma 4 provider); no KV-shared layers and no per-layer inputs in this model. 12 of its 30
 # layers: two periods of five sliding layers and one global
-GEMMA4_26B_A4B = dict(family="gemma4", vocab_size=262144, hidden_size=2816,
-                      intermediate_size=2112, num_layers=12, num_heads=16, num_kv_heads=8,
-                      head_dim=256, global_head_dim=512, global_kv_heads=2, global_k_eq_v=True,
-                      v_norm=True, sliding_window=1024,
-                      layer_types=(("local",) * 5 + ("global",)) * 2, rope_theta=1000000.0,
-                      rope_local_theta=10000.0,
-                      rope_scaling=RopeScaling(kind="proportional", factor=1.0,
-                                               partial_rotary_factor=0.25),
-                      qk_norm=True, sandwich_norms=True, embed_scale=2816 ** 0.5,
-                      query_pre_attn_scalar=1.0, final_logit_softcap=30.0,
-                      tie_word_embeddings=True, activation="gelu_tanh", num_experts=128,
-                      experts_per_token=8, moe_intermediate_size=704, norm_topk_prob=True,
-                      moe_block=True, layer_scalar=True)
+GEMMA4_26B_A4B = dict(MODELS["Gemma-4-26B-A4B"], num_layers=12,
+                      layer_types=(("local",) * 5 + ("global",)) * 2)
 TINY_GEMMA4 = dict(GEMMA4_26B_A4B, vocab_size=512, hidden_size=64, intermediate_size=48,
                    num_layers=2, num_heads=8, num_kv_heads=4, head_dim=16, global_head_dim=32,
                    global_kv_heads=1, sliding_window=8, layer_types=("local", "global"),
