@@ -23,6 +23,7 @@ class LoadedModel:
     params: Params
     tokenizer: Tokenizer | None  # None: loaded with tokenizer=False
     source: Path
+    vision: object = None  # checkpoints.hf_vision.VisionModel: a vision model's image side
 
 
 def is_gguf_file(path: Path) -> bool:
@@ -68,6 +69,7 @@ def load_model(model: str | Path, dtype: str = "float32", place=None, mesh=None,
         raise ValueError(f"dtype must be one of {COMPUTE_DTYPES}, got {dtype!r}")
     jdtype = getattr(jnp, dtype)
     path = resolve(model)
+    vision = None
     if path.is_file():
         if not is_gguf_file(path):
             raise CheckpointError(f"{path}: not a GGUF file (bad magic) and not a checkpoint dir")
@@ -83,8 +85,11 @@ def load_model(model: str | Path, dtype: str = "float32", place=None, mesh=None,
     elif (path / "config.json").is_file():
         from jaxinfer.checkpoints.hf import load_hf
 
+        from jaxinfer.checkpoints.hf_vision import load_hf_vision
+
         cfg, params = load_hf(path, dtype=jdtype, place=place, keep_int4=keep_int4,
                               keep_mxfp4=keep_mxfp4)
+        vision = load_hf_vision(path, jdtype)
         tok = _tokenizer(path, cfg) if tokenizer else None
     else:
         raise CheckpointError(
@@ -96,4 +101,4 @@ def load_model(model: str | Path, dtype: str = "float32", place=None, mesh=None,
     finish = getattr(place, "finish", None)
     if finish is not None:
         params = finish(cfg, params, tok)
-    return LoadedModel(cfg, params, tok, path)
+    return LoadedModel(cfg, params, tok, path, vision)

@@ -36,6 +36,7 @@ class Prepared:
     backend: str = "xla"  # the attention backend the steps use (attention.resolve_backend)
     draft: tuple | None = None  # (ModelConfig, Params) of a speculative draft model
     source: str | None = None  # where the weights came from
+    vision: object = None  # checkpoints.hf_vision.VisionModel of a vision model (None: text only)
 
 
 def check_names(options: dict) -> None:
@@ -130,8 +131,9 @@ def load(model: str, options: dict) -> Prepared:
     if config.speculative is not None and config.speculative.method == "draft":
         draft = _load_draft(model, loaded.cfg, params, config)
     # params came from this load alone: the engine's form replaces them as it is built
-    return prepare(loaded.cfg, params, loaded.tokenizer, config, mesh=mesh, draft=draft,
-                   source=loaded.source, consume=True)
+    prepared = prepare(loaded.cfg, params, loaded.tokenizer, config, mesh=mesh, draft=draft,
+                       source=loaded.source, consume=True)
+    return dataclasses.replace(prepared, vision=loaded.vision)
 
 
 def _load_draft(target: str, cfg: ModelConfig, params, config: EngineConfig) -> tuple:

@@ -491,6 +491,14 @@ ENGINE_OPTIONS = (
     Option("kv_host_cache_gb", float, 0.0, lo=0,
            help="GiB of host memory for the prefix cache's second tier: pages the device "
                 "evicts are copied there and copied back on a hit (0: off)"),
+    Option("limit_mm_per_prompt", int, 4, lo=0,
+           help="images a prompt may carry at most (vision models)"),
+    Option("mm_cache_gb", float, 0.25, lo=0,
+           help="GiB of host memory for the encoder cache: an image's encoder output, kept by "
+                "its content digest, so the same image again does not run the encoder"),
+    Option("max_image_pixels", int, 40_000_000, lo=1,
+           help="largest image (width x height) a request may send; larger ones are refused "
+                "before their pixels are decoded (a decompression bomb)"),
     Option("speculative", SpecConfig, None, nullable=True, parse=_parse_speculative, cli="json",
            help='speculative decoding, e.g. {"method": "ngram", "k": 4, "n": 3} or '
                 '{"method": "draft", "model": "PATH", "k": 4}'),

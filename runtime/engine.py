@@ -38,6 +38,7 @@ from jaxinfer.runtime.device.programs import StepPrograms
 from jaxinfer.runtime.device.steps import make_step, sampled_tokens
 from jaxinfer.runtime.host.admission import admission_policy
 from jaxinfer.runtime.host.errors import AdapterInUse, EngineAsleep, RequestError, UnknownAdapter
+from jaxinfer.runtime.host.image_prompt import expand
 from jaxinfer.runtime.host.kv_host_tier import HostTier
 from jaxinfer.runtime.host.outputs import OutputProcessor, RequestDelta, RequestOutput
 from jaxinfer.runtime.host.requests import Limits, SamplingParams, check_request, truncate_prompt
@@ -163,6 +164,7 @@ class Engine:
             host_tier=HostTier(self.host_kv.slots) if self.host_kv is not None else None,
         )
         self.outputs = OutputProcessor(tokenizer, speculative=self.spec is not None)
+        self.images = self._init_images(model.vision)  # runtime.images.Images (None: text only)
         self.proposer, self._verify = None, None
         if self.spec is not None:
             self._init_speculative(model.draft, kv_dtype, shapes.budget)
@@ -207,6 +209,46 @@ class Engine:
         self._pending: list[RequestDelta] = []  # deltas of requests ended between steps
         self._sleep_level = 0  # 0 awake; 1 KV cache freed; 2 weights too (runtime/weights.py)
         self._host_params = None  # level 2: (host copies, shardings) of the weights
+
+    def _init_images(self, vision):
+        """The image side of a vision model (None without one)."""
+        if vision is None:
+            return None
+        from jaxinfer.runtime.images import Images
+
+        images = Images(vision, self.ecfg)
+        n = images.spec.tokens_per_image
+        if self.shapes.budget < n:
+            raise OptionError("prefill_chunk", f"({self.shapes.budget}) must hold an image's "
+                                               f"{n} tokens: a step computes an image whole")
+        windows = [w for i in range(self.cfg.num_layers) if (w := self.cfg.layer_window(i))]
+        if windows and min(windows) < n:
+            raise OptionError("model", f"a sliding window ({min(windows)}) narrower than an "
+                                       f"image's {n} tokens is not supported")
+        return images
+
+    def _image_door(self, prompt_ids, images, params: SamplingParams):
+        """(prompt ids with each image's token run, its ImageSpans) of a request with images
+        [(digest, pixels)] (RequestError naming the field otherwise)."""
+        name = "multi_modal_data.image"
+        if self.images is None:
+            raise RequestError(name, "this model takes no images (it is text only)")
+        if len(images) > self.ecfg.limit_mm_per_prompt:
+            raise RequestError(name, f"{len(images)} images exceed limit_mm_per_prompt "
+                                     f"({self.ecfg.limit_mm_per_prompt})")
+        for why, bad in (("speculative decoding", self.spec is not None),
+                         ("several hosts", self.plan_channel is not None),
+                         ("truncate_prompt_tokens", params.truncate_prompt_tokens is not None)):
+            if bad:
+                raise RequestError(name, f"not supported with {why} yet")
+        return expand(prompt_ids, images, self.images.spec)
+
+    def _arrays(self, plan, feed: bool = False) -> dict:
+        """A plan's step arrays, with the encoder's embeddings on its image rows."""
+        arrays = plan.device_arrays(feed=feed)
+        if plan.mm_items:
+            arrays.update(self.images.step_inputs(plan, self.cfg.hidden_size))
+        return arrays
 
     @property
     def processed_logprobs(self) -> bool:
@@ -504,17 +546,21 @@ class Engine:
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, prompt_ids, params: SamplingParams, request_id: str | None = None, *,
                     lora: str | None = None, refuse_late: bool = True,
-                    prompt: str | None = None) -> str:
+                    prompt: str | None = None, images=()) -> str:
         """Queue a request (checked by the request door again: nothing unchecked reaches a
         step), with the LoRA adapter named `lora` (None: the base model); `prompt`: its text,
         echoed in the output. Raises RequestError naming the field; Overloaded when the engine
-        refuses late requests (refuse_late=False: the caller checked already)."""
+        refuses late requests (refuse_late=False: the caller checked already). `images`
+        [(digest, pixels)] (runtime/host/images.py): one per image mark in the prompt."""
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.outputs:
             raise ValueError(f"duplicate request_id {rid!r}")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         prompt_ids = [int(t) for t in prompt_ids]
+        spans = ()
+        if images:
+            prompt_ids, spans = self._image_door(prompt_ids, list(images), params)
         prompt_ids = truncate_prompt(prompt_ids, params)
         check_request(prompt_ids, params, self.limits)
         key = self._lora_key(lora)
@@ -529,7 +575,7 @@ class Engine:
             self.scheduler.check_overload(rid, len(prompt_ids), params.priority)
         now = time.monotonic()
         req = Request(request_id=rid, prompt_ids=prompt_ids, params=params, eos_ids=self.eos_ids,
-                      arrival_time=now, lora=key, procs=procs)
+                      arrival_time=now, lora=key, procs=procs, images=spans)
         if self._staged is not None:  # an update drains: this one runs on the new weights
             self._after_swap.append(req)
         else:
@@ -578,6 +624,7 @@ class Engine:
                 "spec_proposed": self.spec_proposed, "spec_accepted": self.spec_accepted,
                 "processor_state_bytes": sum(x.nbytes for x in jax.tree.leaves(self.procs)),
                 **(self.host_kv.stats(sch.host_tier) if self.host_kv is not None else {}),
+                **(self.images.stats() if self.images is not None else {}),
                 "ttft_target_s": slo.ttft_s, "itl_target_s": slo.itl_s}
 
     @property
@@ -823,7 +870,7 @@ class Engine:
         filtered = _filtered(plan)
         if plan.has_drafts:
             return self._verify_step(plan, props, filtered)
-        packed = self._run(plan.device_arrays(), plan.max_q_len, plan.num_logprobs > 0, filtered)
+        packed = self._run(self._arrays(plan), plan.max_q_len, plan.num_logprobs > 0, filtered)
         host, prompt = self._fetch(packed)  # [S, 1 (+ 1 + 2n)], [T, 1 + 2n] or None
         now = self._mark_scheduled(plan)
         return self._apply(plan, host, self.scheduler.update(plan, host[:, 0].astype(np.int32)),
@@ -840,7 +887,7 @@ class Engine:
             self._held = None
         else:
             plan = self._schedule()
-            arrays = plan.device_arrays(feed=True) if plan is not None else None
+            arrays = self._arrays(plan, feed=True) if plan is not None else None
             prev = self._prev()
         launched = None
         if plan is not None:

@@ -12,6 +12,7 @@ from jaxinfer.runtime.build import load
 from jaxinfer.runtime.embedding import checkpoint_defaults, embedder
 from jaxinfer.runtime.engine import Engine
 from jaxinfer.runtime.host.errors import RequestError
+from jaxinfer.runtime.host.image_prompt import parse_multimodal
 from jaxinfer.runtime.host.outputs import RequestDelta, RequestOutput, best_of, grouped
 from jaxinfer.runtime.host.requests import (LoRARequest, SamplingParams, check_request,
                                             parse_prompt, sample_params)
@@ -95,6 +96,16 @@ class LLM:
                     raise RequestError("lora_request", str(e)) from None
         return [None if r is None else r.lora_name for r in reqs]
 
+    def _parse(self, prompt) -> tuple[str | None, list[int], list]:
+        """A prompt (text, ids, or a dict with "multi_modal_data") -> (text, ids, images)."""
+        limits = self.engine.limits
+        if not isinstance(prompt, dict):
+            return (*parse_prompt(prompt, self.tokenizer, limits), [])
+        images = self.engine.images
+        return parse_multimodal(prompt, self.tokenizer, None if images is None else images.spec,
+                                self.engine.ecfg.max_image_pixels,
+                                lambda p, name: parse_prompt(p, self.tokenizer, limits, name))
+
     # ---- API ------------------------------------------------------------------------------
     def generate(self, prompts, sampling_params=None, *, use_tqdm: bool = False,
                  lora_request=None) -> list[RequestOutput]:
@@ -107,15 +118,16 @@ class LLM:
         None) per prompt (needs enable_lora=True)."""
         prompts = _prompt_list(prompts)
         limits = self.engine.limits
-        inputs = [parse_prompt(p, self.tokenizer, limits) for p in prompts]
+        inputs = [self._parse(p) for p in prompts]
         params = self._params_list(len(inputs), sampling_params)
-        for (_, pids), sp in zip(inputs, params):  # validate all before admitting any
+        for (_, pids, _), sp in zip(inputs, params):  # validate all before admitting any
             check_request(pids, sp, limits)
         loras = self._lora_names(len(inputs), lora_request)
         groups, ids, done = [], [], {}
         try:
-            for (text, pids), sp, lora in zip(inputs, params, loras):
-                groups.append([self.engine.add_request(pids, s, lora=lora, prompt=text)
+            for (text, pids, images), sp, lora in zip(inputs, params, loras):
+                groups.append([self.engine.add_request(pids, s, lora=lora, prompt=text,
+                                                       images=images)
                                for s in _samples(sp)])
                 ids += groups[-1]
             bar, mine = _progress(len(ids), use_tqdm), set(ids)
@@ -151,13 +163,13 @@ class LLM:
         """The request's deltas as its steps come back: text (stop strings held back), token
         ids, their logprob entries when `logprobs` is set, the prompt's logprobs on the first
         one; the last is `finished` and carries the whole `output`."""
-        text, pids = parse_prompt(prompt, self.tokenizer, self.engine.limits)
+        text, pids, images = self._parse(prompt)
         sp = sampling_params or SamplingParams()
         if sp.n > 1 or (sp.best_of or 1) > 1:
             raise RequestError("n", "stream() yields one completion: use generate() for n or "
                                     "best_of above 1")
         lora = self._lora_names(1, lora_request)[0]
-        rid = self.engine.add_request(pids, sp, lora=lora, prompt=text)
+        rid = self.engine.add_request(pids, sp, lora=lora, prompt=text, images=images)
         try:
             done = False
             while not done:
@@ -275,8 +287,8 @@ class LLM:
 
 
 def _prompt_list(prompts) -> list:
-    """One prompt (text or ids) or a list of them -> a list."""
-    if isinstance(prompts, str) or (
+    """One prompt (text, ids or a dict) or a list of them -> a list."""
+    if isinstance(prompts, (str, dict)) or (
         isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
     ):
         return [prompts]

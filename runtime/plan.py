@@ -68,6 +68,7 @@ PLAN_FIELDS = (
     PlanField("verify_indices",   np.int32,   "S,K+1", "speculative"),
     PlanField("draft_bitmask",    np.int32,   "S,K,W", "speculative"),  # masks after proposals
     PlanField("feed_rows",        np.int32,   "T",     "feed",        -1),
+    PlanField("see_until",        np.int32,   "T",     "vision"),  # last position row t sees
     PlanField("samples",          np.bool_,   "S",     "host"),  # the row yields a token
 )
 # sample_positions: the position of the token sampled at the row (with proposals: the position
@@ -78,6 +79,8 @@ PLAN_FIELDS = (
 # prompt_targets (prompt logprobs): the prompt token after row t's, scored by row t's logits;
 # -1: none wanted (no such token, the request asks for none, or a decode row).
 # lora_ids: the LoRA adapter slot of row t's sequence (runtime/device/lora.py; 0: the base model).
+# vision (steps with image tokens only): row t attends to positions <= see_until[t]: its own
+# position, or for an image token its image's last (the image's tokens see each other).
 # host: bookkeeping never sent to the device. constrained / token_bitmask (structured output):
 # the scheduler flags the rows, the engine fills their masks (runtime/host/structured.py);
 # draft_bitmask[s, j]: the mask of verify row j + 1, after the row's first j + 1 proposals.
@@ -148,6 +151,8 @@ class _StepPlanViews:
     def device_arrays(self, feed: bool = False) -> dict[str, np.ndarray]:
         """The jitted step's arrays (shapes fixed by the buckets); `feed`: with feed_rows."""
         groups = STEP_GROUPS + ("feed",) if feed else STEP_GROUPS
+        if self.mm_items:
+            groups += ("vision",)
         return {f.name: getattr(self, f.name) for f in fields_of(*groups)}
 
     def verify_arrays(self) -> dict[str, np.ndarray]:
@@ -167,6 +172,9 @@ StepPlan = make_dataclass(
         # the host KV tier (runtime/host/kv_host_tier.py), before it, in this order:
         ("kv_offloads", list),  # [(device page, host slot)] evicted pages to copy to the host
         ("kv_restores", list),  # [(device page, host slot)] host pages to copy to the device
+        # image tokens (runtime/host/image_prompt.py): [(first token row, ImageSpan, first of its
+        # tokens, count)]; the engine puts the encoder's embeddings on those rows
+        ("mm_items", list),
     ],
     bases=(_StepPlanViews,),
 )

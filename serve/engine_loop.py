@@ -138,6 +138,7 @@ class _Pending:
     params: list[SamplingParams]
     live: dict[str, int] = field(default_factory=dict)  # engine rid -> sample index
     lora: str | None = None  # the LoRA adapter's name (None: the base model)
+    images: list = field(default_factory=list)  # [(digest, pixels)]: runtime/host/image_prompt.py
 
 
 class EngineLoop:
@@ -190,17 +191,19 @@ class EngineLoop:
         sync-iterable."""
         return self.submit_many([(prompt_ids, params, n)], [request_id], lora=lora)[0]
 
-    def submit_many(self, items: Sequence[tuple[Sequence[int], object, int]],
+    def submit_many(self, items: Sequence[tuple],
                     request_ids: Sequence[str | None] | None = None, *,
                     lora: str | None = None) -> list[Handle]:
-        """Queue several prompts (prompt_ids, params, n) as one request, all on the LoRA
-        adapter `lora` (None: the base model): every one is admitted, or none (the first bad
-        one raises, naming its field; a queue that cannot take all of their sequences raises
-        QueueFull)."""
-        pending = []
+        """Queue several prompts (prompt_ids, params, n[, images]) as one request, all on the
+        LoRA adapter `lora` (None: the base model): every one is admitted, or none (the first
+        bad one raises, naming its field; a queue that cannot take all of their sequences raises
+        QueueFull). `images` [(digest, pixels)]: a prompt's images, its ids expanded already
+        (runtime/host/image_prompt.py)."""
+        pending, image_lists = [], []
         try:
             self.engine.check_lora(lora)
-            for prompt_ids, params, n in items:
+            for prompt_ids, params, n, *images in items:
+                image_lists.append(images[0] if images else [])
                 plist = (list(params) if isinstance(params, (list, tuple))
                          else sample_params(params, n))
                 if len(plist) != n or n < 1:
@@ -242,9 +245,9 @@ class EngineLoop:
                 raise QueueFull(f"queue is full ({depth} sequences waiting, max_queue "
                                 f"{self.max_queue})")
             handles = []
-            for (prompt_ids, plist), rid in zip(pending, rids):
+            for (prompt_ids, plist), rid, images in zip(pending, rids, image_lists):
                 h = Handle(self, f"h{next(self._ids)}", len(plist), aloop, rid)
-                self._inbox.append(_Pending(h, prompt_ids, plist, lora=lora))
+                self._inbox.append(_Pending(h, prompt_ids, plist, lora=lora, images=images))
                 handles.append(h)
             self._inbox_seqs += total
             self._in_flight += len(handles)
@@ -417,7 +420,8 @@ class EngineLoop:
         try:
             for i, sp in enumerate(p.params):
                 rid = self.engine.add_request(p.prompt_ids, sp, f"{p.handle.id}/{i}", lora=p.lora,
-                                              refuse_late=False)
+                                              refuse_late=False,
+                                              **({"images": p.images} if p.images else {}))
                 p.live[rid] = i
         except Exception as e:  # checked at submit already; a last guard fails this handle only
             for rid in list(p.live):

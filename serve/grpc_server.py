@@ -44,6 +44,7 @@ from jaxinfer.runtime.host.requests import (SAMPLING_FIELDS, Limits, RequestErro
                                             check_samples, parse_prompt, sample_params,
                                             sampling_from_json)
 from jaxinfer.runtime.config import UPDATE_POLICIES
+from jaxinfer.runtime.host.image_prompt import parse_multimodal
 from jaxinfer.runtime.host.errors import EngineAsleep, Overloaded, QueueFull
 from jaxinfer.serve.engine_loop import EngineFault, EngineLoop, ShuttingDown
 from jaxinfer.serve.metrics import ServingMetrics
@@ -74,21 +75,26 @@ class ServerConfig:
 
 
 # ---- request parsing (runs on the offload pool: it tokenizes) ---------------------------------
-def generate_inputs(req, tokenizer, limits: Limits) -> tuple[list[int], SamplingParams]:
-    """GenerateRequest -> (prompt ids, SamplingParams), through the request door; RequestError
-    naming the field. Every row of the sampling table that the message has a field of the same
-    name for is read (`sampling_fields`); a new row needs that field in GenerateRequest
-    (serve/proto/jaxinfer.proto, a wire change), nothing here."""
+def generate_inputs(req, tokenizer, limits: Limits, vision=None
+                    ) -> tuple[list[int], SamplingParams, list]:
+    """GenerateRequest -> (prompt ids, SamplingParams, images [(digest, pixels)]), through the
+    request door; RequestError naming the field. Every row of the sampling table that the
+    message has a field of the same name for is read (`sampling_fields`); a new row needs that
+    field in GenerateRequest (serve/proto/jaxinfer.proto, a wire change), nothing here.
+    `vision`: (ImageSpec, max_pixels) of a vision model (None: text only)."""
     has_text, has_ids = req.HasField("prompt"), len(req.prompt_token_ids) > 0
     if has_text and has_ids:
         raise RequestError("prompt", "set exactly one of prompt and prompt_token_ids, got both")
     if not has_text and not has_ids:
         raise RequestError("prompt", "set prompt (text) or prompt_token_ids")
-    if has_text:
-        _, ids = parse_prompt(req.prompt, tokenizer, limits)
-    else:
-        _, ids = parse_prompt(list(req.prompt_token_ids), tokenizer, limits, "prompt_token_ids")
-    return ids, sampling_from_json(sampling_fields(req))
+    prompt = {"prompt": req.prompt} if has_text else {
+        "prompt_token_ids": list(req.prompt_token_ids)}
+    if getattr(req, "images", None):
+        prompt["multi_modal_data"] = {"image": [bytes(b) for b in req.images]}
+    spec, most = vision or (None, 0)
+    _, ids, images = parse_multimodal(prompt, tokenizer, spec, most,
+                                      lambda p, name: parse_prompt(p, tokenizer, limits, name))
+    return ids, sampling_from_json(sampling_fields(req)), images
 
 
 def sampling_fields(req) -> dict:
@@ -150,6 +156,11 @@ class _Base:
     def __init__(self, loop: EngineLoop, tokenizer, cfg: ServerConfig, offload: Offload):
         self.loop, self.tokenizer, self.cfg, self.offload = loop, tokenizer, cfg, offload
 
+    def _vision(self):
+        """(ImageSpec, max_pixels) of the served vision model; None: text only."""
+        images = getattr(self.loop.engine, "images", None)
+        return None if images is None else (images.spec, self.loop.engine.ecfg.max_image_pixels)
+
     async def _parse(self, context, fn, *args):
         """fn(*args) on the offload pool (it tokenizes); INVALID_ARGUMENT naming the field."""
         try:
@@ -161,9 +172,10 @@ class _Base:
         self.loop.count("invalid")
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
-    async def _submit(self, context, ids, params, n=1, request_id=None, lora=""):
+    async def _submit(self, context, ids, params, n=1, request_id=None, lora="", images=()):
         try:  # lora: a loaded adapter's name ("": the base model), checked by the loop's door
-            return self.loop.submit(ids, params, request_id or None, n=n, lora=lora or None)
+            return self.loop.submit_many([(ids, params, n, list(images))], [request_id or None],
+                                         lora=lora or None)[0]
         except ValueError as e:  # counted as invalid by the loop
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineAsleep as e:
@@ -196,8 +208,8 @@ class _Base:
 
 class GenerationServicer(_Base, jaxinfer_pb2_grpc.GenerationServicer):
     async def Generate(self, request, context):
-        ids, params = await self._parse(context, generate_inputs, request, self.tokenizer,
-                                         self.loop.limits)
+        ids, params, images = await self._parse(context, generate_inputs, request,
+                                                 self.tokenizer, self.loop.limits, self._vision())
         try:  # n samples, each streamed with its index (with a seed, sample i uses seed + i)
             n = check_samples(params.n, self.cfg.max_samples)
             if params.best_of not in (None, n):
@@ -206,7 +218,8 @@ class GenerationServicer(_Base, jaxinfer_pb2_grpc.GenerationServicer):
         except RequestError as e:
             await self._invalid(context, e)
         handle = await self._submit(context, ids, sample_params(params, n), n=n,
-                                    request_id=request.request_id, lora=request.lora)
+                                    request_id=request.request_id, lora=request.lora,
+                                    images=images)
         async for ups in self._updates(context, handle):
             for u in ups:
                 msg = jaxinfer_pb2.GenerateResponse(text=u.text, token_ids=u.token_ids,

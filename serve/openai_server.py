@@ -75,6 +75,7 @@ from jaxinfer.runtime.host.requests import (MAX_LOGPROBS, SAMPLING_FIELDS, Reque
                                             check_structured, parse_prompt,
                                             sample_params, sampling_from_json)
 from jaxinfer.runtime.host.structured import StructuredOutputs
+from jaxinfer.runtime.host.image_prompt import decode_images, expand, mark_text
 from jaxinfer.serve.tool_calls import (ToolPlan, check_tool_calls, parse_tools, plain_turns,
                                        tool_result, with_tools)
 from jaxinfer.serve.chat_template import ChatTemplate, ChatTemplateError
@@ -238,6 +239,7 @@ class _Job:
     best_of: int | None = None  # samples generated per prompt, the n best returned (None: n)
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
     request_id: str | None = None  # vLLM's request_id: the response's id
+    images: list | None = None  # per prompt: [(digest, pixels)] of its images (chat image parts)
 
     @property
     def samples(self) -> int:
@@ -390,7 +392,12 @@ def _chat_options(b: _Body) -> dict:
             "add_special_tokens": b.bool("add_special_tokens", False)}
 
 
-def _message_text(m: dict, i: int) -> str:
+_IMAGE_PARTS = ("image_url", "input_image")  # chat's and the Responses API's
+
+
+def _message_content(m: dict, i: int, images: list):
+    """A message's content: its text, or (with image parts) a list of {"type": "text"} /
+    {"type": "image"} parts; each image part's value and field name go to `images`."""
     c = m.get("content")
     if c is None:
         return ""
@@ -399,15 +406,38 @@ def _message_text(m: dict, i: int) -> str:
     if isinstance(c, list):
         parts = []
         for j, p in enumerate(c):
-            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
-                raise bad(f"messages[{i}].content[{j}]: only text parts are supported",
+            where = f"messages[{i}].content[{j}]"
+            kind = p.get("type") if isinstance(p, dict) else None
+            if kind == "text" and isinstance(p.get("text"), str):
+                parts.append({"type": "text", "text": p["text"]})
+            elif kind in _IMAGE_PARTS:
+                url = p.get(kind)
+                url = url.get("url") if isinstance(url, dict) else url
+                if not isinstance(url, str):
+                    raise bad(f"{where}.{kind}: must hold a 'url' string (a data: URL)",
+                              f"{where}.{kind}")
+                images.append((url, f"{where}.{kind}"))
+                parts.append({"type": "image"})
+            else:
+                raise bad(f"{where}: only text and image_url parts are supported",
                           f"messages[{i}].content")
-            parts.append(p["text"])
-        return "\n".join(parts)
-    raise bad(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
+        if all(p["type"] == "text" for p in parts):
+            return "\n".join(p["text"] for p in parts)
+        return parts
+    raise bad(f"messages[{i}].content must be a string or a list of text / image parts",
+              f"messages[{i}].content")
 
 
-def _messages(body: dict) -> list[dict]:
+def _flat_content(parts, mark: str) -> str:
+    """Image parts written as the model's image mark, for a template that renders text only."""
+    if isinstance(parts, str):
+        return parts
+    return "".join(mark if p["type"] == "image" else p["text"] for p in parts)
+
+
+def _messages(body: dict, images: list | None = None) -> list[dict]:
+    """The body's messages, checked; image parts' (value, field name) go to `images`."""
+    images = [] if images is None else images
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("'messages' must be a non-empty list", "messages")
@@ -424,7 +454,8 @@ def _messages(body: dict) -> list[dict]:
             raise bad(f"messages[{i}].function_call (deprecated) is not supported: use "
                       "tool_calls", f"messages[{i}].function_call")
         # "developer" is OpenAI's newer name for the system role.
-        msg = {"role": "system" if role == "developer" else role, "content": _message_text(m, i)}
+        msg = {"role": "system" if role == "developer" else role,
+               "content": _message_content(m, i, images)}
         try:
             if role == "tool":
                 msg.update(tool_result(m, calls, f"messages[{i}]"))
@@ -622,7 +653,7 @@ class OpenAIApp:
         b = _Body(body)
         if "messages" in body:
             _check_fields(body, _TOKENIZE_CHAT_FIELDS)
-            ids = await self._chat_ids(b, None)
+            ids, _ = await self._chat_ids(b, None)
         else:
             _check_fields(body, _TOKENIZE_FIELDS)
             p = body.get("prompt")
@@ -958,7 +989,7 @@ class OpenAIApp:
         mod = body.get("modalities")
         if mod is not None and mod != ["text"]:
             raise bad("'modalities' supports only [\"text\"]", "modalities")
-        ids = await self._chat_ids(b, tools)
+        ids, images = await self._chat_ids(b, tools)
         (ids,), _ = _truncated(b, [ids], [None])
         n = self._n(b)
         stream = b.bool("stream", False)
@@ -988,31 +1019,65 @@ class OpenAIApp:
                    prompt_logprobs=b.d.get("prompt_logprobs") is not None,
                    best_of=count if count > n else None)
         job.continuous_usage, job.request_id = continuous, _request_id(b)
+        job.images = [images]
         return await self._run(request, job, chat=True)
 
-    async def _chat_ids(self, b: _Body, tools: ToolPlan | None) -> list[int]:
+    async def _chat_ids(self, b: _Body, tools: ToolPlan | None) -> tuple[list[int], list]:
         """The body's messages rendered by the chat template (with vLLM's rendering fields,
-        `_chat_options`) and tokenized, off the event loop."""
-        messages, opts = _messages(b.d), _chat_options(b)
+        `_chat_options`) and tokenized, off the event loop; with image parts, each image's
+        token run expanded: (ids, [(digest, pixels)])."""
+        raw: list = []  # image parts' (value, field name)
+        messages, opts = _messages(b.d, raw), _chat_options(b)
         if self.chat_template is None:
             raise bad("this model has no chat template (none in the checkpoint): use "
                       "/v1/completions, or start the server with --chat-template FILE", "messages")
+        spec = self._image_spec()
+        images = []
+        if raw:
+            if spec is None:
+                raise bad("this model takes no images (it is text only)", raw[0][1])
+            limit = self.loop.engine.ecfg.limit_mm_per_prompt
+            if len(raw) > limit:
+                raise bad(f"{len(raw)} images exceed limit_mm_per_prompt ({limit})", raw[-1][1])
+            images = await self.offload.run(self._decode_images, raw, spec)
+        if "image" not in self.chat_template.source:  # a template that renders text only
+            mark = spec.mark if spec is not None else ""
+            messages = [m | {"content": _flat_content(m["content"], mark)} for m in messages]
         extra = {}
         if "tool_calls" not in self.chat_template.source:  # calls and results as plain turns
             messages = plain_turns(messages)
         if tools is not None:
             messages, extra = with_tools(messages, tools, self.chat_template)
         try:
-            return await self.offload.run(self._render, messages, extra, opts)
+            ids = await self.offload.run(self._render, messages, extra, opts,
+                                         spec if images else None)
+            return (expand(ids, images, spec, "messages")[0] if images else ids), images
+        except RequestError as e:
+            raise bad(str(e), e.field) from None
         except ChatTemplateError as e:
             raise bad(f"chat template: {e}", "messages") from None
         except (RecursionError, UnicodeError, ValueError) as e:
             raise bad(f"messages cannot be rendered or tokenized: {type(e).__name__}",
                       "messages") from None
 
-    def _render(self, messages: list[dict], extra: dict, opts: dict) -> list[int]:
+    def _image_spec(self):
+        """The served model's runtime.host.image_prompt.ImageSpec (None: text only)."""
+        images = getattr(self.loop.engine, "images", None)
+        return None if images is None else images.spec
+
+    def _decode_images(self, raw: list, spec) -> list:
+        """[(value, field name)] -> [(digest, pixels)], each checked at the image door."""
+        try:
+            return [decode_images(v, spec, self.loop.engine.ecfg.max_image_pixels, name)[0]
+                    for v, name in raw]
+        except RequestError as e:
+            raise bad(str(e), e.field) from None
+
+    def _render(self, messages: list[dict], extra: dict, opts: dict, spec=None) -> list[int]:
         t = self.chat_template
         text = t.render(messages, opts["add_generation_prompt"], **opts["kwargs"], **extra)
+        if spec is not None:
+            text = mark_text(text, spec)
         if opts["continue_final_message"]:  # open: the text ends with the last message's
             last = messages[-1]["content"]
             ends = [text.rfind(c) + len(c) for c in (last, last.strip()) if c and c in text]
@@ -1032,8 +1097,9 @@ class OpenAIApp:
     def _submit(self, job: _Job) -> list:
         """All prompts x samples of the request are queued, or none (one door, one verdict)."""
         try:
-            return self.loop.submit_many([(ids, params, job.samples)
-                                          for ids, params in zip(job.prompts, job.params)],
+            images = job.images or [[]] * len(job.prompts)
+            return self.loop.submit_many([(ids, params, job.samples, ims) for ids, params, ims
+                                          in zip(job.prompts, job.params, images)],
                                          lora=self._lora_of(job))
         except RequestError as e:
             err = bad(str(e), e.field)

@@ -87,6 +87,16 @@ def tiny_dir(tmp_path_factory):
     return make(tmp_path_factory.mktemp("tiny_llama"), "tiny", seed=0)
 
 
+@pytest.fixture(scope="session")
+def gemma3_vision_dir(tmp_path_factory):
+    """(dir, HF model): a random-init Gemma 3 with its SigLIP tower (tests/vision_models.py),
+    with a byte-level tokenizer that knows Gemma's image and turn marks and a chat template
+    writing image parts; tests read it and never write into it."""
+    from tests.vision_models import make_gemma3_vision_dir
+
+    return make_gemma3_vision_dir(tmp_path_factory.mktemp("gemma3_vision"))
+
+
 _SHARED_ENGINES = engines.SharedEngines()
 
 

@@ -33,6 +33,9 @@ class AttentionMetadata:
     num_seqs: jax.Array  # [1] int32
     logits_indices: jax.Array  # [N] int32 token rows whose logits are wanted
     max_q_len: int = struct.field(pytree_node=False, default=1)  # static bound on q_len_s
+    # [T] int32 the last position each row sees (an image's tokens see the whole image); None:
+    # its own (causal). Only the XLA path reads it: steps with it run XLA attention.
+    see_until: jax.Array | None = None
 
 
 def whole_sequence_metadata(
@@ -117,10 +120,12 @@ def attend(
 
     if backend == "pallas_gpu" and q.shape[-1] not in GPU_HEAD_DIMS:
         backend = "xla"  # a head the Triton kernel cannot tile (latent attention's 576)
+    if md.see_until is not None and backend not in ("xla", "xla_every_chunk"):
+        backend = "xla"  # the kernels mask causally only (steps with image tokens are prefills)
     if backend in ("xla", "xla_every_chunk"):  # XLA SPMD partitions it on a mesh like any op
         return xla_ragged_paged_attention(*args, **kw, max_q_len=md.max_q_len,
                                           every_chunk=backend == "xla_every_chunk",
-                                          row_tiles=row_tiles)
+                                          row_tiles=row_tiles, see_until=md.see_until)
     from jaxinfer.pallas_kernels.ragged_paged_attention import ragged_paged_attention
     from jaxinfer.runtime.device.sharding import shard_kv_heads
 
@@ -158,6 +163,7 @@ def xla_ragged_paged_attention(
     every_chunk: bool = False,
     row_tiles: bool = False,
     sinks=None,  # [Hq] f32
+    see_until=None,  # [T] int32 the last position each row sees; None: its own
 ):
     """Query tiles: each sequence's queries are cut into tiles of B rows (B = 1 on decode-only
     steps, else min(max_q_len, 32)); a tile reads only the pages its queries can see (with a
@@ -175,7 +181,10 @@ def xla_ragged_paged_attention(
     row's scores, softmax and products have the same shapes and order whatever the step holds
     (the chunks past a row's own, run for its group, are fully masked: no-ops, bit for bit).
     sinks: head h's softmax also holds the logit sinks[h] (raw: not scaled, capped or masked),
-    whose value is 0; folded into each tile's (max, sum, output) after its last chunk."""
+    whose value is 0; folded into each tile's (max, sum, output) after its last chunk.
+    see_until: row r sees positions <= see_until[r] (>= its own: the image tokens of a prefill
+    see their whole image, which the step holds); a tile then reads every page of the table
+    (no sliding-window page cut) up to its rows' furthest position."""
     t, hq, dh = q.shape
     hkv, _, ps, _ = k_pages.shape
     s, p = page_indices.shape
@@ -183,7 +192,8 @@ def xla_ragged_paged_attention(
     nt = s if max_q_len == 1 else min(-(-t // b) + s, s * -(-max_q_len // b))  # tiles, at most
     # pages a tile sees: all P, or under a sliding window the pages of its last
     # (window + B - 1) positions (+1 page for misalignment)
-    npg = p if sliding_window is None else min(p, -(-(sliding_window + b - 1) // ps) + 1)
+    npg = p if sliding_window is None or see_until is not None else min(
+        p, -(-(sliding_window + b - 1) // ps) + 1)
     nch = -(-npg // max(1, _CHUNK_POSITIONS // ps))  # chunks covering npg pages
     cp = -(-npg // nch)  # (the last chunk padded with the null page)
 
@@ -202,19 +212,21 @@ def xla_ragged_paged_attention(
         first_page = jnp.clip((pos0 - sliding_window + 1) // ps, 0, p - npg)
     pages = page_indices[seq[:, None], first_page[:, None] + jnp.arange(npg)]  # [NT, npg]
     pages = jnp.pad(pages, [(0, 0), (0, nch * cp - npg)])  # [NT, nch * cp]
-    # chunks a tile reads: up to its last visible position (exclusive: min(kv_len, pos0 + B))
-    seen = jnp.minimum(kv_len, pos0 + b) - first_page * ps
-    chunks = jnp.where(tile_live, jnp.clip(-(-seen // (cp * ps)), 0, nch), 0)  # [NT]
-
     i = jnp.arange(b)
     rows = cu_q_lens[seq][:, None] + j0[:, None] + i  # [NT, B]
     row_ok = tile_live[:, None] & (j0[:, None] + i < q_len[:, None])  # [NT, B]
     q_tiles = q[jnp.clip(rows, 0, t - 1)]  # [NT, B, Hq, Dh]
+    # each row's last visible position [NT, B]: its own, or see_until's
+    q_see = pos0[:, None] + i if see_until is None else see_until[jnp.clip(rows, 0, t - 1)]
+    # chunks a tile reads: up to its last visible position (exclusive: min(kv_len, pos0 + B))
+    seen = jnp.minimum(kv_len, pos0 + b if see_until is None else
+                       jnp.max(jnp.where(row_ok, q_see, 0), axis=1) + 1) - first_page * ps
+    chunks = jnp.where(tile_live, jnp.clip(-(-seen // (cp * ps)), 0, nch), 0)  # [NT]
     n = cp * ps  # positions per chunk
 
     def chunk_scores(x, j):
         """One tile's masked scores [Hkv, B*G, n] and V [Hkv, n, Dh] over chunk j."""
-        qt, pg, fp, p0, kvl, ok = x  # one tile: [B, Hq, Dh], [nch * cp], (), (), (), [B]
+        qt, pg, fp, p0, kvl, ok, see = x  # one tile: [B, Hq, Dh], [nch * cp], (), (), (), [B], [B]
         pg = jax.lax.dynamic_slice_in_dim(pg, j * cp, cp)  # [cp]
         k = k_pages[:, pg].reshape(hkv, n, dh)  # [Hkv, n, Dh]
         v = v_pages[:, pg].reshape(hkv, n, dh)
@@ -222,7 +234,7 @@ def xla_ragged_paged_attention(
         kv_pos = fp * ps + local
         q_pos = p0 + i  # [B]
         kv_ok = (kv_pos < kvl) & (local < npg * ps)
-        mask = (kv_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :] & ok[:, None]  # [B, n]
+        mask = (kv_pos[None, :] <= see[:, None]) & kv_ok[None, :] & ok[:, None]  # [B, n]
         if sliding_window is not None:
             mask &= q_pos[:, None] - kv_pos[None, :] < sliding_window
         v = jnp.where(kv_ok[None, :, None], v, 0)  # unused slots may hold anything (NaN)
@@ -275,7 +287,7 @@ def xla_ragged_paged_attention(
 
     itemsize = jnp.dtype(k_pages.dtype).itemsize
     per_tile = 2 * n * hkv * dh * max(itemsize, jnp.dtype(q.dtype).itemsize)  # K+V of a chunk
-    xs = (q_tiles, pages, first_page, pos0, kv_len, row_ok)
+    xs = (q_tiles, pages, first_page, pos0, kv_len, row_ok, q_see)
     # tiles per group: all of them when few, else about nt / _TILE_GROUPS (live tiles come
     # first, so groups past the live ones run no chunk), and never more than fit the budget
     c = nt if nt <= _GROUPED_FROM else -(-nt // _TILE_GROUPS)

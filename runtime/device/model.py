@@ -298,10 +298,11 @@ def forward(
 
 
 def forward_hidden(params: Params, tokens: jax.Array, cache: KVCache, md: AttentionMetadata,
-                   cfg: ModelConfig, backend: str = "xla", lora_ids: jax.Array | None = None
-                   ) -> tuple[jax.Array, KVCache]:
-    """The transformer body: final-normed hidden states [N, D] of the md.logits_indices rows."""
-    x, mask, ple = embed_tokens(params, tokens, cfg, lora_ids)  # [T, D]
+                   cfg: ModelConfig, backend: str = "xla", lora_ids: jax.Array | None = None,
+                   mm: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, KVCache]:
+    """The transformer body: final-normed hidden states [N, D] of the md.logits_indices rows.
+    `mm` (embeds [T, D], mask [T] bool): rows whose input is given (image tokens)."""
+    x, mask, ple = embed_tokens(params, tokens, cfg, lora_ids, mm)  # [T, D]
     ks, vs = list(cache.k), list(cache.v)
     for i, lp in enumerate(params.layers):
         j = cfg.layer_kv_source(i)
@@ -312,13 +313,17 @@ def forward_hidden(params: Params, tokens: jax.Array, cache: KVCache, md: Attent
 
 
 def embed_tokens(params: Params, tokens: jax.Array, cfg: ModelConfig,
-                 lora_ids: jax.Array | None = None):
+                 lora_ids: jax.Array | None = None,
+                 mm: tuple[jax.Array, jax.Array] | None = None):
     """tokens [T] -> (x [T, D] scaled embeddings, the rows' one-hot adapter mask [T, L] or None
     when the params carry no adapters or lora_ids is None, Gemma 4's per-layer inputs
-    [T, L, P] or None)."""
+    [T, L, P] or None). `mm` (embeds [T, D], mask [T] bool): rows taking a given input (an
+    image's soft tokens from the vision encoder) in place of their token's, unscaled."""
     x = take_rows(params.embed, tokens)  # [T, D]
     if cfg.embed_scale != 1.0:
         x = x * jnp.asarray(cfg.embed_scale, dtype=x.dtype)
+    if mm is not None:
+        x = jnp.where(mm[1][:, None], mm[0].astype(x.dtype), x)
     mask = None
     if params.lora is not None and lora_ids is not None:
         mask = lora_ops.slot_mask(lora_ids, params.lora[0].a["q"].shape[0], x.dtype)  # [T, L]

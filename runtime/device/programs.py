@@ -397,7 +397,7 @@ class StepPrograms:
         """The body as a chain of small programs (same math, same cache writes)."""
         self.layerwise.add(signature(((arrays, prev), max_q_len)))
         self.layerwise_steps += 1
-        md = jax.device_put({k: arrays[k] for k in METADATA_FIELDS})
+        md = jax.device_put({k: arrays[k] for k in METADATA_FIELDS if k in arrays})
         x, mask, ple = self._embed(params, arrays, prev)
         ks, vs = list(cache.k), list(cache.v)
         for i, lp in enumerate(params.layers):

@@ -8,7 +8,9 @@ Input: one request per line, `{"id": ..., "prompt": "..."}` or `{"id": ..., "pro
 `min_p`, `seed`, `stop`, `stop_token_ids`, `logprobs`, `prompt_logprobs`, `ignore_eos`, and
 `structured_outputs`
 {"json": schema} / {"regex": ...} / {"choice": [...]} / {"grammar": ...} / {"json_object": true})
-that override the command's defaults, and `lora` (a loaded LoRA adapter's name); lines are checked by the same request door (runtime/host/requests.py) as every other front
+that override the command's defaults, `lora` (a loaded LoRA adapter's name) and, for a vision
+model, `multi_modal_data` {"image": a data URL or base64 string, or a list of them} (the prompt
+marks each image, e.g. Gemma 3's "<start_of_image>"; runtime/host/image_prompt.py); lines are checked by the same request door (runtime/host/requests.py) as every other front
 end. Output: one line per input line, either a result
 
     {"id", "text", "token_ids", "finish_reason",
@@ -72,8 +74,9 @@ from jaxinfer.runtime.host.errors import QueueFull, RequestError
 from jaxinfer.runtime.host.interface import EngineInterface
 from jaxinfer.runtime.host.requests import (SAMPLING_FIELDS, Limits, SamplingParams, check_request,
                                             parse_prompt, sampling_from_json)
+from jaxinfer.runtime.host.image_prompt import parse_multimodal
 
-REQUEST_FIELDS = {"id", "prompt", "prompt_token_ids", "lora"}
+REQUEST_FIELDS = {"id", "prompt", "prompt_token_ids", "lora", "multi_modal_data"}
 LINE_SAMPLING = set(SAMPLING_FIELDS)  # per-line fields of SamplingParams
 METRIC_KEYS = ("queue_s", "ttft_s", "itl_s_mean", "e2e_s")
 FSYNC_MODES = ("step", "line", "none")
@@ -98,6 +101,7 @@ class _Job:
     params: SamplingParams
     seq: int = -1
     lora: str | None = None  # a LoRA adapter's name
+    images: list | None = None  # [(digest, pixels)] (runtime/host/image_prompt.py)
 
 
 def id_key(uid) -> str:
@@ -111,8 +115,9 @@ class _Parser:
     """One line -> a job, through the request door (runtime.host.requests): the same fields, ranges
     and prompt checks as every other front end."""
 
-    def __init__(self, tokenizer, defaults: dict, limits: Limits):
+    def __init__(self, tokenizer, defaults: dict, limits: Limits, images=None):
         self.tokenizer, self.limits = tokenizer, limits
+        self.images = images  # (ImageSpec, max_pixels) of a vision model; None: text only
         try:
             self.defaults = dict(defaults)
             self.default_params = SamplingParams(**self.defaults)
@@ -153,8 +158,15 @@ class _Parser:
             raise LineError("give either 'prompt' or 'prompt_token_ids', not both")
         if not (has_p or has_ids):
             raise LineError("missing field 'prompt' (or 'prompt_token_ids')")
+        images = None
         try:
-            if has_p:
+            if "multi_modal_data" in obj:
+                spec, most = self.images or (None, 0)
+                _, prompt_ids, images = parse_multimodal(
+                    {k: obj[k] for k in ("prompt", "prompt_token_ids", "multi_modal_data")
+                     if k in obj}, self.tokenizer, spec, most,
+                    lambda p, name: parse_prompt(p, self.tokenizer, self.limits, name))
+            elif has_p:
                 if not isinstance(obj["prompt"], str):
                     raise RequestError("prompt", f"must be a string, got {type(obj['prompt']).__name__}")
                 _, prompt_ids = parse_prompt(obj["prompt"], self.tokenizer, self.limits)
@@ -175,7 +187,8 @@ class _Parser:
                 raise RequestError("lora", "must be a LoRA adapter's name (a non-empty string)")
         except RequestError as e:
             raise LineError(_line_message(e)) from None
-        return _Job(line=line, uid=uid, key=key, prompt_ids=prompt_ids, params=params, lora=lora)
+        return _Job(line=line, uid=uid, key=key, prompt_ids=prompt_ids, params=params, lora=lora,
+                    images=images or None)
 
 
 # ------------------------------------------------------------------------------------ output
@@ -376,7 +389,9 @@ def run_batch(engine: EngineInterface, tokenizer, input_path, output_path, *,
     test hook called before each engine step. `line_offset`: the input is a slice of a larger
     file starting after that many lines (error records and resume use the file's numbers)."""
     prepare_output(output_path, resume, overwrite)
-    parser = _Parser(tokenizer, {"temperature": 0.0, **(sampling or {})}, engine.limits)
+    vision = getattr(engine, "images", None)
+    parser = _Parser(tokenizer, {"temperature": 0.0, **(sampling or {})}, engine.limits,
+                     None if vision is None else (vision.spec, engine.ecfg.max_image_pixels))
     max_slots = engine.stats()["max_slots"]
     max_inflight = max_inflight or 2 * max_slots + 4
     reorder_window = reorder_window or max(4 * max_slots + 8, max_inflight)
@@ -458,7 +473,8 @@ def run_batch(engine: EngineInterface, tokenizer, input_path, output_path, *,
         rid = prefix + str(job.line)
         try:
             engine.add_request(job.prompt_ids, job.params, rid, lora=job.lora,
-                               refuse_late=bool(inflight))
+                               refuse_late=bool(inflight),
+                               **({"images": job.images} if job.images else {}))
         except QueueFull:  # Overloaded too: hold the line until a step has made room
             held = job
             stats["held"] += 1

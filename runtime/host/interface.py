@@ -26,10 +26,10 @@ class EngineInterface(Protocol):
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams,
                     request_id: str | None = None, *, lora: str | None = None,
-                    refuse_late: bool = True, prompt: str | None = None) -> str:
+                    refuse_late: bool = True, prompt: str | None = None, images=()) -> str:
         """Queue a request (checked at the request door again); its id. Raises RequestError
         naming the field, Overloaded when `refuse_late` and it is predicted to miss its TTFT
-        target."""
+        target. `images` [(digest, pixels)]: one per image mark (runtime/host/image_prompt.py)."""
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """End an unfinished request now (slot and pages freed): its output, finish reason

@@ -45,10 +45,13 @@ class PageAllocatorError(AssertionError):
     """A bookkeeping bug: double free, freeing the null page or a page never allocated."""
 
 
-def hash_page(parent: bytes, tokens: Sequence[int]) -> bytes:
-    """Digest of one full page given its parent's digest (the root digest for page 0)."""
+def hash_page(parent: bytes, tokens: Sequence[int], extra: bytes = b"") -> bytes:
+    """Digest of one full page given its parent's digest (the root digest for page 0);
+    `extra`: what else its tokens stand for (the digests of the images whose tokens it holds)."""
     h = hashlib.blake2b(parent, digest_size=HASH_BYTES)
     h.update(np.asarray(tokens, dtype="<i8").tobytes())
+    if extra:
+        h.update(b"\x00extra" + extra)
     return h.digest()
 
 
@@ -58,14 +61,17 @@ def root_hash(salt: bytes = b"") -> bytes:
 
 
 def page_hashes(tokens: Sequence[int], page_size: int, salt: bytes = b"",
-                parent: bytes | None = None) -> list[bytes]:
+                parent: bytes | None = None, extras: Sequence[bytes] | None = None
+                ) -> list[bytes]:
     """Chained hashes of the full pages of `tokens` (a partial last page gets none). `tokens`
     starts on a page boundary; `parent` is the digest of the page just before it, None for a
-    sequence's first page (then the root digest of `salt` is the parent)."""
+    sequence's first page (then the root digest of `salt` is the parent). `extras[j]`: page
+    j's `hash_page` extra (None: none)."""
     parent = root_hash(salt) if parent is None else parent
     out = []
     for j in range(len(tokens) // page_size):
-        parent = hash_page(parent, tokens[j * page_size:(j + 1) * page_size])
+        parent = hash_page(parent, tokens[j * page_size:(j + 1) * page_size],
+                           extras[j] if extras else b"")
         out.append(parent)
     return out
 

@@ -12,6 +12,7 @@ it sets:
     ProcessorRows    proc_slots; proc_loads
     SpeculativeRows  num_draft, draft_ids, verify_indices; spec_k      (num_spec_tokens > 0)
     LoraRows         lora_ids; lora_loads                             (with adapter slots)
+    ImageRows        see_until; mm_items
 
 `PlanRows` holds the writers of one scheduler configuration; an OPTIONAL writer left out leaves
 its arrays padding and its statics at its `off()`. Every PLAN_FIELDS field is written by exactly
@@ -174,7 +175,30 @@ class LoraRows:
         return {"lora_loads": []}
 
 
-WRITERS = (SamplingRows, LogprobRows, StructuredRows, ProcessorRows, SpeculativeRows, LoraRows)
+class ImageRows:
+    """The rows of image tokens (a prompt's ImageSpans): which image token each run of rows is,
+    and how far every row sees (image tokens: their image's last position; the rest: their
+    own). Steps without image rows leave see_until padding and are not sent it."""
+
+    fields = ("see_until",)
+
+    def write(self, a, spans) -> dict:
+        items = []
+        for seq, t, start, n in spans:
+            for im in seq.req.images:
+                lo, hi = max(im.start, start), min(im.end, start + n)
+                if lo < hi:
+                    items.append((t + lo - start, im, lo - im.start, hi - lo))
+        if items:
+            see = a["see_until"]
+            see[:] = a["positions"]
+            for t, im, _, k in items:
+                see[t:t + k] = im.end - 1
+        return {"mm_items": items}
+
+
+WRITERS = (SamplingRows, LogprobRows, StructuredRows, ProcessorRows, SpeculativeRows, LoraRows,
+           ImageRows)
 OPTIONAL = (SpeculativeRows, LoraRows)  # left out by some configurations: their `off()` statics
 
 
@@ -184,7 +208,7 @@ class PlanRows:
 
     def __init__(self, *, page_size: int, num_spec_tokens: int = 0, lora_gate=None):
         self.page_size = page_size
-        writers = [SamplingRows(), LogprobRows(), StructuredRows(), ProcessorRows()]
+        writers = [SamplingRows(), LogprobRows(), StructuredRows(), ProcessorRows(), ImageRows()]
         if num_spec_tokens:
             writers.append(SpeculativeRows(num_spec_tokens))
         if lora_gate is not None:

@@ -109,6 +109,7 @@ import numpy as np
 from jaxinfer.runtime.config import SloConfig
 from jaxinfer.runtime.host.admission import FirstComeFirstServed
 from jaxinfer.runtime.host.errors import QueueFull
+from jaxinfer.runtime.host.image_prompt import chunk_end, span_hash_extras
 from jaxinfer.runtime.host.lora_slots import LoraGate, LoraSlots
 from jaxinfer.runtime.host.kv_host_tier import HostTier
 from jaxinfer.runtime.host.page_allocator import PageAllocator, page_hashes
@@ -127,6 +128,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     lora: str | None = None  # LoRA adapter key (one per loaded adapter version); None: base
     procs: object = None  # runtime.host.processors.ProcessorSpec: its logits processors; None: none
+    images: tuple = ()  # runtime.host.image_prompt.ImageSpan per image in the prompt, in order
 
 
 @dataclass
@@ -623,6 +625,8 @@ class Scheduler:
         """Tokens a running `seq` computes this step within `budget` (0: none); its speculative
         proposals are trimmed to fit (dropped with none)."""
         n = min(self._num_new_tokens(seq), budget)
+        if seq.req.images:
+            n = chunk_end(seq.req.images, seq.num_computed, n)
         if n <= 0:
             seq.draft = []
             return 0
@@ -665,7 +669,9 @@ class Scheduler:
         shared = self._cached_prefix(seq)
         hosted = self._hosted_prefix(seq, len(shared))  # host slots of the pages after them
         start = (len(shared) + len(hosted)) * self.page_size
-        n = min(seq.num_tokens - start, budget)
+        n = chunk_end(seq.req.images, start, min(seq.num_tokens - start, budget))
+        if n <= 0:  # the first chunk would split an image: wait for a step with room
+            return None
         need = _cdiv(start + n, self.page_size) - len(shared)
         reclaimed = sum(1 for p in shared if self.allocator.ref_count(p) == 0)  # leave the LRU
         if need > self.allocator.num_free - reclaimed:
@@ -702,7 +708,9 @@ class Scheduler:
             toks = [seq.token(i) for i in range(have * ps, n_pages * ps)]
             parent = seq.hashes[-1] if have else None
             salt = self.cache_salt + (b"lora:" + seq.req.lora.encode() if seq.req.lora else b"")
-            seq.hashes += page_hashes(toks, ps, salt, parent=parent)
+            extras = (span_hash_extras(seq.req.images, ps, have, n_pages - have)
+                      if seq.req.images else None)
+            seq.hashes += page_hashes(toks, ps, salt, parent=parent, extras=extras)
         return seq.hashes[:n_pages]
 
     def _prefix_hashes(self, seq: _Seq) -> list[bytes]:

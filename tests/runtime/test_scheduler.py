@@ -19,6 +19,7 @@ import pytest
 
 from jaxinfer.runtime.config import SloConfig
 from jaxinfer.runtime.host import plan_rows
+from jaxinfer.runtime.host.image_prompt import ImageSpan
 from jaxinfer.runtime.host.admission import FirstComeFirstServed, LatencyTargets, admission_policy
 from jaxinfer.runtime.host.lora_slots import LoraGate
 from jaxinfer.runtime.host.plan_rows import (CORE_FIELDS, FILLED_BY_ENGINE, OPTIONAL, WRITERS,
@@ -1068,11 +1069,15 @@ def test_every_plan_field_has_exactly_one_writer_and_each_writes_only_its_own(mo
     sched.add_request(Request("A", [1, 2, 3, 4, 5], sampled, lora="x",
                               procs="any spec"))  # (ProcessorRows reads only its presence)
     sched.add_request(Request("B", [6, 7, 8], greedy(6, prompt_logprobs=1)))
+    sched.add_request(Request("C", [1, 5, 5, 2], greedy(6), images=(
+        ImageSpan(1, 2, b"img", np.zeros((2, 2, 3), np.float32)),)))
     first = sched.schedule()
     second = sched.schedule()  # one plan ahead: both decodes read their pending tokens
     assert second.feed_rows[:2].tolist() == [0, 1]
+    assert first.see_until[:first.num_tokens].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 0, 2, 2, 3]
+    assert [(t, im.key, j, k) for t, im, j, k in first.mm_items] == [(9, b"img", 0, 2)]
     for plan in (first, second):
-        sched.update(plan, np.array([9, 9, 0, 0], np.int32))
+        sched.update(plan, np.array([9, 9, 9, 0], np.int32))
     sched.set_drafts({c.request_id: [1, 2] for c in sched.decode_candidates()})
     assert sched.schedule().has_drafts
     assert changed["core"] == set(CORE_FIELDS) - {"num_seqs"}  # num_seqs: padding_arrays
