@@ -287,7 +287,7 @@ def assemble_params(
     for name, arr, src in tensors:
         key = _strip(name)
         if key not in plan:
-            if re.search(r"rotary_emb|vision|multi_modal|mm_", key):
+            if re.search(r"rotary_emb|vision|visual|multi_modal|mm_", key):
                 continue
             raise CheckpointError(f"{src}: unexpected tensor {name!r} for {cfg.architecture}")
         for target, fn in _targets(plan[key]):

@@ -13,6 +13,8 @@ _FAMILIES = {
     "mistral": "llama",
     "qwen2": "llama",
     "qwen3": "llama",
+    "qwen3_vl_text": "llama",
+    "qwen3_vl": "llama",
     "qwen3_moe": "llama",
     "qwen2_moe": "llama",
     "mixtral": "llama",
@@ -28,8 +30,9 @@ _FAMILIES = {
 def from_hf_config(hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
     """Build from an HF `config.json` dict. Raises ConfigError naming `source` on anything
     we cannot serve."""
-    if "text_config" in hf and hf.get("model_type") in ("gemma3", "gemma4"):
-        hf = {**hf["text_config"], "model_type": hf["model_type"] + "_text"}
+    if "text_config" in hf and hf.get("model_type") in ("gemma3", "gemma4", "qwen3_vl"):
+        tie = {k: hf[k] for k in ("tie_word_embeddings",) if k in hf}
+        hf = {**hf["text_config"], **tie, "model_type": hf["model_type"] + "_text"}
     model_type = hf.get("model_type")
     family = _FAMILIES.get(model_type or "")
     if family is None:
@@ -129,8 +132,8 @@ def _from_hf(hf: dict[str, Any], family: str, model_type: str) -> ModelConfig:
     ) | latent
     if family == "llama":
         window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
-        if model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe") and not hf.get(
-                "use_sliding_window", False):
+        if model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "qwen3_vl_text") and not (
+                hf.get("use_sliding_window", False)):
             window = None
         return ModelConfig(
             **common,
@@ -138,7 +141,9 @@ def _from_hf(hf: dict[str, Any], family: str, model_type: str) -> ModelConfig:
             rope_scaling=_rope_scaling(hf),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=_qkv_bias(hf, model_type),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),  # per-head RMSNorm of q, k before RoPE
+            # per-head RMSNorm of q, k before RoPE
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "qwen3_vl_text"),
+            mrope_section=_mrope_section(hf, model_type, head_dim),
             activation=_activation(hf.get("hidden_act", "silu")),
             sliding_window=window,
             layer_types=_layer_types(hf, model_type, common["num_layers"]) if window else (),
@@ -179,6 +184,18 @@ def _from_hf(hf: dict[str, Any], family: str, model_type: str) -> ModelConfig:
         final_logit_softcap=hf.get("final_logit_softcapping"),
         attn_logit_softcap=hf.get("attn_logit_softcapping"),
     )
+
+
+def _mrope_section(hf: dict[str, Any], model_type: str, head_dim: int) -> tuple[int, ...]:
+    """Qwen3-VL's multimodal RoPE sections (t, h, w frequencies; HF's default [24, 20, 20])."""
+    if model_type != "qwen3_vl_text":
+        return ()
+    rp = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    sec = tuple(int(x) for x in rp.get("mrope_section", (24, 20, 20)))
+    if len(sec) != 3 or sum(sec) != head_dim // 2:
+        raise ConfigError(f"mrope_section {list(sec)} must be 3 sections summing to head_dim / 2 "
+                          f"({head_dim // 2})")
+    return sec
 
 
 def _layer_types(hf: dict[str, Any], model_type: str, n: int) -> tuple[str, ...]:

@@ -3,7 +3,10 @@ vision tower and the projector into the text model) as VisionParams.
 
 `load_hf_vision(path)` -> VisionModel, or None for a text-only checkpoint. The text model is
 loaded apart (checkpoints/hf.py skips these tensors). Supported vision configs, by the
-checkpoint's model_type: `_FAMILIES`.
+checkpoint's model_type: `_FAMILIES`. VisionModel.kind says which encoder the params are for:
+
+  "gemma3"    runtime/device/vision.py           VisionConfig / VisionParams
+  "qwen3_vl"  runtime/device/qwen3_vl_vision.py  Qwen3VLVisionConfig / Qwen3VLVisionParams
 
 Gemma 3 tensor names, after an optional leading "model." (transformers >= 4.52 nests the towers
 under it) and, in the tower, an optional "vision_model." (the hub's checkpoints; transformers 5
@@ -17,6 +20,22 @@ saves without it):
   vision_tower.post_layernorm.{weight,bias}
   multi_modal_projector.mm_soft_emb_norm.weight [Dv]    -> mm_norm = 1 + w
   multi_modal_projector.mm_input_projection_weight [Dv, D]  (already [in, out])
+
+Qwen3-VL tensor names, after an optional leading "model." (torch [out, in] linears):
+
+  visual.patch_embed.proj.weight [D, C, T, P, P] (a Conv3d) -> patch_w [C*T*P*P, D]; .bias
+  visual.pos_embed.weight [G*G, D]                           -> pos
+  visual.blocks.{i}.norm1 / norm2.{weight,bias}              -> ln1_* / ln2_*
+  visual.blocks.{i}.attn.qkv.weight [3*D, D]                 -> wqkv [D, 3, H, Dh]; .bias
+  visual.blocks.{i}.attn.proj.{weight,bias}                  -> wo [H, Dh, D], bo
+  visual.blocks.{i}.mlp.linear_fc1 / linear_fc2.{weight,bias}
+  visual.merger.{norm,linear_fc1,linear_fc2}.{weight,bias}   -> merger (norm over D)
+  visual.deepstack_merger_list.{j}.{norm,linear_fc1,linear_fc2}.{weight,bias}
+                                                             -> deepstack[j] (norm over m*m*D)
+
+The image-processing fields (image_mean / image_std; Qwen's size.shortest_edge / longest_edge
+as min / max pixels, resample) come from preprocessor_config.json (or processor_config.json's
+image_processor); where there is none, HF's processor defaults.
 """
 
 from __future__ import annotations
@@ -32,22 +51,37 @@ from safetensors import SafetensorError, safe_open
 
 from jaxinfer.checkpoints.errors import CheckpointError, read_json_object
 from jaxinfer.checkpoints.hf import read_hf_json, safetensor_files
+from jaxinfer.runtime.device.qwen3_vl_vision import (Qwen3VLBlockParams, Qwen3VLMergerParams,
+                                                     Qwen3VLVisionConfig, Qwen3VLVisionParams,
+                                                     init_qwen3_vl_vision_params)
 from jaxinfer.runtime.device.vision import (VisionConfig, VisionLayerParams, VisionParams,
                                             init_vision_params)
+
+_HALVES = (0.5, 0.5, 0.5)
+_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OPENAI_CLIP_MEAN / _STD: HF's defaults for
+_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)  # the Qwen2-VL image processor
 
 
 @dataclass(frozen=True)
 class VisionModel:
-    cfg: VisionConfig
-    params: VisionParams
+    cfg: VisionConfig | Qwen3VLVisionConfig
+    params: VisionParams | Qwen3VLVisionParams
+    kind: str = "gemma3"  # which encoder: "gemma3" (vision.py), "qwen3_vl" (qwen3_vl_vision.py)
 
 
 @dataclass(frozen=True)
 class _Family:
+    kind: str  # VisionModel.kind
     tower: str  # vision_config's model_type (the default where it names none, as HF's)
-    config: Callable[[dict, str, tuple, tuple], VisionConfig]  # (hf, source, mean, std)
+    # (hf, source, mean, std, image processor dict ({} without one), its file) -> config
+    config: Callable[[dict, str, tuple, tuple, dict, Path | None], object]
     name: Callable[[str], str | None]  # checkpoint name -> plan key (None: not ours)
-    plan: Callable[[VisionConfig], dict[str, tuple[str, Callable]]]  # key -> (target, fn)
+    plan: Callable[[object], dict[str, tuple[str, Callable]]]  # key -> (target, fn)
+    build: Callable[[object, dict], object]  # (cfg, target -> array) -> params
+    init: Callable[[object, jax.Array], object]  # (cfg, key) -> random params (shapes)
+    mean_std: tuple[tuple, tuple] = (_HALVES, _HALVES)  # without a preprocessor config
+    tower_aliases: tuple[str, ...] = ()  # other vision_config model_types HF maps to `tower`
+    ignore: tuple[str, ...] = ()  # plan-key prefixes of tensors that are not used
 
 
 # --------------------------------------------------------------------------- Gemma 3
@@ -59,7 +93,8 @@ _SIGLIP_DEFAULTS = dict(image_size=224, patch_size=16, hidden_size=768, num_hidd
                         hidden_act="gelu_pytorch_tanh", num_channels=3)
 
 
-def _gemma3_config(hf: dict, source: str, mean: tuple, std: tuple) -> VisionConfig:
+def _gemma3_config(hf: dict, source: str, mean: tuple, std: tuple, pre: dict,
+                   pre_file: Path | None) -> VisionConfig:
     vc = _SIGLIP_DEFAULTS | hf["vision_config"]
     if vc["hidden_act"] != "gelu_pytorch_tanh":
         raise CheckpointError(f"{source}: vision_config.hidden_act {vc['hidden_act']!r} is not "
@@ -131,10 +166,130 @@ def _gemma3_plan(cfg: VisionConfig) -> dict[str, tuple[str, Callable]]:
     return plan
 
 
+def _gemma3_build(cfg: VisionConfig, got: dict) -> VisionParams:
+    fields = VisionLayerParams.__dataclass_fields__
+    layers = tuple(VisionLayerParams(**{f: got.pop(f"layers.{i}.{f}") for f in fields})
+                   for i in range(cfg.num_layers))
+    return VisionParams(layers=layers, **got)
+
+
+# --------------------------------------------------------------------------- Qwen3-VL
+
+
+# HF's defaults where a config.json leaves a field out (Qwen3VLVisionConfig, Qwen3VLConfig)
+_QWEN3_VL_DEFAULTS = dict(depth=27, hidden_size=1152, hidden_act="gelu_pytorch_tanh",
+                          intermediate_size=4304, num_heads=16, in_channels=3, patch_size=16,
+                          spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=3584,
+                          num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24])
+_QWEN3_VL_IDS = dict(image_token_id=151_655, video_token_id=151_656,
+                     vision_start_token_id=151_652, vision_end_token_id=151_653)
+_QWEN_MIN_PIXELS, _QWEN_MAX_PIXELS = 56 * 56, 28 * 28 * 1280  # Qwen2-VL processor's defaults
+
+
+def _qwen3_vl_config(hf: dict, source: str, mean: tuple, std: tuple, pre: dict,
+                     pre_file: Path | None) -> Qwen3VLVisionConfig:
+    vc = _QWEN3_VL_DEFAULTS | hf["vision_config"]
+    rope = vc.get("rope_parameters") or {}
+    if rope.get("rope_type", "axial") != "axial":
+        raise CheckpointError(f"{source}: vision_config.rope_parameters.rope_type "
+                              f"{rope['rope_type']!r} is not supported (axial only)")
+    for field, ours in (("patch_size", "patch_size"), ("merge_size", "spatial_merge_size"),
+                        ("temporal_patch_size", "temporal_patch_size")):
+        if field in pre and int(pre[field]) != int(vc[ours]):
+            raise CheckpointError(f"{pre_file}: {field} {pre[field]} disagrees with "
+                                  f"{source}'s vision_config.{ours} {vc[ours]}")
+    size = pre.get("size") if isinstance(pre.get("size"), dict) else {}
+    # HF: min_pixels / max_pixels given beside `size` override its shortest / longest_edge
+    min_px = pre.get("min_pixels", size.get("shortest_edge", size.get("min_pixels")))
+    max_px = pre.get("max_pixels", size.get("longest_edge", size.get("max_pixels")))
+    ids = {k: int(hf.get(k, v)) for k, v in _QWEN3_VL_IDS.items()}
+    return Qwen3VLVisionConfig(
+        depth=int(vc["depth"]), hidden_size=int(vc["hidden_size"]),
+        num_heads=int(vc["num_heads"]), intermediate_size=int(vc["intermediate_size"]),
+        patch_size=int(vc["patch_size"]), temporal_patch_size=int(vc["temporal_patch_size"]),
+        spatial_merge_size=int(vc["spatial_merge_size"]), in_channels=int(vc["in_channels"]),
+        out_hidden_size=int(vc["out_hidden_size"]),
+        num_position_embeddings=int(vc["num_position_embeddings"]),
+        deepstack_visual_indexes=tuple(int(i) for i in vc["deepstack_visual_indexes"]),
+        hidden_act=str(vc["hidden_act"]),
+        rope_theta=float(rope.get("rope_theta", vc.get("rope_theta", 10_000.0))),
+        image_mean=mean, image_std=std,
+        min_pixels=int(_QWEN_MIN_PIXELS if min_px is None else min_px),
+        max_pixels=int(_QWEN_MAX_PIXELS if max_px is None else max_px),
+        resample=int(pre.get("resample", 3)), **ids,
+    )
+
+
+_QWEN3_VL_NAME = re.compile(r"^(?:model\.)?visual\.(.+)$")
+
+
+def _qwen3_vl_name(name: str) -> str | None:
+    m = _QWEN3_VL_NAME.match(name)
+    return None if m is None else m[1]
+
+
+def _qwen3_vl_plan(cfg: Qwen3VLVisionConfig) -> dict[str, tuple[str, Callable]]:
+    d, h, dh = cfg.hidden_size, cfg.num_heads, cfg.head_dim
+    same = lambda w: w  # noqa: E731
+    t = lambda w: w.T  # noqa: E731  torch [out, in] -> [in, out]
+    plan = {
+        # Conv3d [D, C, T, P, P] -> [C*T*P*P, D]: rows in the processor's (C, T, py, px) order
+        "patch_embed.proj.weight": ("patch_w", lambda w: w.reshape(d, -1).T),
+        "patch_embed.proj.bias": ("patch_b", same),
+        "pos_embed.weight": ("pos", same),
+    }
+    for i in range(cfg.depth):
+        pre, to = f"blocks.{i}.", f"blocks.{i}."
+        plan |= {
+            pre + "norm1.weight": (to + "ln1_w", same),
+            pre + "norm1.bias": (to + "ln1_b", same),
+            pre + "norm2.weight": (to + "ln2_w", same),
+            pre + "norm2.bias": (to + "ln2_b", same),
+            # [3*H*Dh, D] -> [D, 3, H, Dh] (HF reshapes qkv's output as (3, H, Dh))
+            pre + "attn.qkv.weight": (to + "wqkv", lambda w: w.T.reshape(d, 3, h, dh)),
+            pre + "attn.qkv.bias": (to + "bqkv", lambda b: b.reshape(3, h, dh)),
+            pre + "attn.proj.weight": (to + "wo", lambda w: w.T.reshape(h, dh, d)),
+            pre + "attn.proj.bias": (to + "bo", same),
+            pre + "mlp.linear_fc1.weight": (to + "fc1", t),
+            pre + "mlp.linear_fc1.bias": (to + "fc1_b", same),
+            pre + "mlp.linear_fc2.weight": (to + "fc2", t),
+            pre + "mlp.linear_fc2.bias": (to + "fc2_b", same),
+        }
+    mergers = [("merger.", "merger.")] + [(f"deepstack_merger_list.{j}.", f"deepstack.{j}.")
+                                          for j in range(len(cfg.deepstack_visual_indexes))]
+    for pre, to in mergers:
+        plan |= {
+            pre + "norm.weight": (to + "norm_w", same),
+            pre + "norm.bias": (to + "norm_b", same),
+            pre + "linear_fc1.weight": (to + "fc1", t),
+            pre + "linear_fc1.bias": (to + "fc1_b", same),
+            pre + "linear_fc2.weight": (to + "fc2", t),
+            pre + "linear_fc2.bias": (to + "fc2_b", same),
+        }
+    return plan
+
+
+def _qwen3_vl_build(cfg: Qwen3VLVisionConfig, got: dict) -> Qwen3VLVisionParams:
+    def take(cls, prefix):
+        return cls(**{f: got.pop(prefix + f) for f in cls.__dataclass_fields__})
+
+    blocks = tuple(take(Qwen3VLBlockParams, f"blocks.{i}.") for i in range(cfg.depth))
+    merger = take(Qwen3VLMergerParams, "merger.")
+    deepstack = tuple(take(Qwen3VLMergerParams, f"deepstack.{j}.")
+                      for j in range(len(cfg.deepstack_visual_indexes)))
+    return Qwen3VLVisionParams(blocks=blocks, merger=merger, deepstack=deepstack, **got)
+
+
 # model_type of config.json -> how its vision side loads (its tower's model_type must match)
 _FAMILIES: dict[str, _Family] = {
-    "gemma3": _Family(tower="siglip_vision_model", config=_gemma3_config, name=_gemma3_name,
-                      plan=_gemma3_plan),
+    "gemma3": _Family(kind="gemma3", tower="siglip_vision_model", config=_gemma3_config,
+                      name=_gemma3_name, plan=_gemma3_plan, build=_gemma3_build,
+                      init=init_vision_params, ignore=("vision_tower.head.",)),
+    # Qwen3-VL checkpoints of transformers < 5 name the tower "qwen3_vl" (HF renames it)
+    "qwen3_vl": _Family(kind="qwen3_vl", tower="qwen3_vl_vision", config=_qwen3_vl_config,
+                        name=_qwen3_vl_name, plan=_qwen3_vl_plan, build=_qwen3_vl_build,
+                        init=init_qwen3_vl_vision_params, mean_std=(_CLIP_MEAN, _CLIP_STD),
+                        tower_aliases=("qwen3_vl",)),
 }
 
 
@@ -151,20 +306,21 @@ def load_hf_vision(path: Path, dtype=jnp.float32) -> VisionModel | None:
         return None
     family = _FAMILIES.get(hf.get("model_type"))
     tower = hf["vision_config"].get("model_type", family and family.tower)
-    if family is None or tower != family.tower:
+    if family is None or tower not in (family.tower, *family.tower_aliases):
         known = ", ".join(f"{k} ({f.tower})" for k, f in sorted(_FAMILIES.items()))
         raise CheckpointError(
             f"{source}: unsupported vision model: model_type {hf.get('model_type')!r} with "
             f"vision_config.model_type {tower!r} (supported: {known})")
-    mean, std = _mean_std(path)
+    pre, pre_file = _image_processor(path)
+    mean, std = _mean_std(pre, pre_file, family.mean_std)
     try:
-        cfg = family.config(hf, source, mean, std)
+        cfg = family.config(hf, source, mean, std, pre, pre_file)
     except CheckpointError:
         raise
     except (ValueError, TypeError) as e:  # a field of the wrong type; sizes that do not fit
         raise CheckpointError(f"{source}: vision_config: {e}") from None
     params = _assemble(cfg, family, _tensors(safetensor_files(path), family), dtype, path)
-    return VisionModel(cfg=cfg, params=params)
+    return VisionModel(cfg=cfg, params=params, kind=family.kind)
 
 
 def _tensors(files: list[Path], family: _Family):
@@ -184,12 +340,12 @@ def _tensors(files: list[Path], family: _Family):
             raise CheckpointError(f"{f}: cannot read ({e})") from None
 
 
-def _assemble(cfg: VisionConfig, family: _Family, tensors, dtype, path: Path) -> VisionParams:
+def _assemble(cfg, family: _Family, tensors, dtype, path: Path):
     plan = family.plan(cfg)
     got: dict[str, jax.Array] = {}
     for key, name, arr, src in tensors:
         if key not in plan:
-            if key.startswith("vision_tower.head."):  # SigLIP's pooling head: unused
+            if key.startswith(family.ignore):  # e.g. SigLIP's pooling head: unused
                 continue
             raise CheckpointError(f"{src}: unexpected vision tensor {name!r}")
         target, fn = plan[key]
@@ -203,16 +359,13 @@ def _assemble(cfg: VisionConfig, family: _Family, tensors, dtype, path: Path) ->
         raise CheckpointError(f"{path}: the safetensors files lack {len(missing)} vision "
                               f"tensor(s) that config.json's vision_config calls for, e.g. "
                               f"{missing[:3]}")
-    fields = VisionLayerParams.__dataclass_fields__
-    layers = tuple(VisionLayerParams(**{f: got.pop(f"layers.{i}.{f}") for f in fields})
-                   for i in range(cfg.num_layers))
-    params = VisionParams(layers=layers, **got)
-    _check_shapes(cfg, params, path)
+    params = family.build(cfg, got)
+    _check_shapes(cfg, params, family.init, path)
     return params
 
 
-def _check_shapes(cfg: VisionConfig, params: VisionParams, path: Path) -> None:
-    want = jax.eval_shape(lambda: init_vision_params(cfg, jax.random.key(0)))
+def _check_shapes(cfg, params, init: Callable, path: Path) -> None:
+    want = jax.eval_shape(lambda: init(cfg, jax.random.key(0)))
     for (kp, a), (_, b) in zip(jax.tree_util.tree_flatten_with_path(params)[0],
                                jax.tree_util.tree_flatten_with_path(want)[0]):
         if tuple(a.shape) != tuple(b.shape):
@@ -221,10 +374,9 @@ def _check_shapes(cfg: VisionConfig, params: VisionParams, path: Path) -> None:
                 f"config.json implies {tuple(b.shape)}")
 
 
-def _mean_std(path: Path) -> tuple[tuple, tuple]:
-    """image_mean / image_std of preprocessor_config.json (or processor_config.json's
-    image_processor) when the dir has one, else 0.5s."""
-    default = (0.5, 0.5, 0.5)
+def _image_processor(path: Path) -> tuple[dict, Path | None]:
+    """The image processor's settings: preprocessor_config.json, or processor_config.json's
+    image_processor, with the file they came from; ({}, None) when the dir has neither."""
     for fname, sub in (("preprocessor_config.json", None),
                        ("processor_config.json", "image_processor")):
         f = path / fname
@@ -235,9 +387,17 @@ def _mean_std(path: Path) -> tuple[tuple, tuple]:
             obj = obj.get(sub)
             if not isinstance(obj, dict):
                 continue
-        return (_three(obj.get("image_mean", default), f, "image_mean"),
-                _three(obj.get("image_std", default), f, "image_std"))
-    return default, default
+        return obj, f
+    return {}, None
+
+
+def _mean_std(pre: dict, f: Path | None, default: tuple[tuple, tuple]) -> tuple[tuple, tuple]:
+    """image_mean / image_std of the image processor's settings; `default` (mean, std), the
+    family's processor's defaults, for those it leaves out (or when the dir has none)."""
+    if f is None:
+        return default
+    return (_three(pre.get("image_mean", default[0]), f, "image_mean"),
+            _three(pre.get("image_std", default[1]), f, "image_std"))
 
 
 def _three(v, f: Path, field: str) -> tuple[float, float, float]:

@@ -86,6 +86,10 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    # multimodal RoPE (Qwen3-VL): frequencies j < 3 * s[1] with j % 3 == 1 turn with a token's
+    # height position, j < 3 * s[2] with j % 3 == 2 with its width, the rest with its temporal
+    # one (the positions of text tokens are all alike: plain RoPE); () off
+    mrope_section: tuple[int, ...] = ()
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     qkv_bias: bool = False

@@ -38,7 +38,7 @@ from jaxinfer.runtime.device.programs import StepPrograms
 from jaxinfer.runtime.device.steps import make_step, sampled_tokens
 from jaxinfer.runtime.host.admission import admission_policy
 from jaxinfer.runtime.host.errors import AdapterInUse, EngineAsleep, RequestError, UnknownAdapter
-from jaxinfer.runtime.host.image_prompt import expand
+from jaxinfer.runtime.host.image_prompt import expand, mrope_positions
 from jaxinfer.runtime.host.kv_host_tier import HostTier
 from jaxinfer.runtime.host.outputs import OutputProcessor, RequestDelta, RequestOutput
 from jaxinfer.runtime.host.requests import Limits, SamplingParams, check_request, truncate_prompt
@@ -217,19 +217,20 @@ class Engine:
         from jaxinfer.runtime.images import Images
 
         images = Images(vision, self.ecfg)
-        n = images.spec.tokens_per_image
-        if self.shapes.budget < n:
+        n = dict(images.spec.prep).get("tokens")  # (a fixed count: Gemma 3)
+        if n and self.shapes.budget < n:
             raise OptionError("prefill_chunk", f"({self.shapes.budget}) must hold an image's "
                                                f"{n} tokens: a step computes an image whole")
         windows = [w for i in range(self.cfg.num_layers) if (w := self.cfg.layer_window(i))]
-        if windows and min(windows) < n:
+        if n and windows and min(windows) < n:
             raise OptionError("model", f"a sliding window ({min(windows)}) narrower than an "
                                        f"image's {n} tokens is not supported")
         return images
 
     def _image_door(self, prompt_ids, images, params: SamplingParams):
-        """(prompt ids with each image's token run, its ImageSpans) of a request with images
-        [(digest, pixels)] (RequestError naming the field otherwise)."""
+        """(prompt ids with each image's token run, its ImageSpans, multimodal RoPE positions
+        and delta or (None, 0)) of a request with images [ImageInput] (RequestError naming the
+        field otherwise)."""
         name = "multi_modal_data.image"
         if self.images is None:
             raise RequestError(name, "this model takes no images (it is text only)")
@@ -241,7 +242,15 @@ class Engine:
                          ("truncate_prompt_tokens", params.truncate_prompt_tokens is not None)):
             if bad:
                 raise RequestError(name, f"not supported with {why} yet")
-        return expand(prompt_ids, images, self.images.spec)
+        spec = self.images.spec
+        ids, spans = expand(prompt_ids, images, spec)
+        big = max(s.length for s in spans)
+        if big > self.shapes.budget:
+            raise RequestError(name, f"an image of {big} tokens does not fit a prefill step "
+                                     f"({self.shapes.budget} tokens: raise prefill_chunk)")
+        rope = mrope_positions(len(ids), spans, spec.mrope_merge) if spec.mrope_merge else (
+            None, 0)
+        return ids, spans, *rope
 
     def _arrays(self, plan, feed: bool = False) -> dict:
         """A plan's step arrays, with the encoder's embeddings on its image rows."""
@@ -551,16 +560,16 @@ class Engine:
         step), with the LoRA adapter named `lora` (None: the base model); `prompt`: its text,
         echoed in the output. Raises RequestError naming the field; Overloaded when the engine
         refuses late requests (refuse_late=False: the caller checked already). `images`
-        [(digest, pixels)] (runtime/host/images.py): one per image mark in the prompt."""
+        [ImageInput] (runtime/host/image_prompt.py): one per image mark in the prompt."""
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.outputs:
             raise ValueError(f"duplicate request_id {rid!r}")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         prompt_ids = [int(t) for t in prompt_ids]
-        spans = ()
+        spans, rope, delta = (), None, 0
         if images:
-            prompt_ids, spans = self._image_door(prompt_ids, list(images), params)
+            prompt_ids, spans, rope, delta = self._image_door(prompt_ids, list(images), params)
         prompt_ids = truncate_prompt(prompt_ids, params)
         check_request(prompt_ids, params, self.limits)
         key = self._lora_key(lora)
@@ -575,7 +584,8 @@ class Engine:
             self.scheduler.check_overload(rid, len(prompt_ids), params.priority)
         now = time.monotonic()
         req = Request(request_id=rid, prompt_ids=prompt_ids, params=params, eos_ids=self.eos_ids,
-                      arrival_time=now, lora=key, procs=procs, images=spans)
+                      arrival_time=now, lora=key, procs=procs, images=spans,
+                      rope_positions=rope, rope_delta=delta)
         if self._staged is not None:  # an update drains: this one runs on the new weights
             self._after_swap.append(req)
         else:

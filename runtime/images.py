@@ -1,17 +1,20 @@
 """The engine's image side: the vision encoder run on the images a step needs, its outputs kept
 in the encoder cache, and a step's given-input rows built from them.
 
-`Images(vision, ecfg)` belongs to an engine serving a vision model (checkpoints/hf_vision.py).
-`step_inputs(plan)` -> {"mm_embeds": f32 [T, D], "mm_mask": bool [T]} for a plan with image
-rows (plan.mm_items): every image of the step not in the encoder cache is encoded first, all of
-them in encoder calls of at most MAX_IMAGES_PER_CALL (padded to a power of two of images: few
-programs), then its
-embeddings go on its rows. `runs` / `encoded` count encoder calls and images encoded.
+`Images(vision, ecfg)` belongs to an engine serving a vision model (checkpoints/hf_vision.py's
+VisionModel; its `kind` picks a KINDS row: the door's ImageSpec and the encoder).
+`step_inputs(plan, hidden)` -> {"mm_embeds": f32 [T, D], "mm_mask": bool [T] (+ "mm_deep": f32
+[K, T, D], Qwen3-VL's deepstack inputs)} for a plan with image rows (plan.mm_items): every image
+of the step not in the encoder cache is encoded first, then its outputs go on its rows. An
+encoder output is f32 [1 + K, N, D]: the image tokens' inputs, then K deepstack features.
+`runs` / `encoded` count encoder calls and images encoded.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -20,52 +23,107 @@ import numpy as np
 from jaxinfer.runtime.host.encoder_cache import EncoderCache
 from jaxinfer.runtime.host.image_prompt import ImageSpec
 
-
-# Images one encoder call takes at most: a SigLIP tower's attention scores are ~1 GiB an image
-# at Gemma 3's size (16 heads x 4096 x 4096 f32 per layer)
+# Images one Gemma 3 encoder call takes at most: a SigLIP tower's attention scores are ~1 GiB
+# an image at Gemma 3's size (16 heads x 4096 x 4096 f32 per layer)
 MAX_IMAGES_PER_CALL = 4
 
 
-def image_spec(vcfg) -> ImageSpec:
-    """The door's view of a runtime.device.vision.VisionConfig."""
-    return ImageSpec(boi_id=vcfg.boi_token_id, eoi_id=vcfg.eoi_token_id,
-                     image_id=vcfg.image_token_id, tokens_per_image=vcfg.tokens_per_image,
-                     image_size=vcfg.image_size, mean=tuple(vcfg.image_mean),
-                     std=tuple(vcfg.image_std))
+def _gemma3_spec(c) -> ImageSpec:
+    return ImageSpec(kind="gemma3", mark="<start_of_image>", mark_id=c.boi_token_id,
+                     image_id=c.image_token_id, after=(c.eoi_token_id,), around="\n\n",
+                     prep=(("size", c.image_size), ("mean", tuple(c.image_mean)),
+                           ("std", tuple(c.image_std)), ("tokens", c.tokens_per_image)),
+                     bidirectional=True)
+
+
+def _qwen3_vl_spec(c) -> ImageSpec:
+    return ImageSpec(kind="qwen3_vl", mark="<|image_pad|>", mark_id=c.image_token_id,
+                     image_id=c.image_token_id,
+                     prep=(("patch_size", c.patch_size),
+                           ("temporal_patch_size", c.temporal_patch_size),
+                           ("merge_size", c.spatial_merge_size), ("mean", tuple(c.image_mean)),
+                           ("std", tuple(c.image_std)), ("min_pixels", c.min_pixels),
+                           ("max_pixels", c.max_pixels)),
+                     mrope_merge=c.spatial_merge_size)
+
+
+def _gemma3_encoder(vision) -> Callable:
+    """[ImageSpan] (distinct images) -> [f32 [1, N, D]]: batches of MAX_IMAGES_PER_CALL,
+    padded to a power of two of images (few programs)."""
+    from jaxinfer.runtime.device.vision import encode_images
+
+    fn = jax.jit(functools.partial(encode_images, cfg=vision.cfg))
+
+    def run(spans):
+        out = []
+        for i in range(0, len(spans), MAX_IMAGES_PER_CALL):
+            part = spans[i:i + MAX_IMAGES_PER_CALL]
+            n = 1 << (len(part) - 1).bit_length()
+            px = np.stack([s.pixels for s in part] + [part[0].pixels] * (n - len(part)))
+            emb = np.asarray(jax.device_get(fn(vision.params, jnp.asarray(px))), np.float32)
+            out += [e[None] for e in emb[:len(part)]]  # [1, N, D] each
+        return out, -(-len(spans) // MAX_IMAGES_PER_CALL)
+
+    return run
+
+
+def _qwen3_vl_encoder(vision) -> Callable:
+    """[ImageSpan] -> [f32 [1 + K, N, D]]: one call an image (a program per grid)."""
+    from jaxinfer.runtime.device.qwen3_vl_vision import encode_image
+
+    fn = jax.jit(encode_image, static_argnames=("cfg", "grid"))
+
+    def run(spans):
+        out = []
+        for s in spans:
+            emb, deep = fn(vision.params, jnp.asarray(s.pixels), cfg=vision.cfg, grid=s.grid)
+            out.append(np.concatenate([np.asarray(emb, np.float32)[None],
+                                       np.asarray(deep, np.float32)]))
+        return out, len(spans)
+
+    return run
+
+
+@dataclass(frozen=True)
+class Kind:
+    spec: Callable  # vision cfg -> ImageSpec
+    encoder: Callable  # VisionModel -> run([ImageSpan]) -> ([f32 [1 + K, N, D]], calls)
+
+
+KINDS = {"gemma3": Kind(_gemma3_spec, _gemma3_encoder),
+         "qwen3_vl": Kind(_qwen3_vl_spec, _qwen3_vl_encoder)}
+
+
+def image_spec(vision) -> ImageSpec:
+    """The door's view of a checkpoints.hf_vision.VisionModel."""
+    return KINDS[vision.kind].spec(vision.cfg)
 
 
 class Images:
     def __init__(self, vision, ecfg):
-        from jaxinfer.runtime.device.vision import encode_images
-
-        self.cfg, self.params = vision.cfg, vision.params
-        self.spec = image_spec(vision.cfg)
+        kind = KINDS[vision.kind]
+        self.spec = kind.spec(vision.cfg)
         self.cache = EncoderCache(int(ecfg.mm_cache_gb * (1 << 30)))
-        self._encode = jax.jit(functools.partial(encode_images, cfg=vision.cfg))
+        self._encode = kind.encoder(vision)
         self.runs = 0  # encoder calls
         self.encoded = 0  # images encoded
 
-    def embeddings(self, spans) -> dict[bytes, np.ndarray]:
-        """{digest: f32 [N, D]} of the spans' images, encoding those the cache lacks."""
+    def outputs(self, spans) -> dict[bytes, np.ndarray]:
+        """{digest: f32 [1 + K, N, D]} of the spans' images, encoding those the cache lacks."""
         out, todo = {}, {}
         for im in spans:
             if im.key in out or im.key in todo:
                 continue
             got = self.cache.get(im.key)
             if got is None:
-                todo[im.key] = im.pixels
+                todo[im.key] = im
             else:
                 out[im.key] = got
-        todo_keys = list(todo)
-        for i in range(0, len(todo_keys), MAX_IMAGES_PER_CALL):
-            keys = todo_keys[i:i + MAX_IMAGES_PER_CALL]
-            n = 1 << (len(keys) - 1).bit_length()  # a power of two of images
-            pixels = np.stack([todo[k] for k in keys] + [todo[keys[0]]] * (n - len(keys)))
-            emb = np.asarray(jax.device_get(self._encode(self.params, jnp.asarray(pixels))),
-                             np.float32)  # [n, N, D]
-            self.runs += 1
-            self.encoded += len(keys)
-            for k, e in zip(keys, emb):
+        if todo:
+            got, calls = self._encode(list(todo.values()))
+            self.runs += calls
+            self.encoded += len(todo)
+            for k, e in zip(todo, got):
                 out[k] = e
                 self.cache.put(k, e)
         return out
@@ -73,13 +131,17 @@ class Images:
     def step_inputs(self, plan, hidden: int) -> dict[str, np.ndarray]:
         """The given-input rows of a plan with image rows (plan.mm_items)."""
         t = plan.token_ids.shape[0]
-        embeds = np.zeros((t, hidden), np.float32)
+        outs = self.outputs([im for _, im, _, _ in plan.mm_items])
+        depth = next(iter(outs.values())).shape[0]  # 1 + K
+        given = np.zeros((depth, t, hidden), np.float32)
         mask = np.zeros(t, bool)
-        emb = self.embeddings([im for _, im, _, _ in plan.mm_items])
         for row, im, first, k in plan.mm_items:
-            embeds[row:row + k] = emb[im.key][first:first + k]
+            given[:, row:row + k] = outs[im.key][:, first:first + k]
             mask[row:row + k] = True
-        return {"mm_embeds": embeds, "mm_mask": mask}
+        arrays = {"mm_embeds": given[0], "mm_mask": mask}
+        if depth > 1:
+            arrays["mm_deep"] = given[1:]
+        return arrays
 
     def stats(self) -> dict:
         return dict(encoder_runs=self.runs, images_encoded=self.encoded,

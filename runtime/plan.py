@@ -69,6 +69,7 @@ PLAN_FIELDS = (
     PlanField("draft_bitmask",    np.int32,   "S,K,W", "speculative"),  # masks after proposals
     PlanField("feed_rows",        np.int32,   "T",     "feed",        -1),
     PlanField("see_until",        np.int32,   "T",     "vision"),  # last position row t sees
+    PlanField("rope_positions",   np.int32,   "T,3",   "mrope"),  # (t, h, w) RoPE positions
     PlanField("samples",          np.bool_,   "S",     "host"),  # the row yields a token
 )
 # sample_positions: the position of the token sampled at the row (with proposals: the position
@@ -79,8 +80,9 @@ PLAN_FIELDS = (
 # prompt_targets (prompt logprobs): the prompt token after row t's, scored by row t's logits;
 # -1: none wanted (no such token, the request asks for none, or a decode row).
 # lora_ids: the LoRA adapter slot of row t's sequence (runtime/device/lora.py; 0: the base model).
-# vision (steps with image tokens only): row t attends to positions <= see_until[t]: its own
-# position, or for an image token its image's last (the image's tokens see each other).
+# vision (steps with Gemma 3 image tokens only): row t attends to positions <= see_until[t]:
+# its own position, or for an image token its image's last (the image's tokens see each other).
+# mrope (steps with Qwen3-VL image requests only): row t's multimodal RoPE positions.
 # host: bookkeeping never sent to the device. constrained / token_bitmask (structured output):
 # the scheduler flags the rows, the engine fills their masks (runtime/host/structured.py);
 # draft_bitmask[s, j]: the mask of verify row j + 1, after the row's first j + 1 proposals.
@@ -151,8 +153,7 @@ class _StepPlanViews:
     def device_arrays(self, feed: bool = False) -> dict[str, np.ndarray]:
         """The jitted step's arrays (shapes fixed by the buckets); `feed`: with feed_rows."""
         groups = STEP_GROUPS + ("feed",) if feed else STEP_GROUPS
-        if self.mm_items:
-            groups += ("vision",)
+        groups += ("vision",) * self.see_until_on + ("mrope",) * self.mrope
         return {f.name: getattr(self, f.name) for f in fields_of(*groups)}
 
     def verify_arrays(self) -> dict[str, np.ndarray]:
@@ -175,6 +176,8 @@ StepPlan = make_dataclass(
         # image tokens (runtime/host/image_prompt.py): [(first token row, ImageSpan, first of its
         # tokens, count)]; the engine puts the encoder's embeddings on those rows
         ("mm_items", list),
+        ("see_until_on", bool),  # the vision group goes to the device
+        ("mrope", bool),  # the mrope group goes to the device
     ],
     bases=(_StepPlanViews,),
 )

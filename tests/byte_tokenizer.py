@@ -10,10 +10,10 @@ from pathlib import Path
 
 
 def write_byte_tokenizer(out: Path, specials: dict[str, int], vocab_size: int,
-                         chat_template: str | None = None, *, bos: str = "<bos>",
+                         chat_template: str | None = None, *, bos: str | None = "<bos>",
                          eos: str = "<eos>") -> None:
     """tokenizer.json + tokenizer_config.json in `out`: bytes at ids 3.., `specials` {text: id}
-    (unused ids up to `vocab_size` filled with "<unused_i>")."""
+    (unused ids up to `vocab_size` filled with "<unused_i>"); `bos` None: none is added."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from tokenizers.pre_tokenizers import ByteLevel
 
@@ -27,7 +27,8 @@ def write_byte_tokenizer(out: Path, specials: dict[str, int], vocab_size: int,
     tk.decoder = decoders.ByteLevel()
     tk.add_special_tokens(list(specials))
     tk.save(str(out / "tokenizer.json"))
-    cfg = {"bos_token": bos, "eos_token": eos, "add_bos_token": True, "add_eos_token": False}
+    cfg = {"bos_token": bos, "eos_token": eos, "add_bos_token": bos is not None,
+           "add_eos_token": False}
     if chat_template is not None:
         cfg["chat_template"] = chat_template
     (out / "tokenizer_config.json").write_text(json.dumps(cfg))
@@ -46,4 +47,19 @@ GEMMA3_VISION_TEMPLATE = (
     "{{ '<end_of_turn>\\n' }}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
+)
+
+
+# Qwen's ChatML turns with image parts written as <|vision_start|><|image_pad|><|vision_end|>
+QWEN_VL_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{{ '<|im_start|>' ~ m['role'] ~ '\\n' }}"
+    "{%- if m['content'] is string -%}{{ m['content'] }}"
+    "{%- else -%}{%- for p in m['content'] -%}"
+    "{%- if p['type'] == 'image' -%}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif p['type'] == 'text' -%}{{ p['text'] }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{ '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
 )

@@ -97,3 +97,104 @@ def random_image(seed: int, shape=(40, 50, 3)):
     import numpy as np
 
     return np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)
+
+
+# --------------------------------------------------------------------------- Qwen3-VL
+
+# a tiny Qwen3-VL: 8 x 8 patches, 2 x 2 merged (a 40 x 50 image -> a (1, 4, 6) grid -> 6 tokens)
+QWEN_PATCH_SIZE = 8
+QWEN_TEMPORAL_PATCH_SIZE = 2
+QWEN_MERGE_SIZE = 2
+QWEN_VISION_DEPTH = 3
+QWEN_VISION_HIDDEN = 32
+QWEN_VISION_HEADS = 2
+QWEN_VISION_INTERMEDIATE = 64
+QWEN_NUM_POSITION_EMBEDDINGS = 64  # an 8 x 8 learned grid
+QWEN_DEEPSTACK_INDEXES = (0, 1)
+QWEN_VISION_ROPE_THETA = 10_000.0
+
+QWEN_TEXT_HIDDEN = 64  # = the vision tower's out_hidden_size
+QWEN_TEXT_LAYERS = 3
+QWEN_TEXT_HEADS = 4
+QWEN_TEXT_KV_HEADS = 2
+QWEN_TEXT_HEAD_DIM = 16
+QWEN_TEXT_INTERMEDIATE = 128
+QWEN_VOCAB = 2000
+QWEN_ROPE_THETA = 5_000_000.0
+# [t, h, w] frequency counts, summing to head_dim / 2, in the real checkpoints' proportions
+# ([24, 20, 20]: t >= h == w). HF interleaves them (mrope_interleaved): frequency i is h's when
+# i % 3 == 1 and i < 3 * h, w's when i % 3 == 2 and i < 3 * w, else t's; here t: 0, 3, 6, 7,
+# h: 1, 4, w: 2, 5.
+QWEN_MROPE_SECTION = (4, 2, 2)
+QWEN_MROPE_INTERLEAVED = True
+QWEN_RMS_NORM_EPS = 1e-6
+
+QWEN_IMAGE_TOKEN_ID = 1990  # <|image_pad|>
+QWEN_VISION_START_TOKEN_ID = 1991  # <|vision_start|>
+QWEN_VISION_END_TOKEN_ID = 1992  # <|vision_end|>
+QWEN_VIDEO_TOKEN_ID = 1993  # <|video_pad|>
+QWEN_VISION_START_ID = QWEN_VISION_START_TOKEN_ID
+QWEN_VISION_END_ID = QWEN_VISION_END_TOKEN_ID
+QWEN_BOS_TOKEN_ID = 0  # <|endoftext|> (the real text_config's bos; the tokenizer adds none)
+QWEN_EOS_TOKEN_ID = 2  # <|im_end|>
+
+QWEN_IMAGE_MEAN = (0.5, 0.5, 0.5)  # as the real checkpoints' preprocessor_config.json
+QWEN_IMAGE_STD = (0.5, 0.5, 0.5)
+QWEN_MIN_PIXELS = 16 * 16 * 4  # size.shortest_edge: 4 merged tokens at least
+QWEN_MAX_PIXELS = 128 * 128  # size.longest_edge: 64 merged tokens at most
+
+
+def make_qwen3_vl(out: Path, seed: int = 0, **overrides):
+    """A random-init HF Qwen3VLForConditionalGeneration saved (safetensors, f32) in `out`, with a
+    preprocessor_config.json (Qwen2-VL's PIL image processor: QWEN_* patch / merge / size /
+    mean / std). `overrides`: Qwen3VLConfig fields over the ones above (a `vision_config` or
+    `text_config` dict is merged into the defaults). Norms (ones at init) and biases (zeros)
+    are perturbed, and the vision tower's weights drawn at fan_in^-0.5 (not HF's 0.02, under
+    which its attention is near uniform and the 2-D rotary changes outputs by ~1e-5), so a
+    mapping error cannot hide. -> the model (eval mode)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    vision = dict(
+        depth=QWEN_VISION_DEPTH, hidden_size=QWEN_VISION_HIDDEN, num_heads=QWEN_VISION_HEADS,
+        intermediate_size=QWEN_VISION_INTERMEDIATE, hidden_act="gelu_pytorch_tanh",
+        in_channels=3, patch_size=QWEN_PATCH_SIZE, temporal_patch_size=QWEN_TEMPORAL_PATCH_SIZE,
+        spatial_merge_size=QWEN_MERGE_SIZE, out_hidden_size=QWEN_TEXT_HIDDEN,
+        num_position_embeddings=QWEN_NUM_POSITION_EMBEDDINGS,
+        deepstack_visual_indexes=list(QWEN_DEEPSTACK_INDEXES),
+        rope_parameters=dict(rope_type="axial", rope_theta=QWEN_VISION_ROPE_THETA),
+    )
+    text = dict(
+        vocab_size=QWEN_VOCAB, hidden_size=QWEN_TEXT_HIDDEN,
+        intermediate_size=QWEN_TEXT_INTERMEDIATE, num_hidden_layers=QWEN_TEXT_LAYERS,
+        num_attention_heads=QWEN_TEXT_HEADS, num_key_value_heads=QWEN_TEXT_KV_HEADS,
+        head_dim=QWEN_TEXT_HEAD_DIM, hidden_act="silu", max_position_embeddings=4096,
+        rms_norm_eps=QWEN_RMS_NORM_EPS, attention_bias=False,
+        rope_parameters=dict(rope_type="default", rope_theta=QWEN_ROPE_THETA,
+                             mrope_section=list(QWEN_MROPE_SECTION),
+                             mrope_interleaved=QWEN_MROPE_INTERLEAVED),
+        bos_token_id=QWEN_BOS_TOKEN_ID, eos_token_id=QWEN_EOS_TOKEN_ID,
+    )
+    vision |= overrides.pop("vision_config", {})
+    text |= overrides.pop("text_config", {})
+    kw = dict(text_config=text, vision_config=vision, image_token_id=QWEN_IMAGE_TOKEN_ID,
+              video_token_id=QWEN_VIDEO_TOKEN_ID, vision_start_token_id=QWEN_VISION_START_TOKEN_ID,
+              vision_end_token_id=QWEN_VISION_END_TOKEN_ID, tie_word_embeddings=False,
+              attn_implementation="eager")
+    kw.update(overrides)
+    cfg = transformers.Qwen3VLConfig(**kw)
+    model = transformers.Qwen3VLForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+            elif name.startswith("model.visual.") and p.ndim >= 2:
+                p.normal_(0.0, 0.5 if "pos_embed" in name else p[0].numel() ** -0.5)
+    model.save_pretrained(out, safe_serialization=True)
+    vc = cfg.vision_config
+    transformers.Qwen2VLImageProcessorPil(
+        size={"shortest_edge": QWEN_MIN_PIXELS, "longest_edge": QWEN_MAX_PIXELS},
+        patch_size=vc.patch_size, temporal_patch_size=vc.temporal_patch_size,
+        merge_size=vc.spatial_merge_size, image_mean=list(QWEN_IMAGE_MEAN),
+        image_std=list(QWEN_IMAGE_STD)).save_pretrained(out)  # preprocessor_config.json
+    return model

@@ -36,6 +36,9 @@ class AttentionMetadata:
     # [T] int32 the last position each row sees (an image's tokens see the whole image); None:
     # its own (causal). Only the XLA path reads it: steps with it run XLA attention.
     see_until: jax.Array | None = None
+    # [T, 3] int32 each row's (t, h, w) RoPE positions under multimodal RoPE (Qwen3-VL); None:
+    # `positions` (attention masks always read `positions`)
+    rope_positions: jax.Array | None = None
 
 
 def whole_sequence_metadata(

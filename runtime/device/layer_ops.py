@@ -74,11 +74,27 @@ def rope_attention_factor(scaling: RopeScaling | None) -> float:
     return 1.0 if scaling.factor <= 1 else 0.1 * math.log(scaling.factor) + 1.0
 
 
+def mrope_axes(section: tuple[int, ...], half: int) -> np.ndarray:
+    """[Dh/2] which of a token's (t, h, w) positions turns each frequency under multimodal RoPE
+    (interleaved: j % 3 == 1 below 3 * section[1] -> h, j % 3 == 2 below 3 * section[2] -> w)."""
+    j = np.arange(half)
+    axes = np.zeros(half, np.int32)
+    axes[(j % 3 == 1) & (j < 3 * section[1])] = 1
+    axes[(j % 3 == 2) & (j < 3 * section[2])] = 2
+    return axes
+
+
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray,
-               factor: float = 1.0) -> jax.Array:
+               factor: float = 1.0, mrope: tuple[int, ...] = ()) -> jax.Array:
     """x [T, H, Dh] rotated by position (rotate-half layout: pairs (i, i + Dh/2)); cos and sin
-    scaled by `factor` (rope_attention_factor)."""
-    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, Dh/2]
+    scaled by `factor` (rope_attention_factor). positions [T], or [T, 3] (t, h, w) with `mrope`
+    the multimodal sections (ModelConfig.mrope_section)."""
+    pos = positions.astype(jnp.float32)
+    if pos.ndim == 2:  # [T, 3]: each frequency turns with its axis' position
+        pos = pos[:, mrope_axes(mrope, len(inv_freq))]  # [T, Dh/2]
+    else:
+        pos = pos[:, None]
+    angles = pos * jnp.asarray(inv_freq)[None, :]  # [T, Dh/2]
     cos = jnp.cos(angles)[:, None, :]
     sin = jnp.sin(angles)[:, None, :]
     if factor != 1.0:

@@ -130,8 +130,9 @@ def layer(
     # must be static (a differentiated forward)
     live = (md.cu_q_lens[md.num_seqs[0]]
             if cfg.batch_invariant and backend != "xla_every_chunk" else None)
+    rope_pos = md.positions if md.rope_positions is None else md.rope_positions  # [T] | [T, 3]
     q, k, v = by_rows(lambda x_, pos, m: _qkv(lp, x_, pos, cfg, i, lora, m), cfg,
-                      x, md.positions, lora_mask, live=live)  # [T, Hq | Hkv | Hkv, Dh]
+                      x, rope_pos, lora_mask, live=live)  # [T, Hq | Hkv | Hkv, Dh]
     if k is not None:  # (None: the layer reads another layer's KV)
         k_pages = write_pages(k_pages, k, md.slot_mapping)
     if v is not None:  # (latent attention: V is K, stored once)
@@ -160,7 +161,8 @@ def _qkv(lp: LayerParams, x, positions, cfg: ModelConfig, i: int, lora, lora_mas
         return (*latent_qkv(lp, h, positions, cfg, i), None)
     scaling = cfg.layer_rope_scaling(i)
     inv_freq = rope_inv_freq(cfg.layer_head_dim(i), cfg.layer_rope_theta(i), scaling)
-    rope = lambda y: apply_rope(y, positions, inv_freq, rope_attention_factor(scaling))  # noqa: E731
+    rope = lambda y: apply_rope(y, positions, inv_freq, rope_attention_factor(scaling),  # noqa: E731
+                                cfg.mrope_section)
     if cfg.layer_kv_source(i) != i:  # K and V are another layer's: q alone
         q = ad(einsum("td,dhk->thk", h, lp.wq), h, "q")
         return rope(q if lp.q_norm is None else rms_norm(q, lp.q_norm, eps)), None, None
@@ -299,9 +301,10 @@ def forward(
 
 def forward_hidden(params: Params, tokens: jax.Array, cache: KVCache, md: AttentionMetadata,
                    cfg: ModelConfig, backend: str = "xla", lora_ids: jax.Array | None = None,
-                   mm: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, KVCache]:
+                   mm: tuple | None = None) -> tuple[jax.Array, KVCache]:
     """The transformer body: final-normed hidden states [N, D] of the md.logits_indices rows.
-    `mm` (embeds [T, D], mask [T] bool): rows whose input is given (image tokens)."""
+    `mm` (embeds [T, D], mask [T] bool, deepstack [K, T, D] or None): rows whose input is given
+    (image tokens)."""
     x, mask, ple = embed_tokens(params, tokens, cfg, lora_ids, mm)  # [T, D]
     ks, vs = list(cache.k), list(cache.v)
     for i, lp in enumerate(params.layers):
@@ -309,15 +312,23 @@ def forward_hidden(params: Params, tokens: jax.Array, cache: KVCache, md: Attent
         x, ks[j], vs[j] = layer(lp, x, ks[j], vs[j], md, cfg, i, backend,
                                 None if mask is None else params.lora[i], mask,
                                 None if ple is None else ple[:, i])
+        x = deepstack(x, mm, i)
     return final_rows(params, x, md.logits_indices, cfg), KVCache(k=tuple(ks), v=tuple(vs))
 
 
+def deepstack(x: jax.Array, mm: tuple | None, i: int) -> jax.Array:
+    """x [T, D] after layer i, plus layer i's deepstack input on the image rows (Qwen3-VL: the
+    vision encoder's intermediate features, added after each of the first K layers)."""
+    if mm is None or mm[2] is None or i >= mm[2].shape[0]:
+        return x
+    return x + jnp.where(mm[1][:, None], mm[2][i].astype(x.dtype), 0)
+
+
 def embed_tokens(params: Params, tokens: jax.Array, cfg: ModelConfig,
-                 lora_ids: jax.Array | None = None,
-                 mm: tuple[jax.Array, jax.Array] | None = None):
+                 lora_ids: jax.Array | None = None, mm: tuple | None = None):
     """tokens [T] -> (x [T, D] scaled embeddings, the rows' one-hot adapter mask [T, L] or None
     when the params carry no adapters or lora_ids is None, Gemma 4's per-layer inputs
-    [T, L, P] or None). `mm` (embeds [T, D], mask [T] bool): rows taking a given input (an
+    [T, L, P] or None). `mm` (embeds [T, D], mask [T] bool, ...): rows taking a given input (an
     image's soft tokens from the vision encoder) in place of their token's, unscaled."""
     x = take_rows(params.embed, tokens)  # [T, D]
     if cfg.embed_scale != 1.0:

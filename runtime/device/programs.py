@@ -38,8 +38,9 @@ import numpy as np
 
 from jaxinfer.runtime.config import COMPILE_MODES
 from jaxinfer.runtime.device.kv_cache import KVCache
-from jaxinfer.runtime.device.model import layer_kind
-from jaxinfer.runtime.device.steps import (HEAD_FIELDS, METADATA_FIELDS, body, embed_rows, head,
+from jaxinfer.runtime.device.model import deepstack, layer_kind
+from jaxinfer.runtime.device.steps import (HEAD_FIELDS, METADATA_FIELDS, body, embed_rows,
+                                           given_rows, head,
                                            last_rows, layer_rows, make_step, shared_jit)
 
 log = logging.getLogger(__name__)
@@ -399,6 +400,7 @@ class StepPrograms:
         self.layerwise_steps += 1
         md = jax.device_put({k: arrays[k] for k in METADATA_FIELDS if k in arrays})
         x, mask, ple = self._embed(params, arrays, prev)
+        given = given_rows(arrays)
         ks, vs = list(cache.k), list(cache.v)
         for i, lp in enumerate(params.layers):
             adapter = None if mask is None else params.lora[i]
@@ -406,6 +408,7 @@ class StepPrograms:
             x, ks[j], vs[j] = self._layer(lp, x, ks[j], vs[j], md, adapter, mask,
                                           None if ple is None else ple[:, i],
                                           i=self._kinds[i], max_q_len=max_q_len)
+            x = deepstack(x, given, i)
         return self._last(params, x, md), KVCache(k=tuple(ks), v=tuple(vs))
 
     @contextlib.contextmanager

@@ -33,13 +33,14 @@ def _metadata(a: dict, max_q_len: int) -> AttentionMetadata:
         positions=a["positions"], slot_mapping=a["slot_mapping"], cu_q_lens=a["cu_q_lens"],
         kv_lens=a["kv_lens"], page_indices=a["page_indices"], num_seqs=a["num_seqs"],
         logits_indices=a["logits_indices"], max_q_len=max_q_len, see_until=a.get("see_until"),
+        rope_positions=a.get("rope_positions"),
     )
 
 
-def _given_rows(a: dict):
-    """(embeds [T, D], mask [T]) of the rows whose input the engine gives (image tokens:
-    mm_embeds, mm_mask), or None."""
-    return (a["mm_embeds"], a["mm_mask"]) if "mm_embeds" in a else None
+def given_rows(a: dict):
+    """(embeds [T, D], mask [T], deepstack [K, T, D] or None) of the rows whose input the engine
+    gives (image tokens: mm_embeds, mm_mask, mm_deep), or None."""
+    return (a["mm_embeds"], a["mm_mask"], a.get("mm_deep")) if "mm_embeds" in a else None
 
 
 # Vocabulary x hidden at and above which a step projects its live sequences' rows only (a
@@ -108,7 +109,7 @@ def body(params: Params, cache: KVCache, arrays: dict[str, jax.Array], *, cfg: M
     if all_rows:
         md = md.replace(logits_indices=jnp.arange(arrays["token_ids"].shape[0]))
     return forward_hidden(params, fed_tokens(arrays, prev), cache, md, cfg, backend,
-                          arrays["lora_ids"], _given_rows(arrays))
+                          arrays["lora_ids"], given_rows(arrays))
 
 
 def head(params: Params, h: jax.Array, arrays: dict[str, jax.Array], procs: ProcState | None,
@@ -165,7 +166,8 @@ def head(params: Params, h: jax.Array, arrays: dict[str, jax.Array], procs: Proc
 # ... and the ones the head reads (none of them [T]-shaped: one head program serves every bucket)
 HEAD_FIELDS = SAMPLING_FIELDS + ("num_seqs",)
 METADATA_FIELDS = ("positions", "slot_mapping", "cu_q_lens", "kv_lens", "page_indices",
-                   "num_seqs", "logits_indices", "see_until")  # (see_until: image steps only)
+                   "num_seqs", "logits_indices", "see_until", "rope_positions")  # (the last two:
+# image steps only)
 
 
 def embed_rows(params: Params, arrays: dict[str, jax.Array], prev: jax.Array | None, *,
@@ -173,7 +175,7 @@ def embed_rows(params: Params, arrays: dict[str, jax.Array], prev: jax.Array | N
     """body's first part: (x [T, D], the adapter mask [T, L] or None, the per-layer inputs
     [T, L, P] or None)."""
     return embed_tokens(params, fed_tokens(arrays, prev), cfg, arrays["lora_ids"],
-                        _given_rows(arrays))
+                        given_rows(arrays))
 
 
 def layer_rows(lp: LayerParams, x: jax.Array, k_pages, v_pages, md: dict[str, jax.Array],

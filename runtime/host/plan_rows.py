@@ -12,7 +12,8 @@ it sets:
     ProcessorRows    proc_slots; proc_loads
     SpeculativeRows  num_draft, draft_ids, verify_indices; spec_k      (num_spec_tokens > 0)
     LoraRows         lora_ids; lora_loads                             (with adapter slots)
-    ImageRows        see_until; mm_items
+    ImageRows        see_until; mm_items, see_until_on
+    RopeRows         rope_positions; mrope
 
 `PlanRows` holds the writers of one scheduler configuration; an OPTIONAL writer left out leaves
 its arrays padding and its statics at its `off()`. Every PLAN_FIELDS field is written by exactly
@@ -177,8 +178,9 @@ class LoraRows:
 
 class ImageRows:
     """The rows of image tokens (a prompt's ImageSpans): which image token each run of rows is,
-    and how far every row sees (image tokens: their image's last position; the rest: their
-    own). Steps without image rows leave see_until padding and are not sent it."""
+    and, where an image's tokens attend to each other both ways, how far every row sees (image
+    tokens: their image's last position; the rest: their own). Steps without such rows leave
+    see_until padding and are not sent it."""
 
     fields = ("see_until",)
 
@@ -189,16 +191,42 @@ class ImageRows:
                 lo, hi = max(im.start, start), min(im.end, start + n)
                 if lo < hi:
                     items.append((t + lo - start, im, lo - im.start, hi - lo))
-        if items:
+        both_ways = any(im.bidirectional for _, im, _, _ in items)
+        if both_ways:
             see = a["see_until"]
             see[:] = a["positions"]
             for t, im, _, k in items:
-                see[t:t + k] = im.end - 1
-        return {"mm_items": items}
+                if im.bidirectional:
+                    see[t:t + k] = im.end - 1
+        return {"mm_items": items, "see_until_on": both_ways}
+
+
+class RopeRows:
+    """Multimodal RoPE (Qwen3-VL): each row's (t, h, w) positions, from its request's prompt
+    positions (runtime/host/image_prompt.py mrope_positions) or, past the prompt, its position +
+    the request's delta; a row of a request without them: its position thrice. Steps with no
+    such request leave them padding and are not sent them."""
+
+    fields = ("rope_positions",)
+
+    def write(self, a, spans) -> dict:
+        on = any(seq.req.rope_positions is not None for seq, _, _, _ in spans)
+        if on:
+            out, positions = a["rope_positions"], a["positions"]
+            for seq, t, start, n in spans:
+                pos = positions[t:t + n]
+                rp = seq.req.rope_positions
+                if rp is None:
+                    out[t:t + n] = pos[:, None]
+                    continue
+                inside = pos < len(rp)
+                out[t:t + n] = np.where(inside[:, None], rp[np.minimum(pos, len(rp) - 1)],
+                                        (pos + seq.req.rope_delta)[:, None])
+        return {"mrope": on}
 
 
 WRITERS = (SamplingRows, LogprobRows, StructuredRows, ProcessorRows, SpeculativeRows, LoraRows,
-           ImageRows)
+           ImageRows, RopeRows)
 OPTIONAL = (SpeculativeRows, LoraRows)  # left out by some configurations: their `off()` statics
 
 
@@ -208,7 +236,8 @@ class PlanRows:
 
     def __init__(self, *, page_size: int, num_spec_tokens: int = 0, lora_gate=None):
         self.page_size = page_size
-        writers = [SamplingRows(), LogprobRows(), StructuredRows(), ProcessorRows(), ImageRows()]
+        writers = [SamplingRows(), LogprobRows(), StructuredRows(), ProcessorRows(), ImageRows(),
+                   RopeRows()]
         if num_spec_tokens:
             writers.append(SpeculativeRows(num_spec_tokens))
         if lora_gate is not None:

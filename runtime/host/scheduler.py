@@ -129,6 +129,8 @@ class Request:
     lora: str | None = None  # LoRA adapter key (one per loaded adapter version); None: base
     procs: object = None  # runtime.host.processors.ProcessorSpec: its logits processors; None: none
     images: tuple = ()  # runtime.host.image_prompt.ImageSpan per image in the prompt, in order
+    rope_positions: object = None  # int32 [prompt, 3] multimodal RoPE positions (None: 1-D)
+    rope_delta: int = 0  # ... and what generated tokens add to their position
 
 
 @dataclass

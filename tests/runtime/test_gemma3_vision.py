@@ -72,20 +72,20 @@ def _prompt(text: str, images) -> dict:
 # ---- the door's expansion, by hand ------------------------------------------------------------
 def test_expand_writes_each_image_run_and_refuses_a_count_that_does_not_match():
     from jaxinfer.runtime.host.errors import RequestError
-    from jaxinfer.runtime.host.image_prompt import ImageSpec, chunk_end, expand
+    from jaxinfer.runtime.host.image_prompt import ImageInput, ImageSpec, chunk_end, expand
 
-    spec = ImageSpec(boi_id=7, eoi_id=8, image_id=9, tokens_per_image=3, image_size=4,
-                     mean=(0.5,) * 3, std=(0.5,) * 3)
+    spec = ImageSpec(kind="gemma3", mark="<boi>", mark_id=7, image_id=9, after=(8,))
     px = np.zeros((4, 4, 3), np.float32)
-    ids, spans = expand([1, 7, 2, 7], [(b"a", px), (b"b", px)], spec)
+    a, b = ImageInput(b"a", px, 3), ImageInput(b"b", px, 3)
+    ids, spans = expand([1, 7, 2, 7], [a, b], spec)
     assert ids == [1, 7, 9, 9, 9, 8, 2, 7, 9, 9, 9, 8]
     assert [(s.start, s.length, s.key) for s in spans] == [(2, 3, b"a"), (8, 3, b"b")]
-    again, spans2 = expand(ids, [(b"a", px), (b"b", px)], spec)  # expanded already: kept
+    again, spans2 = expand(ids, [a, b], spec)  # expanded already: kept
     assert again == ids and [s.start for s in spans2] == [2, 8]
-    for bad, imgs, why in (([1, 7, 2], [(b"a", px), (b"b", px)], r"2 image\(s\) given"),
-                           ([7, 7], [(b"a", px)], "more image marks"),
+    for bad, imgs, why in (([1, 7, 2], [a, b], r"2 image\(s\) given"),
+                           ([7, 7], [a], "more image marks"),
                            ([1, 9, 2], [], "outside an image run"),
-                           ([7, 9, 9, 8], [(b"a", px)], "exactly 3")):
+                           ([7, 9, 9, 8], [a], "exactly 3")):
         with pytest.raises(RequestError, match=why):
             expand(bad, imgs, spec)
     # a chunk never ends inside a run: cut back to its start, or none when it starts in it
@@ -107,13 +107,13 @@ def test_logits_equal_hf_with_images_attending_both_ways(vision_dir, count):
 
     d, hf = vision_dir
     lm = load_model(d)
-    spec = image_spec(lm.vision.cfg)
+    spec = image_spec(lm.vision)
     images = [_image(s, shape) for s, shape in zip((1, 2), ((40, 50, 3), (90, 30, 3)))][:count]
     text = "Compare " + " and ".join(["<start_of_image>"] * count) + " please."
     decoded = decode_images(images, spec, 10**6)
     ids, spans = expand(lm.tokenizer.encode(mark_text(text, spec)), decoded, spec)
     emb = np.asarray(encode_images(lm.vision.params, jnp.asarray(np.stack(
-        [p for _, p in decoded])), lm.vision.cfg))  # [n, N, D]
+        [im.pixels for im in decoded])), lm.vision.cfg))  # [n, N, D]
     t = len(ids)
     embeds, mask = np.zeros((t, lm.cfg.hidden_size), np.float32), np.zeros(t, bool)
     see = np.arange(t, dtype=np.int32)
@@ -124,7 +124,8 @@ def test_logits_equal_hf_with_images_attending_both_ways(vision_dir, count):
     def logits(see_until):
         cache = init_cache(lm.cfg, pages, 8, jnp.float32)
         h, _ = forward_hidden(lm.params, jnp.asarray(ids), cache, md.replace(
-            see_until=see_until), lm.cfg, "xla", None, (jnp.asarray(embeds), jnp.asarray(mask)))
+            see_until=see_until), lm.cfg, "xla", None,
+            (jnp.asarray(embeds), jnp.asarray(mask), None))
         return np.asarray(compute_logits(lm.params, h, lm.cfg))
 
     want = _hf_logits(hf, ids, images)

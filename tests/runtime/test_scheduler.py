@@ -1070,12 +1070,16 @@ def test_every_plan_field_has_exactly_one_writer_and_each_writes_only_its_own(mo
                               procs="any spec"))  # (ProcessorRows reads only its presence)
     sched.add_request(Request("B", [6, 7, 8], greedy(6, prompt_logprobs=1)))
     sched.add_request(Request("C", [1, 5, 5, 2], greedy(6), images=(
-        ImageSpan(1, 2, b"img", np.zeros((2, 2, 3), np.float32)),)))
+        ImageSpan(1, 2, b"img", np.zeros((2, 2, 3), np.float32), bidirectional=True),),
+        rope_positions=np.arange(12, dtype=np.int32).reshape(4, 3), rope_delta=5))
     first = sched.schedule()
     second = sched.schedule()  # one plan ahead: both decodes read their pending tokens
     assert second.feed_rows[:2].tolist() == [0, 1]
     assert first.see_until[:first.num_tokens].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 0, 2, 2, 3]
     assert [(t, im.key, j, k) for t, im, j, k in first.mm_items] == [(9, b"img", 0, 2)]
+    assert first.rope_positions[:9].tolist() == [[p] * 3 for p in (0, 1, 2, 3, 4, 0, 1, 2)] + [
+        [0, 1, 2]]  # A, B: their positions; C: its own
+    assert first.see_until_on and first.mrope
     for plan in (first, second):
         sched.update(plan, np.array([9, 9, 9, 0], np.int32))
     sched.set_drafts({c.request_id: [1, 2] for c in sched.decode_candidates()})

@@ -499,6 +499,10 @@ MALFORMED = [  # (path, body or raw bytes, status, param)
     (CH, {**OK_CH, "messages": [{"content": "hi"}]}, 400, "messages[0].role"),
     (CH, {**OK_CH, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
     (CH, {**OK_CH, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "messages[0].content[0].image_url"),  # (no url)
+    (CH, {**OK_CH, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": "data:image/png;base64,AAAA"}}]}]}, 400, "messages[0].content[0].image_url"),
+    (CH, {**OK_CH, "messages": [{"role": "user", "content": [{"type": "audio"}]}]}, 400,
      "messages[0].content"),
     (CH, {**OK_CH, "messages": [{"role": "assistant", "content": "hi"}]}, 400, "messages"),
     (CH, {**OK_CH, "top_logprobs": 3}, 400, "top_logprobs"),
