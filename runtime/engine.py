@@ -227,10 +227,10 @@ class Engine:
                                        f"image's {n} tokens is not supported")
         return images
 
-    def _image_door(self, prompt_ids, images, params: SamplingParams):
-        """(prompt ids with each image's token run, its ImageSpans, multimodal RoPE positions
-        and delta or (None, 0)) of a request with images [ImageInput] (RequestError naming the
-        field otherwise)."""
+    def check_images(self, images, params: SamplingParams) -> None:
+        """What a request's images [ImageInput] must meet beyond the image door: a vision model,
+        their count, each run fitting a prefill step, no feature that cannot take them yet.
+        RequestError naming the field; front ends call it before queueing."""
         name = "multi_modal_data.image"
         if self.images is None:
             raise RequestError(name, "this model takes no images (it is text only)")
@@ -242,12 +242,18 @@ class Engine:
                          ("truncate_prompt_tokens", params.truncate_prompt_tokens is not None)):
             if bad:
                 raise RequestError(name, f"not supported with {why} yet")
-        spec = self.images.spec
-        ids, spans = expand(prompt_ids, images, spec)
-        big = max(s.length for s in spans)
+        big = max(im.tokens for im in images)
         if big > self.shapes.budget:
             raise RequestError(name, f"an image of {big} tokens does not fit a prefill step "
                                      f"({self.shapes.budget} tokens: raise prefill_chunk)")
+
+    def _image_door(self, prompt_ids, images, params: SamplingParams):
+        """(prompt ids with each image's token run, its ImageSpans, multimodal RoPE positions
+        and delta or (None, 0)) of a request with images [ImageInput] (RequestError naming the
+        field otherwise)."""
+        self.check_images(images, params)
+        spec = self.images.spec
+        ids, spans = expand(prompt_ids, images, spec)
         rope = mrope_positions(len(ids), spans, spec.mrope_merge) if spec.mrope_merge else (
             None, 0)
         return ids, spans, *rope

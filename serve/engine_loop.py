@@ -211,6 +211,8 @@ class EngineLoop:
                 prompt_ids = truncate_prompt([int(t) for t in prompt_ids], plist[0])
                 for p in plist:
                     check_request(prompt_ids, p, self.limits)
+                    if image_lists[-1]:
+                        self.engine.check_images(image_lists[-1], p)
                 pending.append((prompt_ids, plist))
         except ValueError:
             self.count("invalid")

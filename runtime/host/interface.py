@@ -51,6 +51,12 @@ class EngineInterface(Protocol):
     def num_unfinished(self) -> int:
         """Requests added and not yet finished (waiting or running)."""
 
+    def check_images(self, images: Sequence, params: SamplingParams) -> None:
+        """RequestError naming the field when a request's images (runtime/host/image_prompt.py
+        ImageInput) cannot be served: a text-only model, too many, too large for a prefill
+        step, or with a feature that cannot take them yet. Called only for requests with
+        images."""
+
     def check_admission(self, prompt_len: int, priority: int = 0) -> None:
         """Raise Overloaded when a request of `prompt_len` tokens arriving now is predicted to
         miss the TTFT target (only with refuse_late); safe from another thread."""

@@ -183,7 +183,7 @@ CASES = {"http": 0, "grpc": 0}
 STATUSES: dict[int, int] = {}
 
 
-@settings(FUZZ, max_examples=120)
+@settings(FUZZ, max_examples=160)
 @given(body=request_bodies("prompt"), chat=st.booleans())
 def test_http_answers_every_body_with_a_result_or_a_4xx(server, body, chat):
     if chat:
