@@ -39,8 +39,8 @@ IMAGE_STD = (0.5, 0.5, 0.5)
 def make_gemma3_vision(out: Path, seed: int = 0, **overrides):
     """A random-init HF Gemma3ForConditionalGeneration saved (safetensors, f32) in `out`, with a
     preprocessor_config.json. `overrides`: Gemma3Config fields over the ones above (e.g.
-    mm_tokens_per_image). Norms, biases and the projector (zero or one at init) are perturbed
-    so a mapping error cannot hide. -> the model (eval mode)."""
+    mm_tokens_per_image; `text={...}`: text-config fields). Norms, biases and the projector (zero
+    or one at init) are perturbed so a mapping error cannot hide. -> the model (eval mode)."""
     import transformers
 
     torch.manual_seed(seed)
@@ -57,6 +57,7 @@ def make_gemma3_vision(out: Path, seed: int = 0, **overrides):
         sliding_window=SLIDING_WINDOW, max_position_embeddings=1024,
         bos_token_id=2, eos_token_id=1, pad_token_id=0,
     )
+    text.update(overrides.pop("text", {}))
     kw = dict(text_config=text, vision_config=vision, mm_tokens_per_image=MM_TOKENS_PER_IMAGE,
               image_token_index=IMAGE_TOKEN_ID, boi_token_index=BOI_TOKEN_ID,
               eoi_token_index=EOI_TOKEN_ID, attn_implementation="eager")
@@ -82,12 +83,12 @@ SPECIALS = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<image_soft_token>": IMAGE_TOKE
             "<start_of_turn>": 1993, "<end_of_turn>": 1994}
 
 
-def make_gemma3_vision_dir(out: Path, seed: int = 0):
+def make_gemma3_vision_dir(out: Path, seed: int = 0, **overrides):
     """`make_gemma3_vision` served as a model dir: with a byte-level tokenizer that knows
     SPECIALS and a chat template writing image parts as <start_of_image> -> (out, HF model)."""
     from tests.byte_tokenizer import GEMMA3_VISION_TEMPLATE, write_byte_tokenizer
 
-    hf = make_gemma3_vision(out, seed)
+    hf = make_gemma3_vision(out, seed, **overrides)
     write_byte_tokenizer(out, SPECIALS, VOCAB, GEMMA3_VISION_TEMPLATE)
     return out, hf
 

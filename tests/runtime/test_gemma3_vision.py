@@ -214,3 +214,43 @@ def test_images_for_a_text_only_model_are_refused(tiny_dir):
     text_llm = LLM(str(tiny_dir), max_slots=1, max_model_len=64)
     with pytest.raises(RequestError, match="text only"):
         text_llm.generate(_prompt("hi", _image(1)), SamplingParams(max_tokens=2))
+
+
+def test_pallas_backend_runs_image_prefills_with_the_xla_attention(tmp_path):
+    """The Pallas kernels mask causally only: a step with image rows takes the XLA attention
+    (runtime/device/attention.py), the other steps the kernel; tokens and logprobs equal the
+    XLA backend's (interpret mode; head_dim 64, which the kernels tile)."""
+    from jaxinfer import LLM, SamplingParams
+    from tests.vision_models import make_gemma3_vision_dir
+
+    d, _ = make_gemma3_vision_dir(tmp_path, text={"head_dim": 64})
+    sp = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=0)
+    prompt = _prompt("Two <start_of_image> and <start_of_image>", [_image(5), _image(6)])
+    outs = {}
+    for backend in ("xla", "pallas_interpret"):
+        llm = LLM(str(d), max_slots=2, page_size=8, max_model_len=128, prefill_chunk=N,
+                  attention_backend=backend)
+        (outs[backend],) = llm.generate(prompt, sp)
+        assert outs[backend].finish_reason == "length"
+    assert outs["xla"].token_ids == outs["pallas_interpret"].token_ids
+    np.testing.assert_allclose([x["logprob"] for x in outs["xla"].logprobs],
+                               [x["logprob"] for x in outs["pallas_interpret"].logprobs],
+                               atol=1e-4)
+
+
+def test_layer_by_layer_equals_the_whole_programs_with_images(vision_dir, llm, stalled):
+    """compile_mode "background" before anything is compiled: the body runs layer by layer
+    (the image rows' inputs and how far they see included) and gives the whole programs'
+    tokens."""
+    from jaxinfer import LLM, SamplingParams
+
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=0)
+    prompt = _prompt("Two <start_of_image> and <start_of_image>", [_image(5), _image(6)])
+    want = llm.generate(prompt, sp)[0]
+    lazy = LLM(str(vision_dir[0]), max_slots=2, page_size=8, max_model_len=256, prefill_chunk=N,
+               compile_mode="background")
+    got = lazy.generate(prompt, sp)[0]
+    assert lazy.engine._step.layerwise_steps > 0 and not lazy.engine._step.body.launched
+    assert got.token_ids == want.token_ids
+    np.testing.assert_allclose([x["logprob"] for x in got.logprobs],
+                               [x["logprob"] for x in want.logprobs], atol=1e-5)

@@ -69,7 +69,8 @@ def test_mrope_positions_by_hand():
     assert delta == 6 - 9
 
 
-def test_logits_equal_hf_with_multimodal_rope_and_deepstack(qwen_dir):
+@pytest.mark.parametrize("count", [1, 2])
+def test_logits_equal_hf_with_multimodal_rope_and_deepstack(qwen_dir, count):
     from jaxinfer.checkpoints.loader import load_model
     from jaxinfer.runtime.device.attention import whole_sequence_metadata
     from jaxinfer.runtime.device.kv_cache import init_cache
@@ -81,11 +82,12 @@ def test_logits_equal_hf_with_multimodal_rope_and_deepstack(qwen_dir):
     d, hf = qwen_dir
     lm = load_model(d)
     spec = image_spec(lm.vision)
-    images = [random_image(1, (40, 50, 3)), random_image(2, (70, 30, 3))]
+    images = [random_image(1, (40, 50, 3)), random_image(2, (70, 30, 3))][:count]
     decoded = decode_images(images, spec, 10**7)
-    ids, spans = expand(lm.tokenizer.encode(f"A {MARK} and {MARK} ok"), decoded, spec)
+    text = "A " + " and ".join([MARK] * count) + " ok"
+    ids, spans = expand(lm.tokenizer.encode(text), decoded, spec)
     assert [s.length for s in spans] == [im.tokens for im in decoded]
-    assert decoded[0].tokens != decoded[1].tokens  # the count follows the image's size
+    assert len({im.tokens for im in decoded}) == count  # the count follows the image's size
     rope, _ = mrope_positions(len(ids), spans, spec.mrope_merge)
     outs = Images(lm.vision, EngineConfig()).outputs(spans)  # {digest: [1 + K, N, D]}
     t, k = len(ids), next(iter(outs.values())).shape[0] - 1
@@ -153,3 +155,21 @@ def test_second_turn_hits_the_prefix_and_encoder_caches(llm):
     end = o.prompt_token_ids.index(QWEN_VISION_END_ID)
     assert o.usage["cached_tokens"] >= end - 8
     assert llm.engine.images.runs == runs
+
+
+def test_layer_by_layer_equals_the_whole_programs_with_images(qwen_dir, llm, stalled):
+    """compile_mode "background" before anything is compiled: the body runs layer by layer
+    (multimodal RoPE rows and deepstack inputs included) and gives the whole programs' tokens."""
+    from jaxinfer import LLM, SamplingParams
+
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=0)
+    prompt = {"prompt": f"See {MARK} and {MARK}", "multi_modal_data": {
+        "image": [random_image(5, (40, 50, 3)), random_image(6, (70, 30, 3))]}}
+    want = llm.generate(prompt, sp)[0]
+    lazy = LLM(str(qwen_dir[0]), max_slots=2, page_size=8, max_model_len=256, prefill_chunk=16,
+               compile_mode="background")
+    got = lazy.generate(prompt, sp)[0]
+    assert lazy.engine._step.layerwise_steps > 0 and not lazy.engine._step.body.launched
+    assert got.token_ids == want.token_ids
+    np.testing.assert_allclose([x["logprob"] for x in got.logprobs],
+                               [x["logprob"] for x in want.logprobs], atol=1e-5)
