@@ -343,7 +343,8 @@ class EngineLoop:
             "max_model_len": self.limits.max_model_len, "model": self.model_name,
             "engine_faults": e["faults"], "spec_proposed": e["spec_proposed"],
             "spec_accepted": e["spec_accepted"],
-            **{k: v for k, v in e.items() if k.startswith("kv_host_")},  # the host KV tier's
+            # the host KV tier's; a vision model's encoder and encoder cache
+            **{k: v for k, v in e.items() if k.startswith(("kv_host_", "encoder_", "images_"))},
         }
 
     def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:

@@ -68,6 +68,15 @@ class _StatsCollector:
             yield GaugeMetricFamily("jaxinfer_kv_host_restore_seconds_per_page_p50",
                                     "Median host time of a restore, per page (NaN: none yet)",
                                     value=math.nan if p50 is None else p50)
+        if "encoder_runs" in s:  # a vision model's encoder and its cache (runtime/images.py)
+            yield CounterMetricFamily("jaxinfer_encoder_calls", "Vision encoder calls",
+                                      value=s["encoder_runs"])
+            yield CounterMetricFamily("jaxinfer_images_encoded", "Images the vision encoder ran "
+                                      "on (cache misses)", value=s["images_encoded"])
+            yield CounterMetricFamily("jaxinfer_encoder_cache_hits", "Images served from the "
+                                      "encoder cache", value=s["encoder_cache_hits"])
+            yield GaugeMetricFamily("jaxinfer_encoder_cache_bytes", "Bytes the encoder cache "
+                                    "holds", value=s["encoder_cache_bytes"])
         c = CounterMetricFamily("jaxinfer_requests", "Requests by outcome", labels=["outcome"])
         for outcome, n in sorted(s["requests"].items()):
             c.add_metric([outcome], n)

@@ -193,6 +193,17 @@ def test_openai_chat_with_an_image_equals_llm_generate_and_hits_the_caches(serve
     assert engine.scheduler.prefix_cache_stats()["cached_tokens"] - cached1 >= end - 8
     assert cached1 - cached0 <= want.prompt_token_ids.index(IMAGE_TOKEN_ID)  # first: no hit
     assert engine.images.runs == runs0 + 1
+    # the encoder's work in the metrics: calls, images, hits (counters), cache bytes (a gauge)
+    from prometheus_client import generate_latest
+
+    from jaxinfer.serve.metrics import ServingMetrics
+
+    text = generate_latest(ServingMetrics(server.loop).registry).decode()
+    stats = server.loop.stats()
+    assert f"jaxinfer_encoder_calls_total {float(stats['encoder_runs'])}" in text
+    assert f"jaxinfer_images_encoded_total {float(stats['images_encoded'])}" in text
+    assert stats["encoder_runs"] >= 1 and stats["encoder_cache_bytes"] > 0
+    assert "jaxinfer_encoder_cache_hits_total" in text and "jaxinfer_encoder_cache_bytes" in text
     wait_idle(server)
 
 
