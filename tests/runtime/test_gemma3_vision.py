@@ -254,3 +254,21 @@ def test_layer_by_layer_equals_the_whole_programs_with_images(vision_dir, llm, s
     assert got.token_ids == want.token_ids
     np.testing.assert_allclose([x["logprob"] for x in got.logprobs],
                                [x["logprob"] for x in want.logprobs], atol=1e-5)
+
+
+def test_preempted_image_requests_recompute_to_the_same_tokens(vision_dir, llm):
+    """A pool too small for both image requests to finish side by side: one is preempted and
+    recomputed (its images again, from the encoder cache), and every token equals a roomy
+    engine's."""
+    from jaxinfer import LLM, SamplingParams
+
+    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    prompts = [_prompt("One <start_of_image> here", _image(11)),
+               _prompt("And <start_of_image> there, longer", _image(12, (60, 20, 3)))]
+    want = [o.token_ids for o in llm.generate(prompts, sp)]
+    tight = LLM(str(vision_dir[0]), max_slots=2, page_size=8, max_model_len=128,
+                prefill_chunk=N, num_pages=1 + 11)
+    got = tight.generate(prompts, sp)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in got] == want
+    assert tight.engine.images.encoded == 2  # the recompute took the encoder cache's
