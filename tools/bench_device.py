@@ -43,6 +43,20 @@ measured. Sections, in order:
              scalars, a tied head of 262144 soft-capped at 30; 12 of its 30 layers (~21 GB of
              its ~50 GB). Batch-1 and 64-way decode tok/s (first run, then steady state); the
              KV bytes a token takes in a sliding and in a global layer, and in all of them.
+  vision     a random-init Gemma-3-4B-shaped vision encoder in bf16 (runtime/device/vision.py's
+             encode_images, jitted): a SigLIP tower of 27 layers (hidden 1152, 16 heads, MLP
+             4304) over 896-pixel images in 64 x 64 patches of 14, and the projector (4 x 4
+             average pool to 256 soft tokens, text width 2560); it computes in f32 (the bf16
+             weights upcast). Batch 1 and 16 images, pixels already on the device: run as the
+             engine runs it (runtime/images.py: calls of at most MAX_IMAGES_PER_CALL = 4
+             images, so 16 in 4 calls of 4) and, past that, as one call of 16 (an out-of-memory
+             error is the row's note, not the section's failure); first run (with its compile,
+             whose seconds are given apart) and steady state (median of the repeats): ms for
+             the batch and per call, images/s, and the steady state's TFLOP/s from the encoder's
+             FLOPs an image counted by hand (tools/cost_model.py vision_flops: patch embedding,
+             q / k / v / o, the scores and their weighted sum, MLP, projector; 5.46 TFLOP at
+             this shape), against the chip's dense bf16 peak where the kit knows it (an H100's
+             f32 products run as TF32: at most half of it).
 
 Three sets of shapes (`Shapes`), one code path:
   full       the shapes above: the default on a TPU or GPU. On CPU, where they would take hours
@@ -63,15 +77,21 @@ Three sets of shapes (`Shapes`), one code path:
              divisor of the query heads). Kept: batch sizes, request counts, slots, head_dim
              (Gemma 4's global head_dim too; latent attention: its rope, nope and v dims,
              head_dim = the divided kv_lora_rank + rope), page sizes, the kernel cases' GQA and
-             dtypes, expert count, groups and top-k. Kernels run in interpret mode. Each row of
-             a scaled run has a `shape` cell "nominal -> run": its figures are those of the
-             shapes run, not of the nominal ones. N=16 takes about 8 minutes on 2 cores, the
-             deepseek_v3 and gpt_oss sections a minute or two more, gemma4 about one.
+             dtypes, expert count, groups and top-k. The vision encoder: its width divided and
+             rounded up to a multiple of its 16 heads (kept), MLP and text widths divided (up),
+             layers (down, at least 1) and its 16 soft tokens a side (up), patch size (14) and
+             4 x 4 pooling kept: the patch grid's side is 4 x ceil(16 / N) (N=16: 4 x 4
+             patches, one token, 56-pixel images); image batches kept. Kernels run in interpret
+             mode. Each row of a scaled run has a `shape` cell "nominal -> run": its figures are
+             those of the shapes run, not of the nominal ones. N=16 takes about 8 minutes on 2
+             cores, the deepseek_v3 and gpt_oss sections a minute or two more, gemma4 about
+             one, vision seconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -84,7 +104,8 @@ import numpy as np
 
 from jaxinfer.runtime.config import RopeScaling
 from jaxinfer.runtime.host.tokenizer import Tokenizer
-from jaxinfer.tools.cost_model import MODELS  # the full models' shapes, cut to a few layers here
+# the full models' shapes (cut to a few layers here); the vision encoder's shape and FLOPs
+from jaxinfer.tools.cost_model import MODELS, VISION_MODELS, vision_flops
 
 # JAX and the kernels are imported where they run: `jaxinfer --help` registers this command
 # without starting JAX
@@ -129,6 +150,12 @@ TINY_GEMMA4 = dict(GEMMA4_26B_A4B, vocab_size=512, hidden_size=64, intermediate_
                    num_layers=2, num_heads=8, num_kv_heads=4, head_dim=16, global_head_dim=32,
                    global_kv_heads=1, sliding_window=8, layer_types=("local", "global"),
                    embed_scale=8.0, num_experts=8, experts_per_token=2, moe_intermediate_size=16)
+# Gemma 3 4B's vision encoder (VisionConfig fields): 27 SigLIP layers on 64 x 64 patches of 14
+# pixels, 4 x 4 pooled to 256 soft tokens of the text's 2560
+GEMMA3_4B_VISION = VISION_MODELS["Gemma-3-4B vision"]
+# 8 x 8 patches of 4 pixels, 2 x 2 pooled to 16 tokens
+TINY_VISION = dict(GEMMA3_4B_VISION, image_size=32, patch_size=4, hidden_size=32, num_layers=2,
+                   num_heads=2, intermediate_size=64, tokens_per_image=16, text_hidden_size=64)
 
 
 
@@ -271,6 +298,26 @@ class Shapes:
             return (1, 4)
         return (1, 64, 256) if section == "engine" else (1, 64)
 
+    def vision(self, full: dict, tiny: dict) -> dict:
+        """VisionConfig fields: `tiny` for smoke, `full` divided for a scaled run: hidden width
+        divided and rounded up to a multiple of the heads (kept), MLP and text widths divided
+        (up), layers (down, at least 1), soft tokens a side divided (up); patch size and the
+        pooling window kept, so the patch grid's side is the pool x the tokens a side."""
+        if self.smoke:
+            return tiny
+        h, side = full["num_heads"], math.isqrt(full["tokens_per_image"])
+        pool = full["image_size"] // full["patch_size"] // side
+        t = self.n(side)
+        return dict(full, hidden_size=h * -(-self.n(full["hidden_size"]) // h),
+                    intermediate_size=self.n(full["intermediate_size"]),
+                    text_hidden_size=self.n(full["text_hidden_size"]),
+                    num_layers=max(1, full["num_layers"] // self.div), tokens_per_image=t * t,
+                    image_size=full["patch_size"] * pool * t)
+
+    @property
+    def vision_batches(self) -> tuple[int, ...]:
+        return (1, 2) if self.smoke else (1, 16)
+
     @property
     def mixed(self) -> dict:
         """The mixed workload: `requests` seeded requests of prompt and output lengths drawn from
@@ -304,6 +351,15 @@ def model_desc(c: dict) -> str:
            + (f"+{c['shared_expert_size']}" if c.get("shared_expert_size") else "")
            if c.get("num_experts") else "")
     return f"L{c['num_layers']} h{c['hidden_size']} {attn}{window}{ff}{moe} V{c['vocab_size']}"
+
+
+def vision_desc(c: dict) -> str:
+    """A vision encoder's layers, width, heads, MLP width, image side / patch size (the patch
+    grid), soft tokens and text width: one line."""
+    g = c["image_size"] // c["patch_size"]
+    return (f"L{c['num_layers']} h{c['hidden_size']} H{c['num_heads']} ff{c['intermediate_size']} "
+            f"{c['image_size']}px/{c['patch_size']} ({g}x{g}) {c['tokens_per_image']} tok "
+            f"D{c['text_hidden_size']}")
 
 
 # --------------------------------------------------------------------------------- the report
@@ -625,6 +681,122 @@ def gemma4_section(rep: Report, shapes: Shapes, bw: float) -> None:
                       "section's time short), random init", bw, formats=(), kv=layer_kv)
 
 
+# published dense bf16 peaks (tools/cost_model.py CHIPS) by device kind: (substring, chip)
+PEAKS = (("H100 PCIe", None), ("H100", "H100 SXM"), ("H200", "H200 SXM"),
+         ("v5 lite", "TPU v5e"), ("v5e", "TPU v5e"), ("v6 lite", "TPU v6e"), ("v6e", "TPU v6e"))
+
+
+def chip_peak(device_kind: str) -> tuple[str, float] | None:
+    """(chip, dense bf16 peak FLOP/s) of a device kind the cost model knows, else None."""
+    from jaxinfer.tools.cost_model import CHIPS
+
+    chip = next((c for k, c in PEAKS if k.lower() in device_kind.lower()), None)
+    return (chip, CHIPS[chip][0]) if chip else None
+
+
+def is_oom(e: BaseException) -> bool:
+    """An allocation the device refused (XLA's RESOURCE_EXHAUSTED, at compile or run time)."""
+    text = f"{type(e).__name__}: {e}"
+    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+
+
+def vision_section(rep: Report, shapes: Shapes) -> None:
+    """A random-init Gemma-3-4B-shaped vision encoder (the module docstring): per image batch
+    and way of calling (`vision_modes`), a first-run row (compile included, its seconds apart)
+    and a steady-state row (median of shapes.repeats) with TFLOP/s."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer.runtime.device.vision import VisionConfig, encode_images, init_vision_params
+    from jaxinfer.runtime.images import MAX_IMAGES_PER_CALL
+
+    full, fields = GEMMA3_4B_VISION, shapes.vision(GEMMA3_4B_VISION, TINY_VISION)
+    cfg = VisionConfig(**fields)
+    dname = shapes.engine_dtype
+    dtype = jnp.bfloat16 if dname == "bfloat16" else jnp.float32
+    t0 = time.perf_counter()
+    params = jax.block_until_ready(init_vision_params(cfg, jax.random.key(0), dtype=dtype))
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    flops = vision_flops(fields)
+    peak = chip_peak(jax.devices()[0].device_kind)
+    model = ("tiny Gemma 3 vision encoder" if shapes.smoke
+             else "Gemma-3-4B vision encoder shape (SigLIP tower + projector), random init")
+    rep.section("vision", model=model + (f" ({vision_desc(full)}), scaled 1/{shapes.div}: "
+                                         f"{vision_desc(fields)}" if shapes.scaled else
+                                         f" ({vision_desc(fields)})"),
+                dtype=dname, compute="f32 (weights upcast; default matmul precision)",
+                weight_gib=weight_bytes / 2**30, init_s=time.perf_counter() - t0,
+                gflops_per_image=flops / 1e9, max_images_per_call=MAX_IMAGES_PER_CALL,
+                **({"nominal_gflops_per_image": vision_flops(full) / 1e9} if shapes.scaled
+                   else {}),
+                **({"peak_bf16_tflop_s": f"{peak[1] / 1e12:.0f} ({peak[0]})"} if peak else {}))
+    fn = jax.jit(functools.partial(encode_images, cfg=cfg))
+    tag = shapes.tag(vision_desc(full), vision_desc(fields))
+    for batch in shapes.vision_batches:
+        pixels = jax.random.normal(jax.random.key(batch), (batch, cfg.image_size,
+                                                           cfg.image_size, 3), jnp.float32)
+        for mode, per_call in vision_modes(batch, MAX_IMAGES_PER_CALL):
+            row = dict(batch=batch, mode=mode, calls=-(-batch // per_call), **tag)
+            try:
+                first, steady = _vision_runs(fn, params, pixels, per_call, shapes.repeats)
+            except Exception as e:  # out of memory: a finding about this batch, not a failure
+                rep.row("vision", dict(row, **(
+                    {"note": "out of memory: " + str(e).strip().splitlines()[0][:200]}
+                    if is_oom(e) else {"error": f"{type(e).__name__}: {str(e)[:200]}"})))
+                continue
+            for run, (wall, compile_s) in (("first", first), ("steady", (steady, None))):
+                r = dict(row, run=run, ms=wall * 1e3, ms_per_call=wall * 1e3 / row["calls"],
+                         images_per_s=batch / wall)
+                if compile_s is not None:
+                    r["compile_s"] = compile_s
+                else:
+                    r["tflop_s"] = batch * flops / wall / 1e12
+                    if peak:
+                        r["of_peak"] = r["tflop_s"] * 1e12 / peak[1]
+                rep.row("vision", r)
+        del pixels
+
+
+def vision_modes(batch: int, max_per_call: int) -> list[tuple[str, int]]:
+    """(mode, images a call): as the engine runs the encoder (at most max_per_call images a
+    call), and past that as one call of the whole batch."""
+    calls = -(-batch // max_per_call)
+    modes = [(f"engine: {calls} call{'s' * (calls > 1)} of {min(batch, max_per_call)}",
+              min(batch, max_per_call))]
+    if batch > max_per_call:
+        modes.append((f"one call of {batch}", batch))
+    return modes
+
+
+def _vision_runs(fn, params, pixels, per_call: int, repeats: int):
+    """((first run's wall s, its compile s), steady state's median wall s) of encoding
+    `pixels` in calls of at most `per_call` images, each call's output waited for (the engine
+    fetches each call's tokens before the next). The first run compiles the programs (one a
+    call size) ahead of its calls."""
+    import jax
+
+    chunks = [pixels[i:i + per_call] for i in range(0, pixels.shape[0], per_call)]
+    t0 = time.perf_counter()
+    progs = {}
+    for c in chunks:
+        if c.shape not in progs:
+            progs[c.shape] = fn.lower(params, c).compile()
+    compile_s = time.perf_counter() - t0
+
+    def run():
+        for c in chunks:
+            jax.block_until_ready(progs[c.shape](params, c))
+
+    run()
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(repeats):
+        t1 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t1)
+    return (first, compile_s), float(np.median(times))
+
+
 # name -> the section: a random-init model through the engine
 ENGINE_SECTIONS = {"engine": engine_section, "moe": moe_section,
                    "deepseek_v3": deepseek_v3_section, "gpt_oss": gpt_oss_section,
@@ -823,7 +995,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "counts, model widths, layers and vocabulary divided by N; each row's "
                         "shape column says nominal -> run. 16: about 11 minutes on 2 cores")
     p.add_argument("--sections", default=",".join(["env", "kernels", "bandwidth",
-                                                   *ENGINE_SECTIONS]),
+                                                   *ENGINE_SECTIONS, "vision"]),
                    help="comma-separated, run in this order (default: %(default)s)")
     p.add_argument("--platform", default=None, choices=["tpu", "gpu"],
                    help="kernel to run (default: the device's; 'tpu' in interpret mode on CPU)")
@@ -831,7 +1003,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def register(bench) -> None:
     """`jaxinfer bench device` (bench: the `bench` command's subparsers)."""
-    p = bench.add_parser("device", help="accelerator proof: kernels, bandwidth, engine")
+    p = bench.add_parser("device", help="accelerator proof: kernels, bandwidth, engine, vision")
     add_args(p)
     p.set_defaults(fn=cmd)
 
@@ -879,6 +1051,8 @@ def cmd(args) -> int:
                 if bw is None:
                     bw = copy_bandwidth(shapes.copy_bytes, 3)
                 ENGINE_SECTIONS[name](rep, shapes, bw)
+            elif name == "vision":
+                vision_section(rep, shapes)
             elif name != "env":
                 raise ValueError(f"unknown section {name!r}")
         except Exception:

@@ -42,6 +42,18 @@ weights read: DeepSeek-V3's wq_a, wkv_a and routers are in fact replicated), rou
 the engine's own MoE forms (gathered expert weights, ragged_dot) and their padding, launch and
 host overheads. Weights and KV are bf16 (DeepSeek-V3 in bf16, 1.3 TB, fits no chip here even
 at tp 8; its FP8 checkpoint is not modelled).
+
+The vision encoder (VISION_MODELS: Gemma 3 4B's SigLIP tower and projector, runtime/device/
+vision.py) gets a table of its own, per image at one image a call and at the engine's
+MAX_IMAGES_PER_CALL (runtime/images.py): FLOPs counted by hand (`vision_flops`: the products
+alone) beside XLA's count of `encode_images` compiled for CPU (`vision_xla_flops`; not its bytes:
+XLA:CPU's fusions change with the images a call, its count an image falling from 172 GB at
+one to 55 GB at two or more), the bf16 weights (`vision_params`), the floor bytes of a
+call (weights once, the f32 pixels in and soft tokens out) and the f32 attention scores the jnp
+path writes per image (every layer's H x T x T), each read back at least once. The prediction
+is the same roofline at the floor bytes against the dense bf16 peak; the tower computes in
+f32 (bf16 weights upcast), whose products run at that peak on a TPU (one bf16 pass) and at
+half of it on an H100 (TF32).
 """
 
 from __future__ import annotations
@@ -106,6 +118,17 @@ MODELS = {
 }
 TP = (1, 4, 8)
 BATCHES = (1, 64, 256)
+# Gemma 3 4B's image side (its config.json's vision_config, mm_tokens_per_image and
+# text_config.hidden_size; runtime/device/vision.py's VisionConfig fields): a SigLIP tower of 27
+# layers over 64 x 64 patches of 14 pixels, then the projector (4 x 4 average pool, RMSNorm,
+# [1152, 2560]) to 256 soft tokens an image
+VISION_MODELS = {
+    "Gemma-3-4B vision": dict(image_size=896, patch_size=14, hidden_size=1152, num_layers=27,
+                              num_heads=16, intermediate_size=4304, layer_norm_eps=1e-6,
+                              tokens_per_image=256, text_hidden_size=2560, mm_norm_eps=1e-6,
+                              image_token_id=262144, boi_token_id=255999, eoi_token_id=256000),
+}
+VISION_IMAGES = (1, 4)  # images per encoder call: one, and runtime/images.py's MAX_IMAGES_PER_CALL
 
 
 def _config(shape: dict):
@@ -340,7 +363,121 @@ def build(models=MODELS, tps=TP, batches=BATCHES, context: int = 2048, log=print
     return rows
 
 
-def markdown(rows: list[dict], command: str) -> str:
+def vision_flops(shape: dict) -> int:
+    """FLOPs one image takes through the vision encoder (2 a multiply-add; the products alone:
+    norms, biases, softmax, GELU and the pooling are left out, under 1 % of XLA's count at
+    Gemma 3's size). T = (S / P)^2 patches of P x P x 3 values, width Dv, MLP width F, L layers:
+    patch embedding 2 T (3 P^2) Dv; per layer q, k, v and o 4 x 2 T Dv^2, the scores q . k and
+    their weighted sum of v 2 x 2 T^2 Dv (over all heads: H x Dh = Dv), fc1 and fc2 2 x 2 T Dv F;
+    the projector 2 t Dv D (t soft tokens, D the text width)."""
+    s = shape
+    t, dv, f = (s["image_size"] // s["patch_size"]) ** 2, s["hidden_size"], s["intermediate_size"]
+    layer = 4 * 2 * t * dv * dv + 2 * 2 * t * t * dv + 2 * 2 * t * dv * f
+    return (2 * t * 3 * s["patch_size"] ** 2 * dv + s["num_layers"] * layer
+            + 2 * s["tokens_per_image"] * dv * s["text_hidden_size"])
+
+
+def vision_params(shape: dict) -> int:
+    """Every weight of the vision encoder (init_vision_params' arrays): patch embedding and its
+    bias, position embeddings, per layer two LayerNorms, q / k / v / o and fc1 / fc2 with their
+    biases, the post LayerNorm, the projector's norm and matrix."""
+    s = shape
+    t, dv, f = (s["image_size"] // s["patch_size"]) ** 2, s["hidden_size"], s["intermediate_size"]
+    layer = 2 * 2 * dv + 4 * (dv * dv + dv) + dv * f + f + f * dv + dv
+    return ((3 * s["patch_size"] ** 2 + 1) * dv + t * dv + s["num_layers"] * layer + 3 * dv
+            + dv * s["text_hidden_size"])
+
+
+def vision_xla_flops(shape: dict, images: int) -> float:
+    """XLA's FLOPs of encode_images on `images` images, compiled for CPU (not run: abstract
+    bf16 weights and f32 pixels)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer.runtime.device.vision import VisionConfig, encode_images, init_vision_params
+
+    cfg = VisionConfig(**shape)
+    params = jax.eval_shape(lambda: init_vision_params(cfg, jax.random.key(0), jnp.bfloat16))
+    pixels = jax.ShapeDtypeStruct((images, cfg.image_size, cfg.image_size, 3), jnp.float32)
+    f = jax.jit(functools.partial(encode_images, cfg=cfg))
+    cost = f.lower(params, pixels).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float(cost.get("flops", 0.0))
+
+
+def vision_build(models=VISION_MODELS, images=VISION_IMAGES, log=print) -> list[dict]:
+    """Per model and images per call: GFLOP an image (by hand and XLA's), weight GB (bf16),
+    floor GB a call (weights once, f32 pixels in, f32 soft tokens out), scores GB an image
+    (every layer's f32 H x T x T, written once), and per chip the roofline (`predict`: its
+    step_ms is a call's, tok_s images/s)."""
+    rows = []
+    for name, shape in models.items():
+        s, flops = shape, vision_flops(shape)
+        weights = 2 * vision_params(shape)
+        t = (s["image_size"] // s["patch_size"]) ** 2
+        for n in images:
+            t0 = time.perf_counter()
+            io = n * 4 * (3 * s["image_size"] ** 2 + s["tokens_per_image"] * s["text_hidden_size"])
+            row = {"model": name, "encoder": "vision", "images_per_call": n,
+                   "gflops_per_image": flops / 1e9,
+                   "xla_gflops_per_image": vision_xla_flops(shape, n) / n / 1e9,
+                   "weight_gbytes": weights / 1e9, "floor_gbytes_per_call": (weights + io) / 1e9,
+                   "scores_gbytes_per_image": s["num_layers"] * s["num_heads"] * t * t * 4 / 1e9}
+            for chip in CHIPS:
+                row[chip] = predict(n * flops, weights + io, chip, n)
+            rows.append(row)
+            log(f"{name} {n} a call: {row['gflops_per_image']:.0f} GFLOP an image, XLA "
+                f"{row['xla_gflops_per_image']:.0f} ({time.perf_counter() - t0:.1f} s)")
+    return rows
+
+
+def vision_markdown(rows: list[dict]) -> list[str]:
+    chips = list(CHIPS)
+    out = [
+        "", "## Vision encoder: predicted ms per image", "",
+        ("The image side of a vision-language model (runtime/device/vision.py), per image at one "
+         "image a call and at the engine's MAX_IMAGES_PER_CALL (runtime/images.py). GFLOP: the "
+         "products counted by hand (patch embedding; q, k, v, o, the scores and their weighted "
+         "sum; the MLP; the projector) and XLA's count of the compiled encoder (the norms, "
+         "softmax and GELU besides). Floor: a call's bf16 weights read once, its f32 pixels in "
+         "and soft tokens out. Scores: every layer's f32 attention scores (H x T x T) an image, "
+         "which the jnp attention writes and reads back: not in the floor. Each cell: predicted "
+         "ms per image / images/s at the floor bytes against the dense bf16 peak, and the "
+         "bound; the encoder computes in f32 (bf16 weights upcast), at that peak on a TPU (one "
+         "bf16 pass), at half of it on an H100 or H200 (TF32)."),
+        "",
+        "| model | images a call | GFLOP an image | GFLOP, XLA | weight GB | GB a call, floor | "
+        "scores GB an image | " + " | ".join(chips) + " |",
+        "|---|---|---|---|---|---|---|" + "---|" * len(chips),
+    ]
+    for r in rows:
+        n = r["images_per_call"]
+        cells = [f"{r[c]['step_ms'] / n:.2f} / {r[c]['tok_s']:,.0f} {r[c]['bound'][0].upper()}"
+                 for c in chips]
+        out.append(f"| {r['model']} | {n} | {r['gflops_per_image']:,.0f} | "
+                   f"{r['xla_gflops_per_image']:,.0f} | {r['weight_gbytes']:.2f} | "
+                   f"{r['floor_gbytes_per_call']:.2f} | {r['scores_gbytes_per_image']:.1f} | "
+                   + " | ".join(cells) + " |")
+    for name in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == name]
+        r = mine[0]
+        ratio = r["gflops_per_image"] * r["images_per_call"] / r["floor_gbytes_per_call"]
+        bounds = {r[c]["bound"] for r in mine for c in chips}
+        bound = f"{bounds.pop()}-bound on every chip" if len(bounds) == 1 else "bound as marked"
+        two = {c: 2 * r["scores_gbytes_per_image"] / CHIPS[c][1] * 1e12 for c in chips}
+        slower = [c for c in chips if two[c] > r[c]["step_ms"] / r["images_per_call"]]
+        pace = ("on every chip" if len(slower) == len(chips) else
+                "on " + ", ".join(slower) if slower else "on no chip")
+        out += ["", (f"{name}: {ratio:,.0f} FLOPs a floor byte at {r['images_per_call']} image "
+                     f"a call, so {bound} at the floor. Its scores written and read back once "
+                     "at HBM bandwidth take " + ", ".join(f"{c} {t:.1f} ms" for c, t in two.items())
+                     + f" an image: more than the floor's time {pace}, where unless the "
+                     "attention is fused (a flash kernel) their traffic, not the products, sets "
+                     "the pace.")]
+    return out
+
+
+def markdown(rows: list[dict], command: str, vision: list[dict] = ()) -> str:
     chips = list(CHIPS)
     out = [
         "# Cost model: predicted decode step on TPU and GPU",
@@ -397,6 +534,8 @@ def markdown(rows: list[dict], command: str) -> str:
                  "Weights are bf16 (DeepSeek-V3's FP8 checkpoint is not modelled). No device "
                  "run exists yet to set beside these predictions (`jaxinfer bench device` "
                  "makes one)."), ""]
+    if vision:
+        out[-1:] = vision_markdown(vision) + [""]
     return "\n".join(out)
 
 
@@ -410,15 +549,17 @@ def main(argv=None) -> int:
 
     jax.config.update("jax_num_cpu_devices", max(TP))
     jax.config.update("jax_platforms", "cpu")
-    rows = build(context=args.context, log=lambda s: print(s, file=sys.stderr, flush=True))
+    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    rows = build(context=args.context, log=log)
+    vision = vision_build(log=log)
     cmd = "python -m jaxinfer.tools.cost_model" + (f" --out {args.out}" if args.out else "")
-    md = markdown(rows, cmd)
+    md = markdown(rows, cmd, vision)
     print(md)
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(md)
-        out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
+        out.with_suffix(".json").write_text(json.dumps(rows + vision, indent=1))
     return 0
 
 

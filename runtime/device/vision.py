@@ -112,7 +112,14 @@ def _f32(a: jax.Array) -> jax.Array:
 
 
 def _ein(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    return jnp.einsum(spec, _f32(x), _f32(w), preferred_element_type=F32)
+    """A product in the weight's dtype (bf16 weights: the matrix units' rate), accumulated and
+    returned in f32."""
+    return jnp.einsum(spec, x.astype(w.dtype), w, preferred_element_type=F32)
+
+
+# Query rows an attention product takes at once: the scores of a chunk are [N, H, 1024, T] f32
+# (Gemma 3's T = 4096: a quarter of the whole [N, H, T, T])
+Q_CHUNK = 1024
 
 
 def layer_norm(x: jax.Array, w: jax.Array, b: jax.Array, eps: float) -> jax.Array:
@@ -132,12 +139,24 @@ def patchify(pixels: jax.Array, p: int) -> jax.Array:
 
 
 def _attention(lp: VisionLayerParams, x: jax.Array, cfg: VisionConfig) -> jax.Array:
-    q = _ein("ntd,dhk->nthk", x, lp.wq) + _f32(lp.bq)  # [N, T, H, Dh]
-    k = _ein("ntd,dhk->nthk", x, lp.wk) + _f32(lp.bk)
-    v = _ein("ntd,dhk->nthk", x, lp.wv) + _f32(lp.bv)
-    s = jnp.einsum("nqhk,nshk->nhqs", q, k, preferred_element_type=F32) * cfg.head_dim ** -0.5
-    a = jax.nn.softmax(s, axis=-1)  # [N, H, T, T]
-    o = jnp.einsum("nhqs,nshk->nqhk", a, v, preferred_element_type=F32)  # [N, T, H, Dh]
+    """Bidirectional multi-head attention over x [N, T, Dv], Q_CHUNK query rows at a time
+    (softmax in f32; q, k, v and the probabilities in the weights' dtype)."""
+    dt = lp.wq.dtype
+    q = (_ein("ntd,dhk->nthk", x, lp.wq) + _f32(lp.bq)).astype(dt)  # [N, T, H, Dh]
+    k = (_ein("ntd,dhk->nthk", x, lp.wk) + _f32(lp.bk)).astype(dt)
+    v = (_ein("ntd,dhk->nthk", x, lp.wv) + _f32(lp.bv)).astype(dt)
+    n, t, h, dh = q.shape
+    c = min(t, Q_CHUNK)
+    pad = -t % c
+    qc = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(n, -1, c, h, dh)
+
+    def chunk(qi):  # [N, c, H, Dh] -> [N, c, H, Dh] f32
+        s = jnp.einsum("nqhk,nshk->nhqs", qi, k, preferred_element_type=F32) * dh ** -0.5
+        a = jax.nn.softmax(s, axis=-1).astype(dt)  # [N, H, c, T]
+        return jnp.einsum("nhqs,nshk->nqhk", a, v, preferred_element_type=F32)
+
+    o = jax.lax.map(chunk, jnp.moveaxis(qc, 1, 0))  # [T/c, N, c, H, Dh]
+    o = jnp.moveaxis(o, 0, 1).reshape(n, t + pad, h, dh)[:, :t]
     return _ein("nthk,hkd->ntd", o, lp.wo) + _f32(lp.bo)
 
 
@@ -176,7 +195,7 @@ def encode_images(params: VisionParams, pixels: jax.Array, cfg: VisionConfig) ->
     """pixels [N, S, S, 3] f32, normalized ((x/255 - mean) / std) -> the images' soft tokens
     [N, tokens_per_image, text_hidden_size] f32 (HF: Gemma3Model.get_image_features(...)
     .pooler_output). Attention scores are [N, H, T, T] f32 per layer: encode few images per
-    call at Gemma 3's T = 4096."""
+    call at Gemma 3's T = 4096 (queries go Q_CHUNK rows at a time)."""
     return project(params, vision_tower(params, pixels, cfg), cfg)
 
 

@@ -82,6 +82,18 @@ def test_encode_images_matches_hf(gemma3, n):
         assert np.abs(ours[0] - ours[1]).max() > 0.1
 
 
+def test_query_chunks_change_nothing(gemma3, monkeypatch):
+    """Attention over 64 patches in query chunks of 24 (the last one padded) equals it whole."""
+    from jaxinfer.runtime.device import vision
+
+    _, _, model = gemma3
+    x = jnp.asarray(random_pixels(2, seed=3))
+    whole = np.asarray(vision.encode_images(model.params, x, model.cfg))
+    monkeypatch.setattr(vision, "Q_CHUNK", 24)
+    chunked = np.asarray(vision.encode_images(model.params, x, model.cfg))
+    np.testing.assert_allclose(chunked, whole, atol=1e-6, rtol=0)
+
+
 def test_pixel_values_into_encoder_match_hf_pipeline(gemma3):
     """HF's processor -> get_image_features against load_image -> pixel_values -> ours."""
     from transformers import Gemma3ImageProcessorPil

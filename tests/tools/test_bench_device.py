@@ -7,10 +7,12 @@ import json
 import pytest
 
 from jaxinfer.runtime.config import ModelConfig
-from jaxinfer.tools.bench_device import (DEEPSEEK_V3, GEMMA4_26B_A4B, GPT_OSS_20B, LLAMA3_8B,
-                                         QWEN3_30B_A3B, TINY_DEEPSEEK_V3, TINY_GEMMA4, Shapes,
+from jaxinfer.tools import bench_device
+from jaxinfer.tools.bench_device import (DEEPSEEK_V3, GEMMA3_4B_VISION, GEMMA4_26B_A4B,
+                                         GPT_OSS_20B, LLAMA3_8B, QWEN3_30B_A3B, TINY_DEEPSEEK_V3,
+                                         TINY_GEMMA4, TINY_VISION, Shapes, chip_peak, is_oom,
                                          kernel_cases, layer_kv, layouts, main, make_case,
-                                         markdown)
+                                         markdown, vision_flops, vision_modes)
 from jaxinfer.tools.engine_runs import workload
 
 
@@ -19,7 +21,7 @@ def test_smoke_runs_every_section_and_writes_both_reports(tmp_path):
     data = json.loads((tmp_path / "device.json").read_text())
     secs = data["sections"]
     assert list(secs) == ["env", "kernels", "bandwidth", "engine", "moe", "deepseek_v3",
-                          "gpt_oss", "gemma4"]
+                          "gpt_oss", "gemma4", "vision"]
     assert not any("error" in s for s in secs.values()) and secs["env"]["shapes"] == "smoke"
     kern = secs["kernels"]["rows"]
     assert len(kern) == 8 and all(r["ok"] and r["max_err"] < 0.03 for r in kern)
@@ -79,7 +81,26 @@ def test_smoke_runs_every_section_and_writes_both_reports(tmp_path):
         local_layers=1, local_kv_bytes_per_token=2 * 4 * 16 * 4, global_layers=1,
         global_kv_bytes_per_token=2 * 1 * 32 * 4, kv_shared_layers=0,
         kv_bytes_per_token=512 + 256)
+    # the vision encoder at batch 1 and 2, one call each (the engine's calls take up to 4):
+    # T = 8 x 8 patches of 4 x 4 x 3, width 32, MLP 64, 2 layers, 16 tokens of 64
+    vis = secs["vision"]
+    tiny = 2 * 64 * 48 * 32 + 2 * (4 * 2 * 64 * 32 * 32 + 2 * 2 * 64 * 64 * 32
+                                   + 2 * 2 * 64 * 32 * 64) + 2 * 16 * 32 * 64
+    assert vis["gflops_per_image"] * 1e9 == pytest.approx(tiny) and tiny == 3_407_872
+    assert vis["max_images_per_call"] == 4 and "peak_bf16_tflop_s" not in vis  # CPU
+    rows = vis["rows"]
+    assert [(r["batch"], r["mode"], r["run"]) for r in rows] == [
+        (b, f"engine: 1 call of {b}", run) for b in (1, 2) for run in ("first", "steady")]
+    for r in rows:
+        assert r["calls"] == 1 and r["images_per_s"] > 0 and "error" not in r
+        assert r["ms"] == pytest.approx(r["ms_per_call"])
+        assert r["images_per_s"] == pytest.approx(r["batch"] / r["ms"] * 1e3)
+        if r["run"] == "first":
+            assert 0 < r["compile_s"] < r["ms"] / 1e3 and "tflop_s" not in r
+        else:
+            assert r["tflop_s"] == pytest.approx(r["batch"] * tiny / r["ms"] / 1e9)
     md = (tmp_path / "device.md").read_text()
+    assert "## vision" in md and "| batch | mode | calls | run | ms | ms_per_call |" in md
     assert md == markdown(data) and "| layout | page_size | head_dim |" in md
     assert "## kernels" in md and "passed: 8/8" in md and "continuous_vs_static" in md
 
@@ -148,6 +169,21 @@ def test_cpu_scale_keeps_every_full_case_and_divides_the_dimensions():
     assert s.mixed == dict(requests=256, slots=64, prompt=(1, 16), output=(1, 8))
     assert full.mixed == dict(requests=256, slots=64, prompt=(16, 256), output=(8, 128))
     assert s.tag("a", "b") == {"shape": "a -> b"} and full.tag("a", "b") == {}
+    # the vision encoder: heads kept (hidden rounded up to a multiple of them), widths divided,
+    # layers down; patch 14 and the 4 x 4 pool kept, the 16 tokens a side divided (up)
+    from jaxinfer.runtime.device.vision import VisionConfig
+
+    assert full.vision(GEMMA3_4B_VISION, {}) == GEMMA3_4B_VISION
+    keys = ("num_layers", "hidden_size", "num_heads", "intermediate_size", "image_size",
+            "patch_size", "tokens_per_image", "text_hidden_size")
+    for div, want in ((16, (1, 80, 16, 269, 56, 14, 1, 160)),
+                      (4, (6, 288, 16, 1076, 224, 14, 16, 640)),
+                      (64, (1, 32, 16, 68, 56, 14, 1, 40))):
+        v = Shapes("scaled", div).vision(GEMMA3_4B_VISION, {})
+        assert tuple(v[k] for k in keys) == want
+        assert VisionConfig(**v).pool == 4
+    assert s.vision_batches == full.vision_batches == (1, 16)
+    assert Shapes("smoke").vision({}, TINY_VISION) == TINY_VISION
     assert "1/16" in s.describe() and "not the nominal" in s.describe()
 
 
@@ -212,3 +248,59 @@ def test_nan_fill_poisons_exactly_the_slots_no_valid_position_reads():
             live[table[s, j // 8], j % 8] = True
     assert live.sum() == 23 and k.shape[0] == 1 + 1 + 3 + 2  # null page + pages + 2 spare
     assert np.isfinite(k[live]).all() and np.isnan(k[~live]).all()
+
+
+def test_vision_flops_of_the_full_shape_by_hand():
+    # T = (896 / 14)^2 = 4096 patches of 14 x 14 x 3 = 588 values, width 1152 (16 heads of 72),
+    # MLP 4304, 27 layers, 256 soft tokens of 2560; 2 FLOPs a multiply-add
+    patch = 2 * 4096 * 588 * 1152  # patch embedding
+    qkvo = 4 * 2 * 4096 * 1152 * 1152  # q, k, v, o projections
+    attn = 2 * (2 * 16 * 4096 * 4096 * 72)  # q . k scores and their weighted sum of v
+    mlp = 2 * (2 * 4096 * 1152 * 4304)  # fc1, fc2
+    proj = 2 * 256 * 1152 * 2560  # the projector, after the 4 x 4 pool
+    assert (patch, qkvo, attn, mlp, proj) == (5_549_064_192, 43_486_543_872, 77_309_411_328,
+                                              81_235_279_872, 1_509_949_440)
+    total = patch + 27 * (qkvo + attn + mlp) + proj
+    assert vision_flops(GEMMA3_4B_VISION) == total == 5_461_902_360_576  # 5.46 TFLOP an image
+
+
+def test_vision_modes_peaks_and_oom():
+    assert vision_modes(16, 4) == [("engine: 4 calls of 4", 4), ("one call of 16", 16)]
+    assert vision_modes(1, 4) == [("engine: 1 call of 1", 1)]
+    assert vision_modes(2, 1) == [("engine: 2 calls of 1", 1), ("one call of 2", 2)]
+    assert chip_peak("NVIDIA H100 80GB HBM3") == ("H100 SXM", 989e12)
+    assert chip_peak("NVIDIA H200") == ("H200 SXM", 989e12)
+    assert chip_peak("TPU v5 lite")[0] == "TPU v5e" and chip_peak("TPU v6 lite")[0] == "TPU v6e"
+    assert chip_peak("NVIDIA H100 PCIe") is None and chip_peak("cpu") is None
+    assert is_oom(RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 17 GiB"))
+    assert is_oom(MemoryError("CUDA out of memory")) and not is_oom(ValueError("bad shape"))
+
+
+def test_vision_runs_as_the_engine_calls_and_notes_an_oom(tmp_path, monkeypatch):
+    # one image a call: batch 2 in 2 calls of 1, then as one call of 2, whose allocation fails
+    import jaxinfer.runtime.images as images
+
+    monkeypatch.setattr(images, "MAX_IMAGES_PER_CALL", 1)
+    runs = bench_device._vision_runs
+    calls = []
+
+    def fake(fn, params, pixels, per_call, repeats):
+        calls.append((pixels.shape[0], per_call))
+        if per_call > 1:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate "
+                               "17.18GiB.\nmore")
+        return runs(fn, params, pixels, per_call, repeats)
+
+    monkeypatch.setattr(bench_device, "_vision_runs", fake)
+    assert main(["--smoke", "--sections", "vision", "--out", str(tmp_path)]) == 0
+    assert calls == [(1, 1), (2, 1), (2, 2)]
+    secs = json.loads((tmp_path / "device.json").read_text())["sections"]
+    assert list(secs) == ["env", "vision"] and "error" not in secs["vision"]
+    rows = secs["vision"]["rows"]
+    assert [(r["batch"], r["mode"], r.get("run")) for r in rows] == [
+        (1, "engine: 1 call of 1", "first"), (1, "engine: 1 call of 1", "steady"),
+        (2, "engine: 2 calls of 1", "first"), (2, "engine: 2 calls of 1", "steady"),
+        (2, "one call of 2", None)]
+    assert rows[3]["calls"] == 2 and rows[3]["ms_per_call"] == pytest.approx(rows[3]["ms"] / 2)
+    assert rows[4]["note"] == ("out of memory: RESOURCE_EXHAUSTED: Out of memory while trying "
+                               "to allocate 17.18GiB.") and "error" not in rows[4]

@@ -159,3 +159,54 @@ def test_table_from_a_small_build():
     assert rows[1]["gflops"] > rows[0]["gflops"] and all(r["H200 SXM"] for r in rows)
     md = cm.markdown(rows, "cmd")
     assert "| small | 1 | 4 |" in md and "`cmd`" in md and "bandwidth-bound" in md
+    assert "Vision encoder" not in md
+    vision = cm.vision_build({"tiny vision": VISION}, images=(1,), log=lambda s: None)
+    both = cm.markdown(rows, "cmd", vision)
+    assert both.startswith(md.rstrip("\n")) and "| tiny vision | 1 |" in both
+
+
+# a small Gemma 3 vision encoder: 8 x 8 patches of 4 pixels, 2 x 2 pooled to 16 soft tokens
+VISION = dict(cm.VISION_MODELS["Gemma-3-4B vision"], image_size=32, patch_size=4, hidden_size=32,
+              num_layers=2, num_heads=2, intermediate_size=48, tokens_per_image=16,
+              text_hidden_size=24)
+
+
+def test_vision_counts_match_hand_worked_figures():
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer.runtime.device.vision import VisionConfig, init_vision_params
+
+    g = cm.VISION_MODELS["Gemma-3-4B vision"]
+    t, dv, f = 64 * 64, 1152, 4304  # 896 / 14 = 64 patches a side
+    patch = 2 * t * 14 * 14 * 3 * dv
+    layer = 4 * 2 * t * dv * dv + 2 * 2 * t * t * dv + 2 * 2 * t * dv * f
+    assert (patch, layer) == (5_549_064_192, 202_031_235_072)
+    assert cm.vision_flops(g) == patch + 27 * layer + 2 * 256 * dv * 2560 == 5_461_902_360_576
+    # every array init_vision_params makes (SigLIP so400m's ~400M, the projector, positions)
+    for shape, want in ((g, 419_816_304), (VISION, None)):
+        params = jax.eval_shape(lambda s=shape: init_vision_params(
+            VisionConfig(**s), jax.random.key(0), jnp.bfloat16))
+        n = sum(x.size for x in jax.tree.leaves(params))
+        assert cm.vision_params(shape) == n == (want or n)
+    # XLA counts the products and the norms, softmax and GELU besides: under 1 % more here
+    xla = cm.vision_xla_flops(g, 1)
+    assert cm.vision_flops(g) < xla < 1.01 * cm.vision_flops(g)
+    small = cm.vision_xla_flops(VISION, 2)
+    assert 2 * cm.vision_flops(VISION) < small < 1.2 * 2 * cm.vision_flops(VISION)
+
+
+def test_vision_table():
+    rows = cm.vision_build({"tiny vision": VISION}, images=(1, 2), log=lambda s: None)
+    assert [r["images_per_call"] for r in rows] == [1, 2]
+    r = rows[1]
+    assert r["gflops_per_image"] == cm.vision_flops(VISION) / 1e9 == rows[0]["gflops_per_image"]
+    weights = 2 * cm.vision_params(VISION)
+    assert r["floor_gbytes_per_call"] * 1e9 == pytest.approx(
+        weights + 2 * 4 * (32 * 32 * 3 + 16 * 24))
+    assert r["scores_gbytes_per_image"] * 1e9 == pytest.approx(2 * 2 * 64 * 64 * 4)
+    p = cm.predict(2 * cm.vision_flops(VISION), r["floor_gbytes_per_call"] * 1e9, "H100 SXM", 2)
+    assert r["H100 SXM"] == p
+    lines = cm.vision_markdown(rows)
+    assert "## Vision encoder: predicted ms per image" in lines
+    assert any(line.startswith("| tiny vision | 2 |") for line in lines)
