@@ -46,8 +46,8 @@ measured. Sections, in order:
   vision     a random-init Gemma-3-4B-shaped vision encoder in bf16 (runtime/device/vision.py's
              encode_images, jitted): a SigLIP tower of 27 layers (hidden 1152, 16 heads, MLP
              4304) over 896-pixel images in 64 x 64 patches of 14, and the projector (4 x 4
-             average pool to 256 soft tokens, text width 2560); it computes in f32 (the bf16
-             weights upcast). Batch 1 and 16 images, pixels already on the device: run as the
+             average pool to 256 soft tokens, text width 2560); its products run in bf16 with
+             f32 accumulation. Batch 1 and 16 images, pixels already on the device: run as the
              engine runs it (runtime/images.py: calls of at most MAX_IMAGES_PER_CALL = 4
              images, so 16 in 4 calls of 4) and, past that, as one call of 16 (an out-of-memory
              error is the row's note, not the section's failure); first run (with its compile,
@@ -55,8 +55,7 @@ measured. Sections, in order:
              the batch and per call, images/s, and the steady state's TFLOP/s from the encoder's
              FLOPs an image counted by hand (tools/cost_model.py vision_flops: patch embedding,
              q / k / v / o, the scores and their weighted sum, MLP, projector; 5.46 TFLOP at
-             this shape), against the chip's dense bf16 peak where the kit knows it (an H100's
-             f32 products run as TF32: at most half of it).
+             this shape), against the chip's dense bf16 peak where the kit knows it.
 
 Three sets of shapes (`Shapes`), one code path:
   full       the shapes above: the default on a TPU or GPU. On CPU, where they would take hours
@@ -724,7 +723,7 @@ def vision_section(rep: Report, shapes: Shapes) -> None:
     rep.section("vision", model=model + (f" ({vision_desc(full)}), scaled 1/{shapes.div}: "
                                          f"{vision_desc(fields)}" if shapes.scaled else
                                          f" ({vision_desc(fields)})"),
-                dtype=dname, compute="f32 (weights upcast; default matmul precision)",
+                dtype=dname, compute=f"{dname} products, f32 accumulation",
                 weight_gib=weight_bytes / 2**30, init_s=time.perf_counter() - t0,
                 gflops_per_image=flops / 1e9, max_images_per_call=MAX_IMAGES_PER_CALL,
                 **({"nominal_gflops_per_image": vision_flops(full) / 1e9} if shapes.scaled

@@ -51,9 +51,8 @@ XLA:CPU's fusions change with the images a call, its count an image falling from
 one to 55 GB at two or more), the bf16 weights (`vision_params`), the floor bytes of a
 call (weights once, the f32 pixels in and soft tokens out) and the f32 attention scores the jnp
 path writes per image (every layer's H x T x T), each read back at least once. The prediction
-is the same roofline at the floor bytes against the dense bf16 peak; the tower computes in
-f32 (bf16 weights upcast), whose products run at that peak on a TPU (one bf16 pass) and at
-half of it on an H100 (TF32).
+is the same roofline at the floor bytes against the dense bf16 peak: the tower's products run
+in the weights' dtype (bf16) with f32 accumulation.
 """
 
 from __future__ import annotations
@@ -443,8 +442,8 @@ def vision_markdown(rows: list[dict]) -> list[str]:
          "and soft tokens out. Scores: every layer's f32 attention scores (H x T x T) an image, "
          "which the jnp attention writes and reads back: not in the floor. Each cell: predicted "
          "ms per image / images/s at the floor bytes against the dense bf16 peak, and the "
-         "bound; the encoder computes in f32 (bf16 weights upcast), at that peak on a TPU (one "
-         "bf16 pass), at half of it on an H100 or H200 (TF32)."),
+         "bound; the encoder's products run in bf16 (the weights' dtype) with f32 "
+         "accumulation."),
         "",
         "| model | images a call | GFLOP an image | GFLOP, XLA | weight GB | GB a call, floor | "
         "scores GB an image | " + " | ".join(chips) + " |",

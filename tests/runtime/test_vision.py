@@ -83,7 +83,7 @@ def test_encode_images_matches_hf(gemma3, n):
 
 
 def test_query_chunks_change_nothing(gemma3, monkeypatch):
-    """Attention over 64 patches in query chunks of 24 (the last one padded) equals it whole."""
+    """Attention over 64 patches in query chunks of 24 (the last one 16) equals it whole."""
     from jaxinfer.runtime.device import vision
 
     _, _, model = gemma3
