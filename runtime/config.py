@@ -271,9 +271,8 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        d["layer_types"] = list(self.layer_types)
-        d["eos_token_ids"] = list(self.eos_token_ids)
-        d["dense_layers"] = list(self.dense_layers)
+        for name in _TUPLE_FIELDS:  # JSON lists
+            d[name] = list(d[name])
         d.pop("batch_invariant")  # the engine's mode, not the model's
         return d
 
@@ -282,10 +281,14 @@ class ModelConfig:
         d = dict(d)
         if d.get("rope_scaling") is not None:
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
-        d["layer_types"] = tuple(d.get("layer_types") or ())
-        d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
-        d["dense_layers"] = tuple(d.get("dense_layers") or ())
+        for name in _TUPLE_FIELDS:
+            d[name] = tuple(d.get(name) or ())
         return cls(**d)
+
+
+# ModelConfig's tuple fields (layer_types, eos_token_ids, ...): lists in its JSON form
+_TUPLE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig)
+                      if isinstance(f.default, tuple))
 
 
 # ---- latency targets (runtime/host/admission.py) ----

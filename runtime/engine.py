@@ -38,7 +38,7 @@ from jaxinfer.runtime.device.programs import StepPrograms
 from jaxinfer.runtime.device.steps import make_step, sampled_tokens
 from jaxinfer.runtime.host.admission import admission_policy
 from jaxinfer.runtime.host.errors import AdapterInUse, EngineAsleep, RequestError, UnknownAdapter
-from jaxinfer.runtime.host.image_prompt import expand, mrope_positions
+from jaxinfer.runtime.host.image_prompt import ImageDoor, expand, mrope_positions
 from jaxinfer.runtime.host.kv_host_tier import HostTier
 from jaxinfer.runtime.host.outputs import OutputProcessor, RequestDelta, RequestOutput
 from jaxinfer.runtime.host.requests import Limits, SamplingParams, check_request, truncate_prompt
@@ -226,6 +226,13 @@ class Engine:
             raise OptionError("model", f"a sliding window ({min(windows)}) narrower than an "
                                        f"image's {n} tokens is not supported")
         return images
+
+    def image_door(self) -> ImageDoor | None:
+        """What front ends need to take images for this model (None: text only)."""
+        if self.images is None:
+            return None
+        return ImageDoor(self.images.spec, self.ecfg.max_image_pixels,
+                         self.ecfg.limit_mm_per_prompt)
 
     def check_images(self, images, params: SamplingParams) -> None:
         """What a request's images [ImageInput] must meet beyond the image door: a vision model,

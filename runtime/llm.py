@@ -101,9 +101,7 @@ class LLM:
         limits = self.engine.limits
         if not isinstance(prompt, dict):
             return (*parse_prompt(prompt, self.tokenizer, limits), [])
-        images = self.engine.images
-        return parse_multimodal(prompt, self.tokenizer, None if images is None else images.spec,
-                                self.engine.ecfg.max_image_pixels,
+        return parse_multimodal(prompt, self.tokenizer, self.engine.image_door(),
                                 lambda p, name: parse_prompt(p, self.tokenizer, limits, name))
 
     # ---- API ------------------------------------------------------------------------------

@@ -75,13 +75,13 @@ class ServerConfig:
 
 
 # ---- request parsing (runs on the offload pool: it tokenizes) ---------------------------------
-def generate_inputs(req, tokenizer, limits: Limits, vision=None
+def generate_inputs(req, tokenizer, limits: Limits, door=None
                     ) -> tuple[list[int], SamplingParams, list]:
     """GenerateRequest -> (prompt ids, SamplingParams, images [(digest, pixels)]), through the
     request door; RequestError naming the field. Every row of the sampling table that the
     message has a field of the same name for is read (`sampling_fields`); a new row needs that
     field in GenerateRequest (serve/proto/jaxinfer.proto, a wire change), nothing here.
-    `vision`: (ImageSpec, max_pixels) of a vision model (None: text only)."""
+    `door`: the vision model's ImageDoor (None: text only)."""
     has_text, has_ids = req.HasField("prompt"), len(req.prompt_token_ids) > 0
     if has_text and has_ids:
         raise RequestError("prompt", "set exactly one of prompt and prompt_token_ids, got both")
@@ -91,8 +91,7 @@ def generate_inputs(req, tokenizer, limits: Limits, vision=None
         "prompt_token_ids": list(req.prompt_token_ids)}
     if getattr(req, "images", None):
         prompt["multi_modal_data"] = {"image": [bytes(b) for b in req.images]}
-    spec, most = vision or (None, 0)
-    _, ids, images = parse_multimodal(prompt, tokenizer, spec, most,
+    _, ids, images = parse_multimodal(prompt, tokenizer, door,
                                       lambda p, name: parse_prompt(p, tokenizer, limits, name))
     return ids, sampling_from_json(sampling_fields(req)), images
 
@@ -156,11 +155,6 @@ class _Base:
     def __init__(self, loop: EngineLoop, tokenizer, cfg: ServerConfig, offload: Offload):
         self.loop, self.tokenizer, self.cfg, self.offload = loop, tokenizer, cfg, offload
 
-    def _vision(self):
-        """(ImageSpec, max_pixels) of the served vision model; None: text only."""
-        images = getattr(self.loop.engine, "images", None)
-        return None if images is None else (images.spec, self.loop.engine.ecfg.max_image_pixels)
-
     async def _parse(self, context, fn, *args):
         """fn(*args) on the offload pool (it tokenizes); INVALID_ARGUMENT naming the field."""
         try:
@@ -209,7 +203,8 @@ class _Base:
 class GenerationServicer(_Base, jaxinfer_pb2_grpc.GenerationServicer):
     async def Generate(self, request, context):
         ids, params, images = await self._parse(context, generate_inputs, request,
-                                                 self.tokenizer, self.loop.limits, self._vision())
+                                                 self.tokenizer, self.loop.limits,
+                                                 self.loop.engine.image_door())
         try:  # n samples, each streamed with its index (with a seed, sample i uses seed + i)
             n = check_samples(params.n, self.cfg.max_samples)
             if params.best_of not in (None, n):

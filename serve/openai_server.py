@@ -1031,15 +1031,16 @@ class OpenAIApp:
         if self.chat_template is None:
             raise bad("this model has no chat template (none in the checkpoint): use "
                       "/v1/completions, or start the server with --chat-template FILE", "messages")
-        spec = self._image_spec()
+        door = self.loop.engine.image_door()
+        spec = None if door is None else door.spec
         images = []
         if raw:
-            if spec is None:
+            if door is None:
                 raise bad("this model takes no images (it is text only)", raw[0][1])
-            limit = self.loop.engine.ecfg.limit_mm_per_prompt
-            if len(raw) > limit:
-                raise bad(f"{len(raw)} images exceed limit_mm_per_prompt ({limit})", raw[-1][1])
-            images = await self.offload.run(self._decode_images, raw, spec)
+            if len(raw) > door.limit:
+                raise bad(f"{len(raw)} images exceed limit_mm_per_prompt ({door.limit})",
+                          raw[-1][1])
+            images = await self.offload.run(self._decode_images, raw, door)
         if "image" not in self.chat_template.source:  # a template that renders text only
             mark = spec.mark if spec is not None else ""
             messages = [m | {"content": _flat_content(m["content"], mark)} for m in messages]
@@ -1060,16 +1061,11 @@ class OpenAIApp:
             raise bad(f"messages cannot be rendered or tokenized: {type(e).__name__}",
                       "messages") from None
 
-    def _image_spec(self):
-        """The served model's runtime.host.image_prompt.ImageSpec (None: text only)."""
-        images = getattr(self.loop.engine, "images", None)
-        return None if images is None else images.spec
-
-    def _decode_images(self, raw: list, spec) -> list:
-        """[(value, field name)] -> [(digest, pixels)], each checked at the image door."""
+    @staticmethod
+    def _decode_images(raw: list, door) -> list:
+        """[(value, field name)] -> [ImageInput], each checked at the image door."""
         try:
-            return [decode_images(v, spec, self.loop.engine.ecfg.max_image_pixels, name)[0]
-                    for v, name in raw]
+            return [decode_images(v, door.spec, door.max_pixels, name)[0] for v, name in raw]
         except RequestError as e:
             raise bad(str(e), e.field) from None
 

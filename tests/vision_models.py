@@ -199,3 +199,21 @@ def make_qwen3_vl(out: Path, seed: int = 0, **overrides):
         merge_size=vc.spatial_merge_size, image_mean=list(QWEN_IMAGE_MEAN),
         image_std=list(QWEN_IMAGE_STD)).save_pretrained(out)  # preprocessor_config.json
     return model
+
+
+def assert_layerwise_equals_whole(llm, model_dir, prompt, **options):
+    """`prompt` (a dict with images) through a compile_mode "background" LLM of `model_dir`
+    with nothing compiled (the `stalled` fixture: every body layer by layer) gives the tokens
+    and logprobs of `llm` (the whole programs)."""
+    import numpy as np
+
+    from jaxinfer import LLM, SamplingParams
+
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=0)
+    want = llm.generate(prompt, sp)[0]
+    lazy = LLM(str(model_dir), compile_mode="background", **options)
+    got = lazy.generate(prompt, sp)[0]
+    assert lazy.engine._step.layerwise_steps > 0 and not lazy.engine._step.body.launched
+    assert got.token_ids == want.token_ids
+    np.testing.assert_allclose([x["logprob"] for x in got.logprobs],
+                               [x["logprob"] for x in want.logprobs], atol=1e-5)

@@ -117,7 +117,7 @@ class _Parser:
 
     def __init__(self, tokenizer, defaults: dict, limits: Limits, images=None):
         self.tokenizer, self.limits = tokenizer, limits
-        self.images = images  # (ImageSpec, max_pixels) of a vision model; None: text only
+        self.images = images  # the ImageDoor of a vision model; None: text only
         try:
             self.defaults = dict(defaults)
             self.default_params = SamplingParams(**self.defaults)
@@ -161,10 +161,9 @@ class _Parser:
         images = None
         try:
             if "multi_modal_data" in obj:
-                spec, most = self.images or (None, 0)
                 _, prompt_ids, images = parse_multimodal(
                     {k: obj[k] for k in ("prompt", "prompt_token_ids", "multi_modal_data")
-                     if k in obj}, self.tokenizer, spec, most,
+                     if k in obj}, self.tokenizer, self.images,
                     lambda p, name: parse_prompt(p, self.tokenizer, self.limits, name))
             elif has_p:
                 if not isinstance(obj["prompt"], str):
@@ -389,9 +388,8 @@ def run_batch(engine: EngineInterface, tokenizer, input_path, output_path, *,
     test hook called before each engine step. `line_offset`: the input is a slice of a larger
     file starting after that many lines (error records and resume use the file's numbers)."""
     prepare_output(output_path, resume, overwrite)
-    vision = getattr(engine, "images", None)
     parser = _Parser(tokenizer, {"temperature": 0.0, **(sampling or {})}, engine.limits,
-                     None if vision is None else (vision.spec, engine.ecfg.max_image_pixels))
+                     engine.image_door())
     max_slots = engine.stats()["max_slots"]
     max_inflight = max_inflight or 2 * max_slots + 4
     reorder_window = reorder_window or max(4 * max_slots + 8, max_inflight)

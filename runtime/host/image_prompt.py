@@ -54,6 +54,15 @@ class ImageSpec:
         return dict(self.prep)[name]
 
 
+@dataclass(frozen=True)
+class ImageDoor:
+    """What a front end needs to take images for the served model (Engine.image_door())."""
+
+    spec: ImageSpec
+    max_pixels: int  # EngineConfig.max_image_pixels
+    limit: int  # EngineConfig.limit_mm_per_prompt
+
+
 @dataclass(frozen=True, eq=False)
 class ImageInput:
     """One image, decoded and preprocessed at the door."""
@@ -204,11 +213,12 @@ def decode_images(value, spec: ImageSpec, max_pixels: int, name: str = "multi_mo
     return out
 
 
-def parse_multimodal(prompt: dict, tokenizer, spec: ImageSpec | None, max_pixels: int,
+def parse_multimodal(prompt: dict, tokenizer, door: ImageDoor | None,
                      parse_prompt) -> tuple[str | None, list[int], list]:
     """A vLLM-shaped prompt dict {"prompt": text | "prompt_token_ids": ids, "multi_modal_data":
     {"image": one or a list}} -> (text, ids with the image runs expanded, [ImageInput]).
-    `parse_prompt(p, name)` is the door's text / ids parser."""
+    `door`: the served model's (None: text only); `parse_prompt(p, name)` is the request
+    door's text / ids parser."""
     known = {"prompt", "prompt_token_ids", "multi_modal_data"}
     unknown = sorted(set(prompt) - known)
     if unknown:
@@ -227,10 +237,11 @@ def parse_multimodal(prompt: dict, tokenizer, spec: ImageSpec | None, max_pixels
     if "image" not in mm:
         return parse_prompt(text if text is not None else prompt["prompt_token_ids"], "prompt"
                             if text is not None else "prompt_token_ids") + ([],)
-    if spec is None:
+    if door is None:
         raise RequestError("multi_modal_data.image", "this model takes no images (it is text "
                                                      "only)")
-    images = decode_images(mm["image"], spec, max_pixels)
+    spec = door.spec
+    images = decode_images(mm["image"], spec, door.max_pixels)
     if text is not None:
         if not isinstance(text, str):
             raise RequestError("prompt", f"must be a string, got {type(text).__name__}")

@@ -51,6 +51,10 @@ class EngineInterface(Protocol):
     def num_unfinished(self) -> int:
         """Requests added and not yet finished (waiting or running)."""
 
+    def image_door(self):
+        """runtime.host.image_prompt.ImageDoor of a vision model (the image spec, the pixel cap,
+        images a prompt may carry); None for a text-only one."""
+
     def check_images(self, images: Sequence, params: SamplingParams) -> None:
         """RequestError naming the field when a request's images (runtime/host/image_prompt.py
         ImageInput) cannot be served: a text-only model, too many, too large for a prefill

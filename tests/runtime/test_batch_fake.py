@@ -56,7 +56,9 @@ class FakeEngine:
         self.live_per_step = []
 
     def add_request(self, prompt_ids, params, request_id=None, *, lora=None, refuse_late=True,
-                    prompt=None):
+                    prompt=None, images=()):
+        if images:
+            self.check_images(images, params)
         if request_id in self.requests:
             raise ValueError(f"duplicate request_id {request_id!r}")
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
@@ -67,6 +69,13 @@ class FakeEngine:
         self.queue.append(request_id)
         self.adds += 1
         return request_id
+
+    def image_door(self):  # a text-only model
+        return None
+
+    def check_images(self, images, params):
+        raise RequestError("multi_modal_data.image", "this model takes no images (it is text "
+                                                     "only)")
 
     def _output(self, rid, reason, text=""):
         prompt_ids, _, toks = self.requests.pop(rid)

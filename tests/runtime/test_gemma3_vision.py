@@ -242,18 +242,11 @@ def test_layer_by_layer_equals_the_whole_programs_with_images(vision_dir, llm, s
     """compile_mode "background" before anything is compiled: the body runs layer by layer
     (the image rows' inputs and how far they see included) and gives the whole programs'
     tokens."""
-    from jaxinfer import LLM, SamplingParams
+    from tests.vision_models import assert_layerwise_equals_whole
 
-    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=0)
     prompt = _prompt("Two <start_of_image> and <start_of_image>", [_image(5), _image(6)])
-    want = llm.generate(prompt, sp)[0]
-    lazy = LLM(str(vision_dir[0]), max_slots=2, page_size=8, max_model_len=256, prefill_chunk=N,
-               compile_mode="background")
-    got = lazy.generate(prompt, sp)[0]
-    assert lazy.engine._step.layerwise_steps > 0 and not lazy.engine._step.body.launched
-    assert got.token_ids == want.token_ids
-    np.testing.assert_allclose([x["logprob"] for x in got.logprobs],
-                               [x["logprob"] for x in want.logprobs], atol=1e-5)
+    assert_layerwise_equals_whole(llm, vision_dir[0], prompt, max_slots=2, page_size=8,
+                                  max_model_len=256, prefill_chunk=N)
 
 
 def test_preempted_image_requests_recompute_to_the_same_tokens(vision_dir, llm):

@@ -160,16 +160,9 @@ def test_second_turn_hits_the_prefix_and_encoder_caches(llm):
 def test_layer_by_layer_equals_the_whole_programs_with_images(qwen_dir, llm, stalled):
     """compile_mode "background" before anything is compiled: the body runs layer by layer
     (multimodal RoPE rows and deepstack inputs included) and gives the whole programs' tokens."""
-    from jaxinfer import LLM, SamplingParams
+    from tests.vision_models import assert_layerwise_equals_whole
 
-    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=0)
     prompt = {"prompt": f"See {MARK} and {MARK}", "multi_modal_data": {
         "image": [random_image(5, (40, 50, 3)), random_image(6, (70, 30, 3))]}}
-    want = llm.generate(prompt, sp)[0]
-    lazy = LLM(str(qwen_dir[0]), max_slots=2, page_size=8, max_model_len=256, prefill_chunk=16,
-               compile_mode="background")
-    got = lazy.generate(prompt, sp)[0]
-    assert lazy.engine._step.layerwise_steps > 0 and not lazy.engine._step.body.launched
-    assert got.token_ids == want.token_ids
-    np.testing.assert_allclose([x["logprob"] for x in got.logprobs],
-                               [x["logprob"] for x in want.logprobs], atol=1e-5)
+    assert_layerwise_equals_whole(llm, qwen_dir[0], prompt, max_slots=2, page_size=8,
+                                  max_model_len=256, prefill_chunk=16)
