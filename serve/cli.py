@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 from jaxinfer.serve.engine_args import engine_args, llm_from_args, sampling_args, sampling_kwargs
 
@@ -14,18 +15,25 @@ def cmd_generate(args) -> int:
     from jaxinfer.runtime.host.requests import SamplingParams
 
     sp = SamplingParams(**sampling_kwargs(args))  # bad values fail before the model loads
+    images = []
+    for path in args.image:
+        try:
+            images.append(Path(path).read_bytes())
+        except OSError as e:
+            raise ValueError(f"--image {path}: {e.strerror}") from None
     t0 = time.perf_counter()
     llm = llm_from_args(args)
     load_s = time.perf_counter() - t0
+    prompt = _with_images(llm, args.prompt, images) if images else args.prompt
     t1 = time.perf_counter()
     first = None
     if args.no_stream:
-        out = llm.generate([args.prompt], sp)[0]
+        out = llm.generate(prompt, sp)[0]
         sys.stdout.write(args.prompt + out.text + "\n")
         first = t1 + (out.metrics["ttft_s"] or 0.0)
     else:
         sys.stdout.write(args.prompt)
-        for d in llm.stream(args.prompt, sp):
+        for d in llm.stream(prompt, sp):
             if first is None and d.token_ids:
                 first = time.perf_counter()
             sys.stdout.write(d.text)
@@ -59,6 +67,17 @@ COMMAND_MODULES: tuple[str, ...] = ("jaxinfer.tools.bench_throughput", "jaxinfer
                                     "jaxinfer.tools.bench_quality", "jaxinfer.tools.bench_structured")
 
 
+def _with_images(llm, text: str, images: list[bytes]) -> dict:
+    """The prompt dict of `text` and image files; without the model's image mark in the text,
+    one mark per image goes first (as llama.cpp's multimodal CLI places them)."""
+    door = llm.engine.image_door()
+    if door is None:
+        raise ValueError("--image: this model takes no images (it is text only)")
+    if door.spec.mark not in text:
+        text = door.spec.mark * len(images) + text
+    return {"prompt": text, "multi_modal_data": {"image": images}}
+
+
 def build_parser() -> argparse.ArgumentParser:
     import importlib
 
@@ -73,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt")
     sampling_args(g, skip=("priority",), max_tokens=64, temperature=0.0)  # one request: no queue
     g.add_argument("--no-stream", action="store_true")
+    g.add_argument("--image", action="append", default=[], metavar="FILE",
+                   help="an image file for a vision model (repeat for several); the prompt "
+                        "marks where each goes (else they go first)")
     g.set_defaults(fn=cmd_generate)
 
     c = sub.add_parser("convert", help="convert a checkpoint (HF dir or GGUF) to orbax")

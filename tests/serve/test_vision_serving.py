@@ -438,3 +438,24 @@ def test_fuzzed_server_is_healthy(server):
     assert STATUSES.get(400, 0) >= 20 and STATUSES.get(200, 0) >= 5, STATUSES  # both paths
     wait_idle(server)
     assert_good_image_request_served(server)
+
+
+# ---- 7. the command line ------------------------------------------------------------------------
+def test_cli_generate_with_image_files(vision_dir, ref, tmp_path, capsys):
+    """`jaxinfer generate --image FILE`: the same tokens as LLM.generate of the prompt with the
+    image; without a mark in the prompt the image goes first; a missing file or a text-only
+    model is an error naming --image."""
+    from jaxinfer.serve.cli import main
+
+    png = tmp_path / "a.png"
+    png.write_bytes(PNG_A)
+    flags = ["--model", str(vision_dir), "--max-slots", "2", "--page-size", "8",
+             "--max-model-len", "256", "--prefill-chunk", str(N), "--max-image-pixels",
+             "100000", "--max-tokens", "4", "--ignore-eos", "--no-stream"]
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    (want,) = ref.generate({"prompt": "<start_of_image>Describe.",
+                            "multi_modal_data": {"image": PNG_A}}, sp)
+    assert main(["generate", *flags, "--image", str(png), "Describe."]) == 0
+    assert capsys.readouterr().out == "Describe." + want.text + "\n"
+    assert main(["generate", *flags, "--image", str(tmp_path / "none.png"), "x"]) != 0
+    assert "--image" in capsys.readouterr().err
