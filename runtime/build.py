@@ -96,6 +96,8 @@ def load(model: str, options: dict) -> Prepared:
                         keep_quantized=q == "gguf" or (q is None and keep),
                         keep_int4=q == "int4" or (q is None and keep),
                         keep_mxfp4=q in (None, "mxfp4"))
+    if config.mmproj is not None:  # llama.cpp's vision tower beside a GGUF text model
+        loaded = dataclasses.replace(loaded, vision=_load_mmproj(config.mmproj, loaded, config))
     params, from_model = loaded.params, {}
     spec = quantization_spec(params)  # a converted dir may be quantized already
     if q in ("gguf", "mxfp4") and spec is None:
@@ -134,6 +136,30 @@ def load(model: str, options: dict) -> Prepared:
     prepared = prepare(loaded.cfg, params, loaded.tokenizer, config, mesh=mesh, draft=draft,
                        source=loaded.source, consume=True)
     return dataclasses.replace(prepared, vision=loaded.vision)
+
+
+def _load_mmproj(path: str, loaded, config: EngineConfig):
+    """The VisionModel of llama.cpp's mmproj file `path` for the text model `loaded` (a Gemma 3
+    without a vision tower of its own), its image token ids from `loaded`'s tokenizer."""
+    import jax.numpy as jnp
+
+    from jaxinfer.checkpoints.gguf_vision import TOKEN_PIECES, load_gguf_mmproj
+    from jaxinfer.runtime.config import OptionError
+
+    if loaded.vision is not None:
+        raise OptionError("mmproj", f"{loaded.source} has a vision tower of its own (an mmproj "
+                                    "file is for a text-only model)")
+    if loaded.cfg.family != "gemma3":
+        raise OptionError("mmproj", f"needs a Gemma 3 text model (projector type 'gemma3'); "
+                                    f"{loaded.source} is a {loaded.cfg.family!r} model")
+    tok = loaded.tokenizer
+    ids = {k: tok.token_to_id(piece) if tok is not None else None
+           for k, piece in TOKEN_PIECES.items()}
+    lacking = [TOKEN_PIECES[k] for k, v in ids.items() if v is None]
+    if lacking:
+        raise OptionError("mmproj", f"the tokenizer of {loaded.source} lacks the image tokens "
+                                    f"{lacking}")
+    return load_gguf_mmproj(path, ids, getattr(jnp, config.dtype))
 
 
 def _load_draft(target: str, cfg: ModelConfig, params, config: EngineConfig) -> tuple:

@@ -506,6 +506,8 @@ ENGINE_OPTIONS = (
     Option("max_image_pixels", int, 40_000_000, lo=1,
            help="largest image (width x height) a request may send; larger ones are refused "
                 "before their pixels are decoded (a decompression bomb)"),
+    Option("mmproj", str, None, nullable=True,
+           help="llama.cpp mmproj GGUF with the vision tower of a GGUF text model (Gemma 3)"),
     Option("speculative", SpecConfig, None, nullable=True, parse=_parse_speculative, cli="json",
            help='speculative decoding, e.g. {"method": "ngram", "k": 4, "n": 3} or '
                 '{"method": "draft", "model": "PATH", "k": 4}'),

@@ -236,7 +236,8 @@ class Engine:
 
     def check_images(self, images, params: SamplingParams) -> None:
         """What a request's images [ImageInput] must meet beyond the image door: a vision model,
-        their count, each run fitting a prefill step, no feature that cannot take them yet.
+        their count, each run fitting a prefill step, no feature that cannot take them yet
+        (several hosts, truncate_prompt_tokens).
         RequestError naming the field; front ends call it before queueing."""
         name = "multi_modal_data.image"
         if self.images is None:
@@ -244,8 +245,7 @@ class Engine:
         if len(images) > self.ecfg.limit_mm_per_prompt:
             raise RequestError(name, f"{len(images)} images exceed limit_mm_per_prompt "
                                      f"({self.ecfg.limit_mm_per_prompt})")
-        for why, bad in (("speculative decoding", self.spec is not None),
-                         ("several hosts", self.plan_channel is not None),
+        for why, bad in (("several hosts", self.plan_channel is not None),
                          ("truncate_prompt_tokens", params.truncate_prompt_tokens is not None)):
             if bad:
                 raise RequestError(name, f"not supported with {why} yet")
@@ -265,9 +265,10 @@ class Engine:
             None, 0)
         return ids, spans, *rope
 
-    def _arrays(self, plan, feed: bool = False) -> dict:
-        """A plan's step arrays, with the encoder's embeddings on its image rows."""
-        arrays = plan.device_arrays(feed=feed)
+    def _arrays(self, plan, feed: bool = False, verify: bool = False) -> dict:
+        """A plan's step (or verify step) arrays, with the encoder's embeddings on its image
+        rows."""
+        arrays = plan.verify_arrays() if verify else plan.device_arrays(feed=feed)
         if plan.mm_items:
             arrays.update(self.images.step_inputs(plan, self.cfg.hidden_size))
         return arrays
@@ -957,8 +958,8 @@ class Engine:
             q_probs = props.q_probs
             for s, rid in enumerate(plan.request_ids):
                 q_rows[s] = props.q_rows.get(rid, 0)
-        packed = self._run_verify(plan.verify_arrays(), q_probs, q_rows, plan.max_q_len,
-                                  plan.num_logprobs, filtered)
+        packed = self._run_verify(self._arrays(plan, verify=True), q_probs, q_rows,
+                                  plan.max_q_len, plan.num_logprobs, filtered)
         host, _ = self._fetch(packed)  # [S, 2 + K (+ 1 + 2n)]
         now = self._mark_scheduled(plan)
         outs = self.scheduler.update(plan, host[:, 1:K + 2].astype(np.int32),

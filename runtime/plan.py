@@ -150,14 +150,19 @@ class _StepPlanViews:
     def has_drafts(self) -> bool:
         return bool(self.num_draft.any())
 
+    @property
+    def image_groups(self) -> tuple[str, ...]:
+        """The groups a step with image rows also sends (none without)."""
+        return ("vision",) * self.see_until_on + ("mrope",) * self.mrope
+
     def device_arrays(self, feed: bool = False) -> dict[str, np.ndarray]:
         """The jitted step's arrays (shapes fixed by the buckets); `feed`: with feed_rows."""
         groups = STEP_GROUPS + ("feed",) if feed else STEP_GROUPS
-        groups += ("vision",) * self.see_until_on + ("mrope",) * self.mrope
-        return {f.name: getattr(self, f.name) for f in fields_of(*groups)}
+        return {f.name: getattr(self, f.name) for f in fields_of(*groups, *self.image_groups)}
 
     def verify_arrays(self) -> dict[str, np.ndarray]:
-        return verify_inputs({f.name: getattr(self, f.name) for f in PLAN_FIELDS})
+        out = verify_inputs({f.name: getattr(self, f.name) for f in PLAN_FIELDS})
+        return out | {f.name: getattr(self, f.name) for f in fields_of(*self.image_groups)}
 
 
 StepPlan = make_dataclass(

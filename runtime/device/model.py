@@ -291,11 +291,13 @@ def forward(
     cfg: ModelConfig,
     backend: str = "xla",
     lora_ids: jax.Array | None = None,
+    mm: tuple | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Run T ragged tokens through the model, writing their K/V into the cache.
     Returns f32 logits [N, V] for the rows in md.logits_indices, and the new cache.
-    lora_ids [T] int32: each row's adapter slot in params.lora (0: none)."""
-    h, cache = forward_hidden(params, tokens, cache, md, cfg, backend, lora_ids)
+    lora_ids [T] int32: each row's adapter slot in params.lora (0: none). `mm`: the rows whose
+    input is given (forward_hidden)."""
+    h, cache = forward_hidden(params, tokens, cache, md, cfg, backend, lora_ids, mm)
     return compute_logits(params, h, cfg), cache
 
 

@@ -249,7 +249,7 @@ def verify(
     S, K = arrays["draft_ids"].shape
     md = _metadata(arrays, max_q_len)
     logits, cache = forward(params, arrays["token_ids"], cache, md, cfg, backend,
-                            arrays["lora_ids"])  # [S*(K+1), V]
+                            arrays["lora_ids"], given_rows(arrays))  # [S*(K+1), V]
     logits = mask_vocab(logits, vocab_limit).reshape(S, K + 1, -1)  # [S, K+1, V]
     raw = logits[:, 0]  # logprobs are the model's own (before any processor or constraint)
     slots = arrays["proc_slots"]

@@ -265,3 +265,21 @@ def test_preempted_image_requests_recompute_to_the_same_tokens(vision_dir, llm):
     assert tight.engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in got] == want
     assert tight.engine.images.encoded == 2  # the recompute took the encoder cache's
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculative_decoding_with_images_keeps_the_greedy_tokens(vision_dir, llm, method):
+    """Proposals (n-gram, or the model drafting itself) verified beside image prefills: every
+    token equals plain greedy decoding's."""
+    from jaxinfer import LLM, SamplingParams
+
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [_prompt("Look: <start_of_image> again <start_of_image>", [_image(21), _image(22)]),
+               "A plain text prompt, repeated: a plain text prompt."]
+    want = [o.token_ids for o in llm.generate(prompts, sp)]
+    spec = {"method": method, "k": 3} | ({"model": str(vision_dir[0])} if method == "draft"
+                                         else {})
+    fast = LLM(str(vision_dir[0]), max_slots=2, page_size=8, max_model_len=256,
+               prefill_chunk=N, speculative=spec)
+    assert [o.token_ids for o in fast.generate(prompts, sp)] == want
+    assert fast.engine.spec_proposed > 0

@@ -166,3 +166,19 @@ def test_layer_by_layer_equals_the_whole_programs_with_images(qwen_dir, llm, sta
         "image": [random_image(5, (40, 50, 3)), random_image(6, (70, 30, 3))]}}
     assert_layerwise_equals_whole(llm, qwen_dir[0], prompt, max_slots=2, page_size=8,
                                   max_model_len=256, prefill_chunk=16)
+
+
+def test_ngram_speculative_decoding_keeps_the_greedy_tokens(qwen_dir, llm):
+    """Proposals verified at position + delta (multimodal RoPE past the prompt): every token
+    equals plain greedy decoding's."""
+    from jaxinfer import LLM, SamplingParams
+
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [{"prompt": f"Look {MARK} and {MARK} look", "multi_modal_data": {
+        "image": [random_image(21, (40, 50, 3)), random_image(22, (70, 30, 3))]}},
+        "Plain text, plain text, plain text."]
+    want = [o.token_ids for o in llm.generate(prompts, sp)]
+    fast = LLM(str(qwen_dir[0]), max_slots=2, page_size=8, max_model_len=256, prefill_chunk=16,
+               speculative={"method": "ngram", "k": 3})
+    assert [o.token_ids for o in fast.generate(prompts, sp)] == want
+    assert fast.engine.spec_proposed > 0
