@@ -159,7 +159,12 @@ def _load_mmproj(path: str, loaded, config: EngineConfig):
     if lacking:
         raise OptionError("mmproj", f"the tokenizer of {loaded.source} lacks the image tokens "
                                     f"{lacking}")
-    return load_gguf_mmproj(path, ids, getattr(jnp, config.dtype))
+    vision = load_gguf_mmproj(path, ids, getattr(jnp, config.dtype))
+    if vision.cfg.text_hidden_size != loaded.cfg.hidden_size:
+        raise OptionError("mmproj", f"{path} projects images to width "
+                                    f"{vision.cfg.text_hidden_size}; {loaded.source} is "
+                                    f"{loaded.cfg.hidden_size} wide")
+    return vision
 
 
 def _load_draft(target: str, cfg: ModelConfig, params, config: EngineConfig) -> tuple:

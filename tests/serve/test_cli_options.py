@@ -165,6 +165,8 @@ def _sample(o: Option):
         return (o.lo or 0) + 5, str((o.lo or 0) + 5)
     if o.type is float:
         return 37.5, "37.5"
+    if o.type is str:  # a path (mmproj)
+        return "x.gguf", "x.gguf"
     raise AssertionError(o)
 
 
