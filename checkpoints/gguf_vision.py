@@ -38,8 +38,8 @@ import jax.numpy as jnp
 
 from jaxinfer.checkpoints.errors import CheckpointError
 from jaxinfer.checkpoints.gguf import _dequantize, _f32_decimal, _Meta, open_gguf
-from jaxinfer.checkpoints.hf_vision import VisionModel
-from jaxinfer.runtime.device.vision import VisionConfig, VisionLayerParams, VisionParams
+from jaxinfer.checkpoints.hf_vision import VisionModel, gemma3_params
+from jaxinfer.runtime.device.vision import VisionConfig
 
 SUPPORTED_PROJECTORS = ("gemma3",)
 # token_ids key -> the text model's token (Gemma 3's vocabulary)
@@ -80,7 +80,7 @@ def load_gguf_mmproj(path: str | os.PathLike, token_ids: dict, dtype=jnp.float32
                                   f"the metadata implies {shape}")
         got[target] = jnp.asarray(fn(_dequantize(t, source)), dtype)
         reader.release(t)
-    return VisionModel(cfg=cfg, params=_build(cfg, got), kind="gemma3")
+    return VisionModel(cfg=cfg, params=gemma3_params(cfg, got), kind="gemma3")
 
 
 def _ids(token_ids: dict) -> dict:
@@ -194,9 +194,3 @@ def _plan(cfg: VisionConfig) -> dict[str, tuple[str, tuple, Callable]]:
         }
     return plan
 
-
-def _build(cfg: VisionConfig, got: dict) -> VisionParams:
-    fields = VisionLayerParams.__dataclass_fields__
-    layers = tuple(VisionLayerParams(**{k: got.pop(f"layers.{i}.{k}") for k in fields})
-                   for i in range(cfg.num_layers))
-    return VisionParams(layers=layers, **got)

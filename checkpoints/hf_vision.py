@@ -166,7 +166,8 @@ def _gemma3_plan(cfg: VisionConfig) -> dict[str, tuple[str, Callable]]:
     return plan
 
 
-def _gemma3_build(cfg: VisionConfig, got: dict) -> VisionParams:
+def gemma3_params(cfg: VisionConfig, got: dict) -> VisionParams:
+    """VisionParams from {our param path: array} (the HF and mmproj loaders' plans' targets)."""
     fields = VisionLayerParams.__dataclass_fields__
     layers = tuple(VisionLayerParams(**{f: got.pop(f"layers.{i}.{f}") for f in fields})
                    for i in range(cfg.num_layers))
@@ -283,7 +284,7 @@ def _qwen3_vl_build(cfg: Qwen3VLVisionConfig, got: dict) -> Qwen3VLVisionParams:
 # model_type of config.json -> how its vision side loads (its tower's model_type must match)
 _FAMILIES: dict[str, _Family] = {
     "gemma3": _Family(kind="gemma3", tower="siglip_vision_model", config=_gemma3_config,
-                      name=_gemma3_name, plan=_gemma3_plan, build=_gemma3_build,
+                      name=_gemma3_name, plan=_gemma3_plan, build=gemma3_params,
                       init=init_vision_params, ignore=("vision_tower.head.",)),
     # Qwen3-VL checkpoints of transformers < 5 name the tower "qwen3_vl" (HF renames it)
     "qwen3_vl": _Family(kind="qwen3_vl", tower="qwen3_vl_vision", config=_qwen3_vl_config,
