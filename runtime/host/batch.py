@@ -10,8 +10,9 @@ Input: one request per line, `{"id": ..., "prompt": "..."}` or `{"id": ..., "pro
 {"json": schema} / {"regex": ...} / {"choice": [...]} / {"grammar": ...} / {"json_object": true})
 that override the command's defaults, `lora` (a loaded LoRA adapter's name) and, for a vision
 model, `multi_modal_data` {"image": a data URL or base64 string, or a list of them} (the prompt
-marks each image, e.g. Gemma 3's "<start_of_image>"; runtime/host/image_prompt.py); lines are checked by the same request door (runtime/host/requests.py) as every other front
-end. Output: one line per input line, either a result
+marks each image, e.g. Gemma 3's "<start_of_image>"; runtime/host/image_prompt.py); lines are
+checked by the same request door (runtime/host/requests.py) as every other front end.
+Output: one line per input line, either a result
 
     {"id", "text", "token_ids", "finish_reason",
      "usage": {"prompt_tokens", "completion_tokens", "cached_tokens"},
