@@ -33,11 +33,35 @@ WEIGHT_REDUCE_AXES: dict[str, tuple[int, ...]] = {
     "wq_a": (0,), "wq_b": (0,), "wkv_a": (0,),
 }
 EMBEDDING_WEIGHTS = ("embed", "lm_head")
+# The vision encoders' layer products (runtime/device/vision.py, qwen3_vl_vision.py):
+# "ntd,dhk->nthk" / "nthk,hkd->ntd", "ntd,df->ntf" / "ntf,fd->ntd" (Qwen3-VL's fused wqkv, the
+# patch embedding and the projector stay in the compute dtype)
+VISION_REDUCE_AXES: dict[str, tuple[int, ...]] = {
+    "wq": (0,), "wk": (0,), "wv": (0,), "wo": (0, 1), "fc1": (0,), "fc2": (0,)}
 # An int4 model's embedding / lm_head tables are int8 per row, as 4-bit checkpoints keep theirs
 # wider (llama.cpp's Q4_K_M: Q6_K / Q8_0; AWQ, GPTQ: f16). Gemma 3 270M (tied, 262k rows):
 # perplexity +32 % with int4 tables vs +20 % with float ones (bench quality), and the int8 W8A8
 # head is the fastest vocabulary projection on CPU.
 INT4_EMBEDDINGS = "int8"
+
+
+def quantize_vision(params, fmt: str, dtype, mode: str | None = None):
+    """A vision encoder's params with its layers' products (VISION_REDUCE_AXES) quantized to
+    `fmt` by round to nearest (no calibration reaches an encoder); int4 runs them as int8
+    (their widths, e.g. SigLIP's 4304, need not divide a group)."""
+    if fmt == "int4":
+        fmt, mode = "int8", None
+    mode = mode or default_mode(fmt)
+
+    def one(kp, a):
+        path = path_str(kp)
+        axes = VISION_REDUCE_AXES.get(weight_name(path))
+        if axes is None or not hasattr(a, "ndim") or isinstance(a, QuantizedArray):
+            return a
+        return quantize(a, fmt, axes, mode=mode, dtype=dtype, name=path)
+
+    return jax.tree_util.tree_map_with_path(one, params,
+                                            is_leaf=lambda a: isinstance(a, QuantizedArray))
 
 
 def weight_name(path: str) -> str:

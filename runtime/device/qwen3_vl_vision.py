@@ -162,7 +162,10 @@ def _f32(a: jax.Array) -> jax.Array:
     return a.astype(F32)
 
 
-def _ein(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+def _ein(spec: str, x: jax.Array, w) -> jax.Array:
+    """An f32 product; a quantized weight (QuantizedArray) multiplies through its own einsum."""
+    if hasattr(w, "einsum"):
+        return w.einsum(spec, _f32(x)).astype(F32)
     return jnp.einsum(spec, _f32(x), _f32(w), preferred_element_type=F32)
 
 

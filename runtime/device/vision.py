@@ -111,9 +111,12 @@ def _f32(a: jax.Array) -> jax.Array:
     return a.astype(F32)
 
 
-def _ein(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+def _ein(spec: str, x: jax.Array, w) -> jax.Array:
     """A product in the weight's dtype (bf16 weights: the matrix units' rate), accumulated and
-    returned in f32."""
+    returned in f32; a quantized weight (a QuantizedArray: the engine's quantization option)
+    multiplies through its own einsum."""
+    if hasattr(w, "einsum"):
+        return w.einsum(spec, x).astype(F32)
     return jnp.einsum(spec, x.astype(w.dtype), w, preferred_element_type=F32)
 
 
@@ -141,7 +144,7 @@ def patchify(pixels: jax.Array, p: int) -> jax.Array:
 def _attention(lp: VisionLayerParams, x: jax.Array, cfg: VisionConfig) -> jax.Array:
     """Bidirectional multi-head attention over x [N, T, Dv], Q_CHUNK query rows at a time
     (softmax in f32; q, k, v and the probabilities in the weights' dtype)."""
-    dt = lp.wq.dtype
+    dt = lp.ln1_w.dtype  # the weights' float dtype (a norm's: never quantized)
     q = (_ein("ntd,dhk->nthk", x, lp.wq) + _f32(lp.bq)).astype(dt)  # [N, T, H, Dh]
     k = (_ein("ntd,dhk->nthk", x, lp.wk) + _f32(lp.bk)).astype(dt)
     v = (_ein("ntd,dhk->nthk", x, lp.wv) + _f32(lp.bv)).astype(dt)

@@ -283,3 +283,23 @@ def test_speculative_decoding_with_images_keeps_the_greedy_tokens(vision_dir, ll
                prefill_chunk=N, speculative=spec)
     assert [o.token_ids for o in fast.generate(prompts, sp)] == want
     assert fast.engine.spec_proposed > 0
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "int4"])
+def test_quantized_engines_quantize_the_vision_tower_too(vision_dir, llm, fmt):
+    """quantization=int8 / fp8 / int4: the tower's layer products are QuantizedArrays (int4 as
+    int8) and the engine's image answers stay close to the float engine's."""
+    from jaxinfer import LLM, SamplingParams
+    from jaxinfer.runtime.device.quantization import QuantizedArray
+
+    q = LLM(str(vision_dir[0]), max_slots=2, page_size=8, max_model_len=256, prefill_chunk=N,
+            quantization=fmt)
+    layer = q.model.vision.params.layers[0]
+    assert all(isinstance(getattr(layer, w), QuantizedArray)
+               for w in ("wq", "wk", "wv", "wo", "fc1", "fc2"))
+    assert layer.fc1.values.dtype == (jnp.int8 if fmt != "fp8" else jnp.float8_e4m3fn)
+    sp = SamplingParams(max_tokens=1, temperature=0, logprobs=5)
+    prompt = _prompt("Look <start_of_image> now", _image(31))
+    (want,), (got,) = llm.generate(prompt, sp), q.generate(prompt, sp)
+    assert got.token_ids == want.token_ids
+    assert abs(got.logprobs[0]["logprob"] - want.logprobs[0]["logprob"]) < 0.05

@@ -182,3 +182,19 @@ def test_ngram_speculative_decoding_keeps_the_greedy_tokens(qwen_dir, llm):
                speculative={"method": "ngram", "k": 3})
     assert [o.token_ids for o in fast.generate(prompts, sp)] == want
     assert fast.engine.spec_proposed > 0
+
+
+def test_int8_engine_quantizes_the_vision_tower_too(qwen_dir, llm):
+    from jaxinfer import LLM, SamplingParams
+    from jaxinfer.runtime.device.quantization import QuantizedArray
+
+    q = LLM(str(qwen_dir[0]), max_slots=2, page_size=8, max_model_len=256, prefill_chunk=16,
+            quantization="int8")
+    block = q.model.vision.params.blocks[0]
+    assert isinstance(block.fc1, QuantizedArray) and isinstance(block.wo, QuantizedArray)
+    sp = SamplingParams(max_tokens=1, temperature=0, logprobs=5)
+    prompt = {"prompt": f"Look {MARK} now", "multi_modal_data": {
+        "image": random_image(31, (40, 50, 3))}}
+    (want,), (got,) = llm.generate(prompt, sp), q.generate(prompt, sp)
+    assert got.token_ids == want.token_ids
+    assert abs(got.logprobs[0]["logprob"] - want.logprobs[0]["logprob"]) < 0.05
