@@ -52,7 +52,8 @@ def _tokenizer(path: Path, cfg):
 
 def load_model(model: str | Path, dtype: str = "float32", place=None, mesh=None,
                keep_quantized: bool = False, keep_int4: bool = False,
-               keep_mxfp4: bool = False, tokenizer: bool = True) -> LoadedModel:
+               keep_mxfp4: bool = False, tokenizer: bool = True,
+               with_vision: bool = True) -> LoadedModel:
     """`place(path, f32_array)`: optional per-leaf hook (quantization while streaming); a
     converted dir that is already quantized is restored as saved. `keep_quantized`: a GGUF's
     block-quantized matmul weights stay in their blocks (QuantizedArray fmt "gguf");
@@ -62,7 +63,8 @@ def load_model(model: str | Path, dtype: str = "float32", place=None, mesh=None,
     `finish(cfg, params, tokenizer)` method (checkpoints.quantize.Placer) gets the assembled
     params once everything is read (int8 smoothing calibrates there) and returns the final ones.
     `tokenizer=False`: the weights only (LoadedModel.tokenizer None; a trainer's checkpoint for
-    update_weights need not carry one)."""
+    update_weights need not carry one). `with_vision=False`: a vision model's text side only
+    (a draft model)."""
     from jaxinfer.checkpoints.orbax_io import is_converted, load_converted
 
     if dtype not in COMPUTE_DTYPES:
@@ -89,7 +91,7 @@ def load_model(model: str | Path, dtype: str = "float32", place=None, mesh=None,
 
         cfg, params = load_hf(path, dtype=jdtype, place=place, keep_int4=keep_int4,
                               keep_mxfp4=keep_mxfp4)
-        vision = load_hf_vision(path, jdtype)
+        vision = load_hf_vision(path, jdtype) if with_vision else None
         tok = _tokenizer(path, cfg) if tokenizer else None
     else:
         raise CheckpointError(

@@ -199,7 +199,7 @@ def _load_draft(target: str, cfg: ModelConfig, params, config: EngineConfig) -> 
     place = placer(spec.quantization, config.dtype) if spec.quantization is not None else None
     keep = spec.quantization is None and keeps_gguf_blocks()
     draft = load_model(spec.model, dtype=config.dtype, place=place, keep_quantized=keep,
-                       keep_int4=keep or spec.quantization == "int4")
+                       keep_int4=keep or spec.quantization == "int4", with_vision=False)
     check_vocab(cfg, draft.cfg, repr(spec.model))
     return draft.cfg, draft.params
 

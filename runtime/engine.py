@@ -217,7 +217,7 @@ class Engine:
         from jaxinfer.runtime.images import Images
 
         images = Images(vision, self.ecfg)
-        n = dict(images.spec.prep).get("tokens")  # (a fixed count: Gemma 3)
+        n = images.spec.setting("tokens")  # a fixed count (Gemma 3), or None
         if n and self.shapes.budget < n:
             raise OptionError("prefill_chunk", f"({self.shapes.budget}) must hold an image's "
                                                f"{n} tokens: a step computes an image whole")

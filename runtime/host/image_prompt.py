@@ -50,8 +50,8 @@ class ImageSpec:
     mrope_merge: int = 0  # Qwen3-VL: patches merged per side into a token (0: 1-D positions)
     bidirectional: bool = False  # an image's tokens attend to each other both ways (Gemma 3)
 
-    def setting(self, name: str):
-        return dict(self.prep)[name]
+    def setting(self, name: str, default=None):
+        return dict(self.prep).get(name, default)
 
 
 @dataclass(frozen=True)
