@@ -135,22 +135,29 @@ def load(model: str, options: dict) -> Prepared:
     # params came from this load alone: the engine's form replaces them as it is built
     prepared = prepare(loaded.cfg, params, loaded.tokenizer, config, mesh=mesh, draft=draft,
                        source=loaded.source, consume=True)
-    return dataclasses.replace(prepared, vision=_vision_form(loaded.vision, config))
+    return dataclasses.replace(prepared, vision=_vision_form(loaded.vision, config, prepared.mesh))
 
 
-def _vision_form(vision, config: EngineConfig):
+def _vision_form(vision, config: EngineConfig, mesh):
     """A vision encoder as the engine runs it: its layers' products quantized when the language
-    model's are (int8 / fp8 / int4 as int8; checkpoints.quantize.quantize_vision), else as
-    loaded. It is not sharded: each device of a mesh holds it whole (SigLIP so400m: 0.84 GB in
-    bf16)."""
-    if vision is None or config.quantization not in FORMATS:
-        return vision
+    model's are (int8 / fp8 / int4 as int8; checkpoints.quantize.quantize_vision), and on a
+    mesh split like the language model's layers (heads and MLP width across the "model" axis;
+    runtime/device/sharding.py VISION_AXES)."""
+    if vision is None:
+        return None
     import jax.numpy as jnp
 
-    from jaxinfer.checkpoints.quantize import quantize_vision
+    params = vision.params
+    if config.quantization in FORMATS:
+        from jaxinfer.checkpoints.quantize import quantize_vision
 
-    return dataclasses.replace(vision, params=quantize_vision(
-        vision.params, config.quantization, getattr(jnp, config.dtype), config.quant_mode))
+        params = quantize_vision(params, config.quantization, getattr(jnp, config.dtype),
+                                 config.quant_mode)
+    if mesh is not None:
+        from jaxinfer.runtime.device.sharding import VISION_AXES, shard_params
+
+        params = shard_params(params, mesh, table=VISION_AXES)
+    return dataclasses.replace(vision, params=params)
 
 
 def _load_mmproj(path: str, loaded, config: EngineConfig):

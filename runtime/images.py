@@ -2,7 +2,8 @@
 in the encoder cache, and a step's given-input rows built from them.
 
 `Images(vision, ecfg)` belongs to an engine serving a vision model (checkpoints/hf_vision.py's
-VisionModel; its `kind` picks a KINDS row: the door's ImageSpec and the encoder).
+VisionModel; its `kind` picks a KINDS row: the door's ImageSpec and the encoder). The encoder
+runs where the tower's weights are: split over a mesh (tensor parallel) or on one device.
 `step_inputs(plan, hidden)` -> {"mm_embeds": f32 [T, D], "mm_mask": bool [T] (+ "mm_deep": f32
 [K, T, D], Qwen3-VL's deepstack inputs)} for a plan with image rows (plan.mm_items): every image
 of the step not in the encoder cache is encoded first, then its outputs go on its rows. An
@@ -17,7 +18,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.runtime.host.encoder_cache import EncoderCache
@@ -47,12 +47,21 @@ def _qwen3_vl_spec(c) -> ImageSpec:
                      mrope_merge=c.spatial_merge_size)
 
 
+def _placer(params) -> Callable:
+    """Host pixels -> the encoder's input, where the tower's weights are: replicated over their
+    mesh when they are split over one (build.py _vision_form), else on their device."""
+    where = jax.tree.leaves(params)[0].sharding
+    if isinstance(where, jax.sharding.NamedSharding):
+        where = jax.sharding.NamedSharding(where.mesh, jax.sharding.PartitionSpec())
+    return lambda x: jax.device_put(np.asarray(x), where)
+
+
 def _gemma3_encoder(vision) -> Callable:
     """[ImageSpan] (distinct images) -> [f32 [1, N, D]]: batches of MAX_IMAGES_PER_CALL,
     padded to a power of two of images (few programs)."""
     from jaxinfer.runtime.device.vision import encode_images
 
-    fn = jax.jit(functools.partial(encode_images, cfg=vision.cfg))
+    fn, put = jax.jit(functools.partial(encode_images, cfg=vision.cfg)), _placer(vision.params)
 
     def run(spans):
         out = []
@@ -60,7 +69,7 @@ def _gemma3_encoder(vision) -> Callable:
             part = spans[i:i + MAX_IMAGES_PER_CALL]
             n = 1 << (len(part) - 1).bit_length()
             px = np.stack([s.pixels for s in part] + [part[0].pixels] * (n - len(part)))
-            emb = np.asarray(jax.device_get(fn(vision.params, jnp.asarray(px))), np.float32)
+            emb = np.asarray(jax.device_get(fn(vision.params, put(px))), np.float32)
             out += [e[None] for e in emb[:len(part)]]  # [1, N, D] each
         return out, -(-len(spans) // MAX_IMAGES_PER_CALL)
 
@@ -71,12 +80,12 @@ def _qwen3_vl_encoder(vision) -> Callable:
     """[ImageSpan] -> [f32 [1 + K, N, D]]: one call an image (a program per grid)."""
     from jaxinfer.runtime.device.qwen3_vl_vision import encode_image
 
-    fn = jax.jit(encode_image, static_argnames=("cfg", "grid"))
+    fn, put = jax.jit(encode_image, static_argnames=("cfg", "grid")), _placer(vision.params)
 
     def run(spans):
         out = []
         for s in spans:
-            emb, deep = fn(vision.params, jnp.asarray(s.pixels), cfg=vision.cfg, grid=s.grid)
+            emb, deep = fn(vision.params, put(s.pixels), cfg=vision.cfg, grid=s.grid)
             out.append(np.concatenate([np.asarray(emb, np.float32)[None],
                                        np.asarray(deep, np.float32)]))
         return out, len(spans)

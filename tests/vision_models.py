@@ -39,7 +39,7 @@ IMAGE_STD = (0.5, 0.5, 0.5)
 def make_gemma3_vision(out: Path, seed: int = 0, **overrides):
     """A random-init HF Gemma3ForConditionalGeneration saved (safetensors, f32) in `out`, with a
     preprocessor_config.json. `overrides`: Gemma3Config fields over the ones above (e.g.
-    mm_tokens_per_image; `text={...}`: text-config fields). Norms, biases and the projector (zero
+    mm_tokens_per_image; `text={...}` / `vision={...}`: text- / vision-config fields). Norms, biases and the projector (zero
     or one at init) are perturbed so a mapping error cannot hide. -> the model (eval mode)."""
     import transformers
 
@@ -58,6 +58,7 @@ def make_gemma3_vision(out: Path, seed: int = 0, **overrides):
         bos_token_id=2, eos_token_id=1, pad_token_id=0,
     )
     text.update(overrides.pop("text", {}))
+    vision.update(overrides.pop("vision", {}))
     kw = dict(text_config=text, vision_config=vision, mm_tokens_per_image=MM_TOKENS_PER_IMAGE,
               image_token_index=IMAGE_TOKEN_ID, boi_token_index=BOI_TOKEN_ID,
               eoi_token_index=EOI_TOKEN_ID, attn_implementation="eager")
@@ -199,6 +200,24 @@ def make_qwen3_vl(out: Path, seed: int = 0, **overrides):
         merge_size=vc.spatial_merge_size, image_mean=list(QWEN_IMAGE_MEAN),
         image_std=list(QWEN_IMAGE_STD)).save_pretrained(out)  # preprocessor_config.json
     return model
+
+
+# the byte-level tokenizer's special tokens for Qwen3-VL: its turn and image marks
+QWEN_SPECIALS = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2,
+                 "<|image_pad|>": QWEN_IMAGE_TOKEN_ID, "<|vision_start|>": QWEN_VISION_START_ID,
+                 "<|vision_end|>": QWEN_VISION_END_ID}
+QWEN_MARK = "<|vision_start|><|image_pad|><|vision_end|>"  # an image's place in a prompt
+
+
+def make_qwen3_vl_dir(out: Path, seed: int = 0, **overrides):
+    """`make_qwen3_vl` served as a model dir, with a byte-level tokenizer that knows
+    QWEN_SPECIALS and Qwen's chat template -> (out, HF model)."""
+    from tests.byte_tokenizer import QWEN_VL_TEMPLATE, write_byte_tokenizer
+
+    hf = make_qwen3_vl(out, seed, **overrides)
+    write_byte_tokenizer(out, QWEN_SPECIALS, QWEN_VOCAB, QWEN_VL_TEMPLATE, bos=None,
+                         eos="<|im_end|>")
+    return out, hf
 
 
 def assert_layerwise_equals_whole(llm, model_dir, prompt, **options):

@@ -17,6 +17,9 @@ weight and its scales (size 1 on the contracted axes) along the same non-contrac
 because an axis of size 1 never divides and stays replicated. Int8 KV pools (`QuantizedPages`)
 likewise: values [Hkv, N, ps, Dh], scales [Hkv, N, ps] split on the KV-head axis.
 
+Vision towers split by their own table (VISION_AXES: heads and MLP width, the rest whole):
+`shard_params(vision_params, mesh, table=VISION_AXES)`.
+
 Several hosts (one mesh over every process's devices): runtime/device/distributed.py.
 """
 
@@ -98,6 +101,25 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "final_norm": ("embed",),
 }
 
+# vision towers (runtime/device/vision.py, qwen3_vl_vision.py): their layers split like the
+# language model's (heads across devices, the MLP's width; an all-reduce after wo and fc2); the
+# patch embedding, positions, norms and Gemma 3's projector stay whole. Qwen3-VL's mergers are
+# MLPs too (fc1 [m*m*D, m*m*D] split by output, fc2 [m*m*D, D_out] by input).
+VISION_AXES: dict[str, tuple[str | None, ...]] = {
+    "wq": ("embed", "heads", "head_dim"),  # [Dv, H, Dh]
+    "wk": ("embed", "heads", "head_dim"),
+    "wv": ("embed", "heads", "head_dim"),
+    "bq": ("heads", "head_dim"),  # [H, Dh]
+    "bk": ("heads", "head_dim"),
+    "bv": ("heads", "head_dim"),
+    "wqkv": ("embed", None, "heads", "head_dim"),  # Qwen3-VL [D, 3, H, Dh]
+    "bqkv": (None, "heads", "head_dim"),  # [3, H, Dh]
+    "wo": ("heads", "head_dim", "embed"),  # [H, Dh, Dv]
+    "fc1": ("embed", "mlp"),  # [Dv, F]
+    "fc1_b": ("mlp",),
+    "fc2": ("mlp", "embed"),  # [F, Dv]
+}
+
 # LoRA slots (runtime/device/lora.py): per target, the (input, output) axes of its flattened projection;
 # a [L, Din, R] splits its input like the base weight, b [L, R, Dout] its output (the rank and
 # slot axes stay whole), so x A and (x A) B follow the base matmul's layout
@@ -161,25 +183,27 @@ def mesh_spec(axes: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh,
     return P(*out)
 
 
-def param_axes(path: str | list[str]) -> tuple[str, ...] | None:
+def param_axes(path: str | list[str], table: dict = PARAM_AXES) -> tuple[str, ...] | None:
     """Logical axes of the parameter at `path` ("layers.3.wq", "layers.3.wq.values", ...): the
-    last path component that names a weight decides (wrappers such as `.values` / `.scales`
-    inherit the weight's axes)."""
+    last path component that names a weight in `table` decides (wrappers such as `.values` /
+    `.scales` inherit the weight's axes)."""
     names = path.split(".") if isinstance(path, str) else path
     if len(names) >= 3 and names[0] == "lora" and names[-1] in LORA_AXES:  # lora.i.{a,b}.target
         din, dout = LORA_AXES[names[-1]]
         return (None, din, None) if names[-2] == "a" else (None, None, dout)
     for n in reversed(names):
-        if n in PARAM_AXES:
-            return PARAM_AXES[n]
+        if n in table:
+            return table[n]
     return None
 
 
-def param_shardings(params, mesh: Mesh, rules: dict[str, str | None] = RULES):
+def param_shardings(params, mesh: Mesh, rules: dict[str, str | None] = RULES,
+                    table: dict = PARAM_AXES):
     """A pytree of NamedSharding matching `params` (arrays or ShapeDtypeStructs, any leaf
-    wrapper types such as QuantizedArray)."""
+    wrapper types such as QuantizedArray); `table`: leaf name -> logical axes (VISION_AXES for
+    a vision tower)."""
     def one(kp, leaf):
-        axes = param_axes(path_names(kp))
+        axes = param_axes(path_names(kp), table)
         spec = P() if axes is None else mesh_spec(axes, tuple(leaf.shape), mesh, rules)
         return NamedSharding(mesh, spec)
 
@@ -221,9 +245,12 @@ def put(x, sharding: NamedSharding, dtype=None) -> jax.Array:
     return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
 
-def shard_params(params, mesh: Mesh, rules: dict[str, str | None] = RULES):
-    """Place a Params tree (any leaf wrappers) onto `mesh` by the rules."""
-    return jax.tree.map(lambda a, s: put(a, s), params, param_shardings(params, mesh, rules))
+def shard_params(params, mesh: Mesh, rules: dict[str, str | None] = RULES,
+                 table: dict = PARAM_AXES):
+    """Place a Params tree (any leaf wrappers) onto `mesh` by the rules; `table` as in
+    param_shardings."""
+    return jax.tree.map(lambda a, s: put(a, s), params,
+                        param_shardings(params, mesh, rules, table))
 
 
 def shard_placer(mesh: Mesh, dtype, inner: Callable | None = None) -> Callable:

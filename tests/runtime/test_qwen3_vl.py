@@ -12,22 +12,15 @@ import numpy as np
 import pytest
 import torch
 
-from tests.byte_tokenizer import QWEN_VL_TEMPLATE, write_byte_tokenizer
-from tests.vision_models import (QWEN_IMAGE_TOKEN_ID, QWEN_VISION_END_ID, QWEN_VISION_START_ID,
-                                 VOCAB, make_qwen3_vl, random_image)
+from tests.vision_models import (QWEN_IMAGE_TOKEN_ID, QWEN_MARK, QWEN_VISION_END_ID,
+                                 make_qwen3_vl_dir, random_image)
 
-SPECIALS = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2,
-            "<|image_pad|>": QWEN_IMAGE_TOKEN_ID, "<|vision_start|>": QWEN_VISION_START_ID,
-            "<|vision_end|>": QWEN_VISION_END_ID}
-MARK = "<|vision_start|><|image_pad|><|vision_end|>"
+MARK = QWEN_MARK
 
 
 @pytest.fixture(scope="module")
 def qwen_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("qwen3_vl")
-    hf = make_qwen3_vl(d)
-    write_byte_tokenizer(d, SPECIALS, VOCAB, QWEN_VL_TEMPLATE, bos=None, eos="<|im_end|>")
-    return d, hf
+    return make_qwen3_vl_dir(tmp_path_factory.mktemp("qwen3_vl"))
 
 
 @pytest.fixture(scope="module")
