@@ -72,12 +72,17 @@ def load(model: str, options: dict) -> Prepared:
     request_host_devices()  # before anything starts JAX's backends
     import jax
 
+    from jaxinfer.checkpoints.loader import resolve
+    from jaxinfer.runtime.compiled import install
+
+    install(resolve(model), config)  # programs shipped beside the checkpoint: before any compile
+
     if jax.default_backend() == "cpu":  # the CPU kernels compile (first use) while it loads
         from jaxinfer.runtime.device import cpu_kernels
 
         cpu_kernels.prebuild()
     if q == "gguf":
-        from jaxinfer.checkpoints.loader import is_gguf_file, resolve
+        from jaxinfer.checkpoints.loader import is_gguf_file
 
         if not is_gguf_file(resolve(model)):
             raise ValueError(f"{model}: quantization='gguf' keeps a GGUF file's quantized "

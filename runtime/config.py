@@ -506,6 +506,10 @@ ENGINE_OPTIONS = (
     Option("max_image_pixels", int, 40_000_000, lo=1,
            help="largest image (width x height) a request may send; larger ones are refused "
                 "before their pixels are decoded (a decompression bomb)"),
+    Option("compiled_dir", str, None, nullable=True,
+           help="programs compiled ahead by `jaxinfer compile` (runtime/compiled.py), installed "
+                "into the compilation cache at start when built for this host (None: the "
+                "checkpoint's own, <dir>/compiled or <file>.compiled, when there)"),
     Option("mmproj", str, None, nullable=True,
            help="llama.cpp mmproj GGUF with the vision tower of a GGUF text model (Gemma 3)"),
     Option("speculative", SpecConfig, None, nullable=True, parse=_parse_speculative, cli="json",

@@ -680,6 +680,11 @@ class Engine:
             self.proposer.warmup()
         return self.compile_count - before
 
+    def settle(self, timeout: float | None = None) -> bool:
+        """Wait for the programs this engine queued on the background compiler (first uses of
+        a shape, warm-up without waiting); -> whether all are done within `timeout` s."""
+        return self._step.settle(timeout) if isinstance(self._step, StepPrograms) else True
+
     def _warmup_steps(self, logprobs, filtered, s, w, n_lp) -> None:
         for plan, q in self._warmup_plans():
             self._run(plan, q, logprobs, filtered, prev=self._prev())

@@ -313,7 +313,9 @@ def _group(outs: list[RequestOutput], sp: SamplingParams) -> RequestOutput:
 
 def enable_compilation_cache() -> None:
     """Persist compiled steps across processes (first run compiles, later runs load) unless the
-    caller configured a cache already. JAXINFER_COMPILATION_CACHE=DIR overrides, =0 disables.
+    caller configured a cache already: ~/.cache/jaxinfer/xla/<this CPU's tag> (compiled.cpu_tag;
+    XLA:CPU code is built for the host's instruction set). JAXINFER_COMPILATION_CACHE=DIR
+    overrides, =0 disables.
     Programs that compiled in under 0.1 s are not kept (loading them costs about as much),
     unless jax's own JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS says otherwise: the programs
     that start an engine quickly (runtime/device/programs.py) take 0.1-1 s each."""
@@ -321,13 +323,13 @@ def enable_compilation_cache() -> None:
 
     import jax
 
-    where = os.environ.get("JAXINFER_COMPILATION_CACHE",
-                           os.path.join(os.path.expanduser("~"), ".cache", "jaxinfer", "xla"))
+    from jaxinfer.runtime.compiled import cpu_tag, use_cache
+
+    where = os.environ.get("JAXINFER_COMPILATION_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "jaxinfer", "xla", cpu_tag())
     if where == "0" or jax.config.jax_compilation_cache_dir:
         return
-    jax.config.update("jax_compilation_cache_dir", where)
-    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
+    use_cache(where, None if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" in os.environ else 0.1)
 
 
 class _NoBar:

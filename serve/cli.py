@@ -8,7 +8,8 @@ import sys
 import time
 from pathlib import Path
 
-from jaxinfer.serve.engine_args import engine_args, llm_from_args, sampling_args, sampling_kwargs
+from jaxinfer.serve.engine_args import (engine_args, engine_kwargs, llm_from_args, sampling_args,
+                                       sampling_kwargs)
 
 
 def cmd_generate(args) -> int:
@@ -61,6 +62,37 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_compile(args) -> int:
+    """Every program an engine of these options runs, compiled into a dir beside the checkpoint
+    (runtime/compiled.py): a prompt in each token bucket (the small programs a cold start runs
+    first, layer by layer), then warm-up (every whole step program)."""
+    from jaxinfer.checkpoints.loader import resolve
+    from jaxinfer.runtime import compiled
+    from jaxinfer.runtime.host.requests import SamplingParams
+
+    where = Path(args.out) if args.out else compiled.default_dir(resolve(args.model))
+    compiled.start_dir(where, args.overwrite)
+    options = engine_kwargs(args)
+    options.pop("warmup", None)  # warm-up comes after the prompts
+    t0 = time.perf_counter()
+    llm = llm_from_args(argparse.Namespace(**{**vars(args), **options, "compiled_dir": None,
+                                              "warmup": False}))
+    ids = llm.tokenizer.encode("Hello") or [0]
+    sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    for t in llm.engine.shapes.tokens:
+        n = max(1, min(t, llm.config.max_model_len - 2))
+        llm.generate([(ids * n)[:n]], sp)
+    warm = llm.warmup()
+    llm.engine.settle()  # the background compiles under way land in the cache
+    m = compiled.write_manifest(where, llm.config, model=str(args.model),
+                                seconds=round(time.perf_counter() - t0, 1),
+                                warmup_programs=warm["programs"])
+    print(f"wrote {m['programs']} programs ({m['bytes'] / 1e6:.1f} MB) and {where}/"
+          f"manifest.json in {m['seconds']:.1f}s; engines of this model on a host like this "
+          f"one start with them (compiled_dir, default beside the checkpoint)", file=sys.stderr)
+    return 0
+
+
 # Modules that add their own subcommands: each has `register(subparsers, engine_args)`.
 COMMAND_MODULES: tuple[str, ...] = ("jaxinfer.tools.bench_throughput", "jaxinfer.serve.batch",
                                     "jaxinfer.serve.grpc_server", "jaxinfer.tools.bench_serving",
@@ -107,6 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--keep-embeddings", action="store_true",
                    help="with --quantize: keep embed / lm_head in --dtype")
     c.set_defaults(fn=cmd_convert)
+    k = sub.add_parser("compile", help="compile a model's step programs ahead, beside its "
+                                       "checkpoint (engines that start on a like host load them)")
+    engine_args(k)
+    k.add_argument("--out", default=None,
+                   help="where to write them (default: <dir>/compiled or <file>.compiled)")
+    k.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    k.set_defaults(fn=cmd_compile)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub, engine_args)
     return p

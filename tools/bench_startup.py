@@ -10,7 +10,9 @@ the time to `--tokens` tokens, the process's wall time (exit waits for a backgro
 under way: its program lands in the cache), and every program it compiled: name, count,
 trace / lower / compile seconds, and how many the persistent cache served. `--serve`: `jaxinfer
 serve --http-port P` started the same way, timed to its first 200 on /health and to the answer
-of one completion. Medians over `--repeats`; the table lists the last run's programs.
+of one completion. `--compiled-dir DIR`: also cold runs (empty caches) that start with the
+programs `jaxinfer compile` wrote in DIR. Medians over `--repeats`; the table lists the last
+run's programs.
 """
 
 from __future__ import annotations
@@ -79,7 +81,8 @@ def child(a) -> dict:
         lg.setLevel(logging.DEBUG if name.endswith("compiler") else logging.WARNING)
         lg.propagate = False
     t1 = time.perf_counter()
-    llm = LLM(a.model, compile_mode=a.compile_mode)
+    shipped = {"compiled_dir": a.compiled_dir} if a.compiled_dir else {}
+    llm = LLM(a.model, compile_mode=a.compile_mode, **shipped)
     t_load = time.perf_counter() - t1
     t2, first, n = time.perf_counter(), None, 0
     sp = SamplingParams(max_tokens=a.tokens, temperature=0.0, ignore_eos=True)
@@ -106,7 +109,8 @@ def serve_run(a, env: dict) -> dict:
     exe = os.path.join(os.path.dirname(sys.executable), "jaxinfer")  # the console script
     proc = subprocess.Popen([exe, "serve", "--model",
                              a.model, "--port", str(port), "--http-port", str(http),
-                             "--compile-mode", a.compile_mode],
+                             "--compile-mode", a.compile_mode,
+                             *(["--compiled-dir", a.shipped] if a.shipped else [])],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     base, ready = f"http://127.0.0.1:{http}", None
     try:
@@ -132,10 +136,11 @@ def serve_run(a, env: dict) -> dict:
     return dict(ready_s=ready, answered_s=answered, text=text)
 
 
-def run_once(a, mode: str, env: dict) -> dict:
+def run_once(a, mode: str, env: dict, shipped: str | None = None) -> dict:
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-m", "jaxinfer.tools.bench_startup", "--child",
-                        "--model", a.model, "--compile-mode", mode, "--tokens", str(a.tokens)],
+                        "--model", a.model, "--compile-mode", mode, "--tokens", str(a.tokens),
+                        *(["--compiled-dir", shipped] if shipped else [])],
                        env=env, capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"startup run failed:\n{r.stderr[-3000:]}")
@@ -157,12 +162,24 @@ def measure(a) -> dict:
                     print(f"{mode} {temp} #{rep + 1}: first token "
                           f"{runs[-1]['first_token_s']:.2f} s after load "
                           f"{runs[-1]['load_s']:.2f} s", file=sys.stderr, flush=True)
+                if a.compiled_dir:  # empty caches again, the programs shipped
+                    shipped = dict(env, JAXINFER_COMPILATION_CACHE=os.path.join(d, "xla3"))
+                    runs = report["runs"].setdefault(f"{mode} cold, shipped", [])
+                    runs.append(run_once(a, mode, shipped, a.compiled_dir))
+                    print(f"{mode} cold, shipped #{rep + 1}: first token "
+                          f"{runs[-1]['first_token_s']:.2f} s after load "
+                          f"{runs[-1]['load_s']:.2f} s", file=sys.stderr, flush=True)
                 if a.serve:
-                    for temp in ("serve cold", "serve warm"):
-                        if temp == "serve cold":  # its own empty caches
-                            env = dict(env, JAXINFER_COMPILATION_CACHE=os.path.join(d, "xla2"))
-                        report["runs"].setdefault(f"{mode} {temp}", []).append(
-                            serve_run(argparse.Namespace(**vars(a), compile_mode=mode), env))
+                    temps = ["serve cold", "serve warm"] + (
+                        ["serve cold, shipped"] if a.compiled_dir else [])
+                    for temp in temps:
+                        if temp != "serve warm":  # its own empty caches
+                            env = dict(env, JAXINFER_COMPILATION_CACHE=os.path.join(
+                                d, temp.replace(" ", "_").replace(",", "")))
+                        shipped = a.compiled_dir if "shipped" in temp else None
+                        report["runs"].setdefault(f"{mode} {temp}", []).append(serve_run(
+                            argparse.Namespace(**{**vars(a), "compile_mode": mode,
+                                                  "shipped": shipped}), env))
     return report
 
 
@@ -211,6 +228,9 @@ def add_args(p) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--serve", action="store_true", help="also time `jaxinfer serve`")
     p.add_argument("--out", default=None, help="write the report as JSON")
+    p.add_argument("--compiled-dir", default=None,
+                   help="programs `jaxinfer compile` wrote for --model: also start with empty "
+                        "caches and these (runs '... cold, shipped')")
 
 
 def cmd(a) -> int:
