@@ -45,7 +45,7 @@ class LLM:
         current weights."""
         return replace(self._model, params=self.engine.params)
 
-    def warmup(self, wait: bool = True) -> dict:
+    def warmup(self, wait: bool = True, first_answers: bool = False) -> dict:
         """Compile every step shape the engine can run (Engine.warmup: token x page x q-length
         buckets, the verify and draft steps), up front, so no request waits on a compile.
         Returns {"programs": step programs launched for the first time by this engine,
@@ -53,13 +53,24 @@ class LLM:
         of the same model in this process) load instead of compiling. Under task "embed":
         the embedding programs (runtime/embedding.py), not the steps. `wait=False` (compile
         mode "background"): the step programs are queued on the background compiler and this
-        returns at once ("programs": 0); requests meanwhile run layer by layer."""
+        returns at once ("programs": 0); requests meanwhile run layer by layer.
+        `first_answers`: before that, answer a prompt in each token bucket (in compile mode
+        "background": the small programs a fresh start runs first, layer by layer), and wait for
+        every compile those queued (`jaxinfer compile` ships them all)."""
         import logging
         import time
 
         t0 = time.perf_counter()
+        if first_answers and self.task != "embed":
+            ids = self.tokenizer.encode("Hello") or [0]
+            sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+            for t in self.engine.shapes.tokens:
+                n = max(1, min(t, self.config.max_model_len - 2))
+                self.generate([(ids * n)[:n]], sp)
         n = (embedder(self.engine).warmup() if self.task == "embed"
              else self.engine.warmup(wait=wait))
+        if first_answers:
+            self.engine.settle()
         self.warmup_stats = {"programs": n, "seconds": time.perf_counter() - t0}
         logging.getLogger(__name__).info("warm-up: %d step programs ready in %.1f s", n,
                                          self.warmup_stats["seconds"])

@@ -8,8 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from jaxinfer.serve.engine_args import (engine_args, engine_kwargs, llm_from_args, sampling_args,
-                                       sampling_kwargs)
+from jaxinfer.serve.engine_args import engine_args, llm_from_args, sampling_args, sampling_kwargs
 
 
 def cmd_generate(args) -> int:
@@ -64,26 +63,16 @@ def cmd_convert(args) -> int:
 
 def cmd_compile(args) -> int:
     """Every program an engine of these options runs, compiled into a dir beside the checkpoint
-    (runtime/compiled.py): a prompt in each token bucket (the small programs a cold start runs
-    first, layer by layer), then warm-up (every whole step program)."""
+    (runtime/compiled.py): the first answers' small programs, then every whole step program."""
     from jaxinfer.checkpoints.loader import resolve
     from jaxinfer.runtime import compiled
-    from jaxinfer.runtime.host.requests import SamplingParams
 
     where = Path(args.out) if args.out else compiled.default_dir(resolve(args.model))
     compiled.start_dir(where, args.overwrite)
-    options = engine_kwargs(args)
-    options.pop("warmup", None)  # warm-up comes after the prompts
     t0 = time.perf_counter()
-    llm = llm_from_args(argparse.Namespace(**{**vars(args), **options, "compiled_dir": None,
+    llm = llm_from_args(argparse.Namespace(**{**vars(args), "compiled_dir": None,
                                               "warmup": False}))
-    ids = llm.tokenizer.encode("Hello") or [0]
-    sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    for t in llm.engine.shapes.tokens:
-        n = max(1, min(t, llm.config.max_model_len - 2))
-        llm.generate([(ids * n)[:n]], sp)
-    warm = llm.warmup()
-    llm.engine.settle()  # the background compiles under way land in the cache
+    warm = llm.warmup(first_answers=True)
     m = compiled.write_manifest(where, llm.config, model=str(args.model),
                                 seconds=round(time.perf_counter() - t0, 1),
                                 warmup_programs=warm["programs"])
