@@ -1160,10 +1160,19 @@ class OpenAIApp:
             raise
         return choices
 
-    def _usage(self, job: _Job, completion_tokens: int) -> dict:
+    def _usage(self, job: _Job, completion_tokens: int, cached: int | None = None) -> dict:
+        """`cached`: prompt tokens the prefix cache served (prompt_tokens_details, as OpenAI
+        reports them; None while unknown: a stream's chunks before its end)."""
         prompt = sum(len(p) for p in job.prompts)  # counted once per prompt, whatever n is
-        return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
-                "total_tokens": prompt + completion_tokens}
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt + completion_tokens}
+        if cached is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        return usage
+
+    @staticmethod
+    def _cached(output) -> int:
+        return int(output.metrics.get("cached_tokens", 0))
 
     def _final(self, job: _Job, choices: list[RequestOutput], chat: bool, rid: str) -> dict:
         out = []
@@ -1185,7 +1194,9 @@ class OpenAIApp:
                     out[-1]["prompt_logprobs"] = self._vllm_prompt_logprobs(c.prompt_logprobs)
         resp = {"id": rid, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": job.model, "system_fingerprint": FINGERPRINT,
-                "choices": out, "usage": self._usage(job, sum(len(c.token_ids) for c in choices))}
+                "choices": out, "usage": self._usage(
+                    job, sum(len(c.token_ids) for c in choices),  # a prompt's first sample's
+                    sum(self._cached(c) for c in choices[::job.n]))}
         if chat and job.prompt_logprobs:
             resp["prompt_logprobs"] = self._vllm_prompt_logprobs(choices[0].prompt_logprobs)
         return resp
@@ -1268,6 +1279,7 @@ class OpenAIApp:
         held = [""] * total  # chat with tools: the reply is known to be a call or text at its end
         held_lp: list[list[dict]] = [[] for _ in range(total)]
         completion_tokens = so_far = 0
+        cached: dict[int, int] = {}  # prompt -> its prompt tokens the prefix cache served
         try:
             if chat:
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -1283,6 +1295,7 @@ class OpenAIApp:
                         raise ShuttingDown("request cancelled by the server (shutting down)")
                     if u.finished and u.output is not None:
                         completion_tokens += len(u.output.token_ids)
+                        cached.setdefault(hi, self._cached(u.output))  # a prompt's first
                     so_far += len(u.token_ids)
                     if not (u.text or u.token_ids or u.finished):
                         continue
@@ -1323,7 +1336,7 @@ class OpenAIApp:
             if job.include_usage:
                 d = {"id": rid, "object": obj, "created": created, "model": job.model,
                      "system_fingerprint": FINGERPRINT, "choices": [],
-                     "usage": self._usage(job, completion_tokens)}
+                     "usage": self._usage(job, completion_tokens, sum(cached.values()))}
                 yield b"data: " + _dumps(d) + b"\n\n"
             yield b"data: [DONE]\n\n"
         except (EngineFault, ShuttingDown) as e:

@@ -148,6 +148,8 @@ def test_continuous_usage_counts_the_chunks_tokens(server, hf, chat):
                           body)
     assert status == 200
     *chunks, last = events
+    cached = last["usage"].pop("prompt_tokens_details")["cached_tokens"]  # known at the end
+    assert 0 <= cached < prompt_tokens and cached % TINY["page_size"] == 0
     assert last["choices"] == [] and last["usage"] == {
         "prompt_tokens": prompt_tokens, "completion_tokens": 9, "total_tokens": prompt_tokens + 9}
     seen = 0  # tokens in the chunks so far, by their logprob entries

@@ -171,6 +171,23 @@ def test_completion_n_stop_seed_streamed_and_not(client, ref_llm):
     assert usage is not None and usage.model_dump() == r.usage.model_dump()
 
 
+def test_usage_reports_the_prompt_tokens_the_prefix_cache_served(client):
+    """usage.prompt_tokens_details.cached_tokens (OpenAI's field): 0 for a prompt first seen,
+    then its full pages (page_size 8) when the same prompt comes again; streamed too (the
+    include_usage chunk), and once per prompt whatever n is."""
+    prompt = [int(t) for t in range(40, 40 + 45)]  # a prompt no other test sends: 45 tokens
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=3, temperature=0)
+    first = client.completions.create(**kw).usage
+    assert first.prompt_tokens == 45 and first.prompt_tokens_details.cached_tokens == 0
+    again = client.completions.create(**kw, n=2, seed=1).usage
+    # 5 full pages of 8 cached (the page with the last prompt token is computed again)
+    assert again.prompt_tokens_details.cached_tokens == 40
+    chunks = list(client.completions.create(**kw, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 40
+    assert all(c.usage is None for c in chunks[:-1])
+
+
 def test_seed_reproducible_and_matters(client):
     kw = dict(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=1.0)
     a = client.completions.create(seed=5, **kw).choices[0].text
