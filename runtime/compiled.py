@@ -9,6 +9,8 @@ DIR (default: beside the checkpoint, `<dir>/compiled/` or `<file>.compiled/`) ho
                   options, answering a prompt in each token bucket (the small programs a cold
                   start runs first: layer by layer, runtime/device/programs.py) and warm-up
                   (every step program the options imply);
+  kernels/        the CPU kernel library the build used (runtime/device/cpu_kernels.py), so
+                  a fresh host of the same CPU and compiler does not build it again;
   manifest.json   what the programs are valid for (`host()`: platform, its version, device kind
                   and count, jax / jaxlib versions, and on CPU the instruction-set flags XLA
                   compiled for) and the options they were built under.
@@ -34,6 +36,7 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 PROGRAMS = "xla"
+KERNELS = "kernels"
 FORMAT = 1
 _SUFFIX = "-cache"  # jax's persistent cache: one "<name>-<key>-cache" file a program
 
@@ -109,6 +112,27 @@ def host() -> dict:
     return out
 
 
+def _link_missing(files, target: Path) -> int:
+    """Hard-link (else copy) each of `files` into `target` unless a file of its name is there;
+    -> how many were added."""
+    target.mkdir(parents=True, exist_ok=True)
+    added = 0
+    for f in files:
+        dest = target / f.name
+        if dest.exists():
+            continue
+        try:
+            os.link(f, dest)
+        except FileExistsError:  # another process put it there first
+            continue
+        except OSError:  # another file system, or links not allowed: copied whole, then named
+            tmp = target / f".{f.name}.{os.getpid()}"
+            shutil.copyfile(f, tmp)
+            os.replace(tmp, dest)
+        added += 1
+    return added
+
+
 def _options(config) -> dict:
     return json.loads(json.dumps(dataclasses.asdict(config), default=str))
 
@@ -157,17 +181,11 @@ def install(checkpoint: Path, config) -> int:
     target, source = Path(target), where / PROGRAMS
     if source.resolve() == target.resolve():
         return 0
-    target.mkdir(parents=True, exist_ok=True)
-    added = 0
-    for f in source.glob(f"*{_SUFFIX}"):
-        dest = target / f.name
-        if dest.exists():
-            continue
-        try:
-            os.link(f, dest)
-        except OSError:  # another file system, or links not allowed
-            shutil.copyfile(f, dest)
-        added += 1
+    added = _link_missing(source.glob(f"*{_SUFFIX}"), target)
+    if (where / KERNELS).is_dir():  # named by source, compiler, CPU flags and jaxlib: a library
+        from jaxinfer.runtime.device import cpu_kernels  # another host could not use is never
+
+        _link_missing((where / KERNELS).glob("*.so"), cpu_kernels.cache_dir())  # looked up
     other = _differences(manifest.get("options", {}), _options(config))
     log.info("compiled programs: %d installed from %s%s", added, where,
              f" (built with other {', '.join(other)}: programs they change compile as usual)"
@@ -193,11 +211,25 @@ def start_dir(where: Path, overwrite: bool) -> Path:
     return programs
 
 
+def _ship_kernels(where: Path) -> list[str]:
+    """The CPU kernel library this process built (runtime/device/cpu_kernels.py), copied into
+    `where`/kernels: a fresh host of the same CPU and compiler skips its build (~4 s)."""
+    from jaxinfer.runtime.device import cpu_kernels
+
+    if host()["platform"] != "cpu" or not cpu_kernels.available("cpu"):
+        return []
+    lib = cpu_kernels.library_path()
+    (where / KERNELS).mkdir(exist_ok=True)
+    shutil.copyfile(lib, where / KERNELS / lib.name)
+    return [lib.name]
+
+
 def write_manifest(where: Path, config, **facts) -> dict:
     """The manifest of the programs in `where` (built under EngineConfig `config`), written last:
     a dir without one is never installed."""
+    kernels = _ship_kernels(where)
     files = list((where / PROGRAMS).glob(f"*{_SUFFIX}"))
     manifest = dict(format=FORMAT, host=host(), options=_options(config), programs=len(files),
-                    bytes=sum(f.stat().st_size for f in files), **facts)
+                    bytes=sum(f.stat().st_size for f in files), kernels=kernels, **facts)
     (where / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest

@@ -10,8 +10,8 @@ the time to `--tokens` tokens, the process's wall time (exit waits for a backgro
 under way: its program lands in the cache), and every program it compiled: name, count,
 trace / lower / compile seconds, and how many the persistent cache served. `--serve`: `jaxinfer
 serve --http-port P` started the same way, timed to its first 200 on /health and to the answer
-of one completion. `--compiled-dir DIR`: also cold runs (empty caches) that start with the
-programs `jaxinfer compile` wrote in DIR. Medians over `--repeats`; the table lists the last
+of one completion. `--compiled-dir DIR`: also cold runs (empty model and compilation caches)
+that start with the programs `jaxinfer compile` wrote in DIR. Medians over `--repeats`; the table lists the last
 run's programs.
 """
 
@@ -162,8 +162,9 @@ def measure(a) -> dict:
                     print(f"{mode} {temp} #{rep + 1}: first token "
                           f"{runs[-1]['first_token_s']:.2f} s after load "
                           f"{runs[-1]['load_s']:.2f} s", file=sys.stderr, flush=True)
-                if a.compiled_dir:  # empty caches again, the programs shipped
-                    shipped = dict(env, JAXINFER_COMPILATION_CACHE=os.path.join(d, "xla3"))
+                if a.compiled_dir:  # a fresh host again (empty caches), the programs shipped
+                    shipped = dict(env, JAXINFER_CACHE=os.path.join(d, "models3"),
+                                   JAXINFER_COMPILATION_CACHE=os.path.join(d, "xla3"))
                     runs = report["runs"].setdefault(f"{mode} cold, shipped", [])
                     runs.append(run_once(a, mode, shipped, a.compiled_dir))
                     print(f"{mode} cold, shipped #{rep + 1}: first token "
@@ -176,6 +177,8 @@ def measure(a) -> dict:
                         if temp != "serve warm":  # its own empty caches
                             env = dict(env, JAXINFER_COMPILATION_CACHE=os.path.join(
                                 d, temp.replace(" ", "_").replace(",", "")))
+                        if "shipped" in temp:  # a fresh host: the model cache empty too
+                            env = dict(env, JAXINFER_CACHE=os.path.join(d, "models4"))
                         shipped = a.compiled_dir if "shipped" in temp else None
                         report["runs"].setdefault(f"{mode} {temp}", []).append(serve_run(
                             argparse.Namespace(**{**vars(a), "compile_mode": mode,

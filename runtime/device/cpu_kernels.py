@@ -55,7 +55,8 @@ def _cpu_flags() -> str:
     return platform.machine() + platform.processor()
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
+    """Where built kernel libraries are kept (one file per source, compiler, CPU, jaxlib)."""
     base = os.environ.get("JAXINFER_CACHE")
     return (Path(base) if base else Path.home() / ".cache" / "jaxinfer") / "kernels"
 
@@ -88,7 +89,7 @@ def _library_path() -> Path | None:
 
     key = hashlib.sha256(b"\0".join(s.encode() if isinstance(s, str) else s for s in (
         _SOURCE.read_bytes(), version, _cpu_flags(), jaxlib.__version__))).hexdigest()[:20]
-    out = _cache_dir() / f"cpu_matmul-{key}.so"
+    out = cache_dir() / f"cpu_matmul-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """Programs compiled ahead (`jaxinfer compile`, runtime/compiled.py): a fresh process with an
-empty compilation cache and the shipped programs compiles nothing for its first answer, and
-answers as one without; a manifest written on another host (its CPU flags, jax version) or an
+empty compilation cache and the shipped programs compiles nothing for its first answer (nor
+builds the CPU kernels), and answers as one without; a manifest written on another host (its CPU flags, jax version) or an
 unreadable one is refused with a warning naming why, and the engine compiles its own."""
 
 from __future__ import annotations
@@ -34,15 +34,18 @@ print(json.dumps(dict(tokens=out.token_ids, misses=len(misses))))
 """
 
 
-def _env(cache: Path) -> dict:
+def _env(cache: Path, models: Path | None = None) -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAXINFER_COMPILATION_CACHE=str(cache))
+    if models is not None:  # a fresh host's model and kernel cache
+        env["JAXINFER_CACHE"] = str(models)
     env.pop("JAXINFER_TEST_COMPILATION_CACHE", None)
     return env
 
 
-def _first_answer(model: Path, shipped: Path, cache: Path) -> tuple[dict, str]:
+def _first_answer(model: Path, shipped: Path, cache: Path,
+                  models: Path | None = None) -> tuple[dict, str]:
     out = subprocess.run([sys.executable, "-c", CHILD, str(model), str(shipped)], cwd=ROOT,
-                         env=_env(cache), capture_output=True, text=True, timeout=600)
+                         env=_env(cache, models), capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
 
@@ -57,10 +60,13 @@ def test_shipped_programs_start_a_fresh_process_without_compiling(tiny_dir, tmp_
     manifest = json.loads((shipped / "manifest.json").read_text())
     assert manifest["programs"] == len(list((shipped / "xla").glob("*-cache"))) > 0
     assert manifest["options"]["max_slots"] == 2 and manifest["host"]["cpu_flags"]
+    assert manifest["kernels"] or shutil.which(os.environ.get("CXX", "g++")) is None
     assert not (tmp_path / "compile_cache").exists()  # everything went to --out
 
-    warm, _ = _first_answer(tiny_dir, shipped, tmp_path / "cache_a")
+    warm, _ = _first_answer(tiny_dir, shipped, tmp_path / "cache_a", tmp_path / "models_a")
     assert warm["misses"] == 0, warm  # every program came from the shipped set
+    for name in manifest["kernels"]:  # the CPU kernels too: linked, not built again
+        assert (tmp_path / "models_a" / "kernels" / name).stat().st_nlink > 1
 
     # another host's programs (its CPU): refused by name, compiled here, the same answer
     other = tmp_path / "other"
