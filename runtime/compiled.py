@@ -54,7 +54,10 @@ def use_cache(where: str, min_compile_s: float | None) -> None:
     if min_compile_s is not None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_s)
     if "JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES" not in os.environ:
-        jax.config.update("jax_persistent_cache_enable_xla_caches", "none")
+        try:
+            jax.config.update("jax_persistent_cache_enable_xla_caches", "none")
+        except AttributeError:  # a jax without that option (and without the path in keys)
+            pass
 
 
 def cache_dir() -> str | None:
