@@ -73,30 +73,50 @@ def _gemma3_encoder(vision) -> Callable:
             out += [e[None] for e in emb[:len(part)]]  # [1, N, D] each
         return out, -(-len(spans) // MAX_IMAGES_PER_CALL)
 
+    run.programs = fn._cache_size
     return run
 
 
 def _qwen3_vl_encoder(vision) -> Callable:
-    """[ImageSpan] -> [f32 [1 + K, N, D]]: one call an image (a program per grid)."""
-    from jaxinfer.runtime.device.qwen3_vl_vision import encode_image
+    """[ImageSpan] -> [f32 [1 + K, N, D]]: one call an image, its patches padded to their
+    bucket (qwen3_vl_vision.patch_bucket): a program a bucket, not one per image size."""
+    from jaxinfer.runtime.device.qwen3_vl_vision import (encode_image_bucketed,
+                                                          merge_order_coords, patch_bucket)
 
-    fn, put = jax.jit(encode_image, static_argnames=("cfg", "grid")), _placer(vision.params)
+    cfg = vision.cfg
+    fn = jax.jit(functools.partial(encode_image_bucketed, cfg=cfg))  # programs of this model's
+    put = _placer(vision.params)
 
     def run(spans):
         out = []
         for s in spans:
-            emb, deep = fn(vision.params, put(s.pixels), cfg=vision.cfg, grid=s.grid)
-            out.append(np.concatenate([np.asarray(emb, np.float32)[None],
-                                       np.asarray(deep, np.float32)]))
+            t, h, w = s.grid
+            if t != 1:
+                raise ValueError(f"an image's grid has one frame, got {s.grid}")
+            n, b = h * w, patch_bucket(cfg, h * w)
+            rows, cols = (np.asarray(a, np.int32) for a in
+                          merge_order_coords(h, w, cfg.spatial_merge_size))
+            pad = b - n
+            emb, deep = fn(vision.params,
+                           put(np.concatenate([s.pixels, np.zeros((pad, cfg.patch_dim),
+                                                                  np.float32)])),
+                           put(np.pad(rows, (0, pad))), put(np.pad(cols, (0, pad))),
+                           put(np.arange(b) < n), put(np.array([h, w], np.int32)))
+            k = n // cfg.merge_unit
+            out.append(np.concatenate([np.asarray(emb, np.float32)[None, :k],
+                                       np.asarray(deep, np.float32)[:, :k]]))
         return out, len(spans)
 
+    run.programs = fn._cache_size
     return run
 
 
 @dataclass(frozen=True)
 class Kind:
     spec: Callable  # vision cfg -> ImageSpec
-    encoder: Callable  # VisionModel -> run([ImageSpan]) -> ([f32 [1 + K, N, D]], calls)
+    # VisionModel -> run([ImageSpan]) -> ([f32 [1 + K, N, D]], calls); run.programs() -> the
+    # encoder programs compiled
+    encoder: Callable
 
 
 KINDS = {"gemma3": Kind(_gemma3_spec, _gemma3_encoder),
@@ -114,6 +134,7 @@ class Images:
         self.spec = kind.spec(vision.cfg)
         self.cache = EncoderCache(int(ecfg.mm_cache_gb * (1 << 30)))
         self._encode = kind.encoder(vision)
+        self.programs = self._encode.programs  # () -> encoder programs compiled
         self.runs = 0  # encoder calls
         self.encoded = 0  # images encoded
 

@@ -194,7 +194,7 @@ def merge_order_coords(h: int, w: int, m: int) -> tuple[jax.Array, jax.Array]:
 def _axis_taps(index: jax.Array, size: int, side: int) -> tuple[jax.Array, jax.Array]:
     """Bilinear taps (align_corners) of `index` [S] on an axis of `size` into a `side`-long
     table: (taps int32 [S, 2], weights f32 [S, 2])."""
-    src = index.astype(F32) * (side - 1) / max(size - 1, 1)  # [S] in [0, side - 1]
+    src = index.astype(F32) * (side - 1) / jnp.maximum(size - 1, 1)  # [S] in [0, side - 1]
     floor = jnp.floor(src)
     off = jnp.arange(2, dtype=F32)
     taps = jnp.clip(floor[:, None].astype(jnp.int32) + jnp.arange(2, dtype=jnp.int32), 0, side - 1)
@@ -202,11 +202,14 @@ def _axis_taps(index: jax.Array, size: int, side: int) -> tuple[jax.Array, jax.A
     return taps, weights
 
 
-def position_embeddings(table: jax.Array, cfg: Qwen3VLVisionConfig, h: int, w: int) -> jax.Array:
+def position_embeddings(table: jax.Array, cfg: Qwen3VLVisionConfig, h: int, w: int,
+                        coords: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """The [G*G, D] table resampled (bilinear, align_corners) to an h x w grid, in merge-block
-    order: [h*w, D] f32 (HF: Qwen3VLVisionModel's interpolated pos_embed for one frame)."""
+    order: [h*w, D] f32 (HF: Qwen3VLVisionModel's interpolated pos_embed for one frame).
+    `coords` (rows, cols int32 [S]): the patches' grid coordinates instead (h, w may be
+    traced): the bucketed encoder's, padding included."""
     g = cfg.pos_side
-    rows, cols = merge_order_coords(h, w, cfg.spatial_merge_size)
+    rows, cols = merge_order_coords(h, w, cfg.spatial_merge_size) if coords is None else coords
     th, wh = _axis_taps(rows, h, g)  # [S, 2]
     tw, ww = _axis_taps(cols, w, g)
     idx = (th[:, :, None] * g + tw[:, None, :]).reshape(-1, 4)  # [S, 4] (h0w0, h0w1, h1w0, h1w1)
@@ -214,12 +217,15 @@ def position_embeddings(table: jax.Array, cfg: Qwen3VLVisionConfig, h: int, w: i
     return jnp.einsum("sjd,sj->sd", _f32(table)[idx], wgt, preferred_element_type=F32)
 
 
-def rotary_cos_sin(cfg: Qwen3VLVisionConfig, h: int, w: int) -> tuple[jax.Array, jax.Array]:
+def rotary_cos_sin(cfg: Qwen3VLVisionConfig, h: int, w: int,
+                   coords: tuple[jax.Array, jax.Array] | None = None
+                   ) -> tuple[jax.Array, jax.Array]:
     """cos, sin f32 [h*w, Dh] of the vision attention's 2-D rotary, merge-block order: angles
-    [row * inv_freq | col * inv_freq] (Dh/4 frequencies each, theta^(-4i/Dh)), twice over."""
+    [row * inv_freq | col * inv_freq] (Dh/4 frequencies each, theta^(-4i/Dh)), twice over.
+    `coords`: as in position_embeddings."""
     quarter = cfg.head_dim // 4
     inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(quarter, dtype=F32) * 2 / (2 * quarter)))
-    rows, cols = merge_order_coords(h, w, cfg.spatial_merge_size)
+    rows, cols = merge_order_coords(h, w, cfg.spatial_merge_size) if coords is None else coords
     ang = jnp.concatenate([rows.astype(F32)[:, None] * inv_freq,
                            cols.astype(F32)[:, None] * inv_freq], axis=-1)  # [S, Dh/2]
     ang = jnp.concatenate([ang, ang], axis=-1)  # [S, Dh]
@@ -237,8 +243,9 @@ def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def _attention(bp: Qwen3VLBlockParams, x: jax.Array, cos: jax.Array, sin: jax.Array,
-               cfg: Qwen3VLVisionConfig) -> jax.Array:
-    """Bidirectional attention within each frame: x [F, S, D] -> [F, S, D]."""
+               cfg: Qwen3VLVisionConfig, valid: jax.Array | None = None) -> jax.Array:
+    """Bidirectional attention within each frame: x [F, S, D] -> [F, S, D]; `valid` bool [S]:
+    the keys that exist (a bucket's padding attends and is attended by nothing real)."""
     qkv = _ein("fsd,dchk->cfshk", x, bp.wqkv) + _f32(bp.bqkv)[:, None, None]  # [3, F, S, H, Dh]
     q, k, v = _rotate(qkv[0], cos, sin), _rotate(qkv[1], cos, sin), qkv[2]
     n_frames, s = x.shape[0], x.shape[1]
@@ -250,6 +257,8 @@ def _attention(bp: Qwen3VLBlockParams, x: jax.Array, cos: jax.Array, sin: jax.Ar
 
     def attend(qc):  # [F, c, H, Dh] -> [F, c, H, Dh]
         sc = jnp.einsum("fqhk,fshk->fhqs", qc, k, preferred_element_type=F32) * scale
+        if valid is not None:
+            sc = jnp.where(valid, sc, -jnp.inf)
         a = jax.nn.softmax(sc, axis=-1)  # [F, H, c, S]
         return jnp.einsum("fhqs,fshk->fqhk", a, v, preferred_element_type=F32)
 
@@ -264,10 +273,10 @@ def _mlp(bp: Qwen3VLBlockParams, x: jax.Array, cfg: Qwen3VLVisionConfig) -> jax.
 
 
 def vision_block(bp: Qwen3VLBlockParams, x: jax.Array, cos: jax.Array, sin: jax.Array,
-                 cfg: Qwen3VLVisionConfig) -> jax.Array:
+                 cfg: Qwen3VLVisionConfig, valid: jax.Array | None = None) -> jax.Array:
     """One pre-LayerNorm block over x [F, S, D] f32 (F frames of S = h*w patches)."""
     eps = cfg.layer_norm_eps
-    x = x + _attention(bp, layer_norm(x, bp.ln1_w, bp.ln1_b, eps), cos, sin, cfg)
+    x = x + _attention(bp, layer_norm(x, bp.ln1_w, bp.ln1_b, eps), cos, sin, cfg, valid)
     return x + _mlp(bp, layer_norm(x, bp.ln2_w, bp.ln2_b, eps), cfg)
 
 
@@ -303,18 +312,48 @@ def encode_image(params: Qwen3VLVisionParams, patches: jax.Array, cfg: Qwen3VLVi
                          f"{(t * h * w, cfg.patch_dim)}")
     x = _ein("nk,kd->nd", patches, params.patch_w) + _f32(params.patch_b)  # [N, D]
     x = x.reshape(t, h * w, cfg.hidden_size) + position_embeddings(params.pos, cfg, h, w)
-    cos, sin = rotary_cos_sin(cfg, h, w)
+    return _tower(params, x, rotary_cos_sin(cfg, h, w), cfg)
+
+
+def _tower(params: Qwen3VLVisionParams, x: jax.Array, cos_sin, cfg: Qwen3VLVisionConfig,
+           valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Patch states x [F, S, D] (embedded, positions added) -> (embeds [F*S/m^2, D_out],
+    deepstack [K, F*S/m^2, D_out])."""
     feats = []
     for i, bp in enumerate(params.blocks):
-        x = vision_block(bp, x, cos, sin, cfg)
+        x = vision_block(bp, x, *cos_sin, cfg, valid)
         if i in cfg.deepstack_visual_indexes:
             mp = params.deepstack[cfg.deepstack_visual_indexes.index(i)]
             feats.append(merge(mp, x.reshape(-1, cfg.hidden_size), cfg, postshuffle=True))
     embeds = merge(params.merger, x.reshape(-1, cfg.hidden_size), cfg, postshuffle=False)
-    n = cfg.num_tokens((t, h, w))
     deepstack = (jnp.stack(feats) if feats
-                 else jnp.zeros((0, n, cfg.out_hidden_size), F32))
+                 else jnp.zeros((0, embeds.shape[0], cfg.out_hidden_size), F32))
     return embeds, deepstack
+
+
+def patch_bucket(cfg: Qwen3VLVisionConfig, patches: int) -> int:
+    """The padded patch count an image of `patches` patches is encoded at: the next of a
+    geometric series (ratio sqrt 2) of whole merge blocks, from 16 blocks: an image size's
+    program serves every size up to its bucket, at most ~2x the real attention work."""
+    unit, b = cfg.merge_unit, 16 * cfg.merge_unit
+    while b < patches:
+        b = -(-int(b * 1.4142135) // unit) * unit
+    return b
+
+
+def encode_image_bucketed(params: Qwen3VLVisionParams, patches: jax.Array, rows: jax.Array,
+                          cols: jax.Array, valid: jax.Array, hw: jax.Array,
+                          cfg: Qwen3VLVisionConfig) -> tuple[jax.Array, jax.Array]:
+    """encode_image for one image (t = 1) padded to a bucket of B patches (patch_bucket): one
+    program for every image size of the bucket. patches f32 [B, C*T*P*P], rows / cols int32
+    [B] (merge-block order, merge_order_coords; padding anything), valid bool [B] (the real
+    patches first), hw int32 [2] the grid's (h, w) -> (embeds [B/m^2, D_out], deepstack
+    [K, B/m^2, D_out]); the first h*w/m^2 rows are the image's (equal to encode_image's up to
+    float rounding), the rest padding. jit with static_argnames=("cfg",)."""
+    x = _ein("nk,kd->nd", patches, params.patch_w) + _f32(params.patch_b)  # [B, D]
+    x = x + position_embeddings(params.pos, cfg, hw[0], hw[1], (rows, cols))
+    cos_sin = rotary_cos_sin(cfg, hw[0], hw[1], (rows, cols))
+    return _tower(params, x[None], cos_sin, cfg, valid)
 
 
 def init_qwen3_vl_vision_params(cfg: Qwen3VLVisionConfig, key: jax.Array, dtype=jnp.float32,

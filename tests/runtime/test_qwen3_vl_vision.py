@@ -125,6 +125,36 @@ def test_encode_image_matches_hf(qwen, processor):
         assert np.abs(rd[0] - rd[1]).max() > 0.1 and np.abs(rd[0] - re_).max() > 0.1
 
 
+def test_the_engines_bucketed_encoder_matches_hf_with_one_program_a_bucket(qwen, processor):
+    """runtime/images.py encodes each image padded to its patch bucket (patch_bucket: 64, 92,
+    ... patches here): three image sizes of the first bucket (4x6, 6x4, 8x8 patches) run one
+    program, a larger one (8x16) a second; every image's tokens and deepstack features equal
+    HF's within 1e-4 (padding attends nothing)."""
+    from jaxinfer.runtime.host.image_prompt import ImageSpan
+    from jaxinfer.runtime.images import KINDS
+
+    _, hf, model = qwen
+    cfg = model.cfg
+    assert [qv.patch_bucket(cfg, n) for n in (1, 64, 65, 92, 93)] == [64, 64, 92, 92, 132]
+    imgs = [_image(50, 40, seed=1), _image(40, 50, seed=3), _image(64, 64, seed=4),
+            _image(120, 70, seed=2)]
+    run = KINDS["qwen3_vl"].encoder(model)
+    spans = []
+    for i, img in enumerate(imgs):
+        x, g = _patches(img, cfg)
+        spans.append(ImageSpan(0, g[1] * g[2] // 4, bytes([i]), x, g))
+    assert [s.grid for s in spans] == [(1, 4, 6), (1, 6, 4), (1, 8, 8), (1, 8, 16)]
+    got, calls = run(spans[:3])
+    assert calls == 3 and run.programs() == 1
+    got += run(spans[3:])[0]
+    assert run.programs() == 2
+    batch = processor(images=imgs, return_tensors="np")
+    ref_e, ref_d = hf_features(hf, batch["pixel_values"], batch["image_grid_thw"].tolist())
+    for out, span, re_, rd in zip(got, spans, ref_e, ref_d):
+        assert out.shape == (3, span.length, vm.QWEN_TEXT_HIDDEN)
+        assert _max_err(out[0], re_) <= 1e-4 and _max_err(out[1:], rd) <= 1e-4
+
+
 def test_frames_and_query_chunks_match_hf(qwen, monkeypatch):
     """t = 2 frames (attention stays within a frame) and queries split in chunks (padded)."""
     _, hf, model = qwen

@@ -68,7 +68,9 @@ def test_gemma3_4b_vision_tower_exports(platform):
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 def test_qwen3_vl_vision_tower_exports(platform):
     from jaxinfer.runtime.device.qwen3_vl_vision import (Qwen3VLVisionConfig, encode_image,
-                                                         init_qwen3_vl_vision_params)
+                                                         encode_image_bucketed,
+                                                         init_qwen3_vl_vision_params,
+                                                         patch_bucket)
 
     cfg = Qwen3VLVisionConfig(depth=4, hidden_size=1152, num_heads=16, intermediate_size=4304,
                               patch_size=16, temporal_patch_size=2, spatial_merge_size=2,
@@ -82,3 +84,10 @@ def test_qwen3_vl_vision_tower_exports(platform):
     exported = _export(functools.partial(encode_image, cfg=cfg, grid=grid), platform, params,
                        sds((32 * 48, 3 * 2 * 16 * 16), jnp.float32))
     assert [a.shape for a in exported.out_avals] == [(384, 4096), (3, 384, 4096)]
+    # the engine's form: padded to the image's patch bucket, the grid's sides traced
+    b = patch_bucket(cfg, 32 * 48)
+    ints = sds((b,), jnp.int32)
+    exported = _export(functools.partial(encode_image_bucketed, cfg=cfg), platform, params,
+                       sds((b, 3 * 2 * 16 * 16), jnp.float32), ints, ints, sds((b,), jnp.bool_),
+                       sds((2,), jnp.int32))
+    assert [a.shape for a in exported.out_avals] == [(b // 4, 4096), (3, b // 4, 4096)]
