@@ -16,8 +16,9 @@ DIR (default: beside the checkpoint, `<dir>/compiled/` or `<file>.compiled/`) ho
                   compiled for) and the options they were built under.
 
 At start (runtime/build.py `load`, before anything compiles) `install` reads the manifest of
-`compiled_dir` (the option; unset: the default place beside the checkpoint): on a host that
-matches, the shipped programs the process's compilation cache lacks are linked (or copied) into
+`compiled_dir` (the option: a dir, or "auto" for the default place beside the checkpoint;
+unset: nothing is installed, as compiled programs and the kernel library are native code: use
+only those you trust, as with a model's remote code): on a host that matches, the shipped programs the process's compilation cache lacks are linked (or copied) into
 it; a host that differs is named in one warning and the engine compiles as usual (XLA:CPU code
 built for another CPU's instruction set could crash the process: jax's own cache key does not
 cover the CPU's features). Programs of other options or shapes simply compile as usual.
@@ -154,6 +155,9 @@ def read_manifest(where: Path) -> dict | None:
         if not isinstance(got, dict) or got.get("format") != FORMAT:
             raise ValueError(f"format {got.get('format') if isinstance(got, dict) else got!r}, "
                              f"not {FORMAT}")
+        for field in ("host", "options"):
+            if not isinstance(got.get(field), dict):
+                raise ValueError(f"{field} must be an object, got {got.get(field)!r:.80}")
         return got
     except (OSError, ValueError) as e:
         log.warning("compiled programs in %s not used: %s unreadable (%s)", where, MANIFEST, e)
@@ -161,13 +165,17 @@ def read_manifest(where: Path) -> dict | None:
 
 
 def install(checkpoint: Path, config) -> int:
-    """Link the programs shipped for `checkpoint` (EngineConfig.compiled_dir, else
-    `default_dir`) into this process's compilation cache, when their manifest matches this host.
-    -> how many programs were added (0: none shipped, a host that differs, no cache)."""
-    where = Path(config.compiled_dir) if config.compiled_dir else default_dir(checkpoint)
+    """Link the programs shipped in EngineConfig.compiled_dir ("auto": `default_dir` of
+    `checkpoint`; None: none) into this process's compilation cache, when their manifest matches
+    this host. -> how many programs were added (0: none asked for or shipped, a host that
+    differs, no cache)."""
+    if not config.compiled_dir:
+        return 0
+    auto = config.compiled_dir == "auto"
+    where = default_dir(checkpoint) if auto else Path(config.compiled_dir)
     manifest = read_manifest(where)
     if manifest is None:
-        if config.compiled_dir:
+        if not auto:
             log.warning("compiled_dir %s holds no %s (write one with `jaxinfer compile`)",
                         where, MANIFEST)
         return 0
@@ -185,10 +193,12 @@ def install(checkpoint: Path, config) -> int:
     if source.resolve() == target.resolve():
         return 0
     added = _link_missing(source.glob(f"*{_SUFFIX}"), target)
-    if (where / KERNELS).is_dir():  # named by source, compiler, CPU flags and jaxlib: a library
-        from jaxinfer.runtime.device import cpu_kernels  # another host could not use is never
+    if (where / KERNELS).is_dir():
+        from jaxinfer.runtime.device import cpu_kernels
 
-        _link_missing((where / KERNELS).glob("*.so"), cpu_kernels.cache_dir())  # looked up
+        # named by source, compiler, CPU flags and jaxlib: one another host could not use is
+        # never looked up there
+        _link_missing((where / KERNELS).glob("*.so"), cpu_kernels.cache_dir())
     other = _differences(manifest.get("options", {}), _options(config))
     log.info("compiled programs: %d installed from %s%s", added, where,
              f" (built with other {', '.join(other)}: programs they change compile as usual)"

@@ -508,8 +508,9 @@ ENGINE_OPTIONS = (
                 "before their pixels are decoded (a decompression bomb)"),
     Option("compiled_dir", str, None, nullable=True,
            help="programs compiled ahead by `jaxinfer compile` (runtime/compiled.py), installed "
-                "into the compilation cache at start when built for this host (None: the "
-                "checkpoint's own, <dir>/compiled or <file>.compiled, when there)"),
+                "into the compilation cache at start when built for this host; 'auto': the "
+                "checkpoint's own (<dir>/compiled or <file>.compiled) when there. Native code: "
+                "only from sources you trust (None: none)"),
     Option("mmproj", str, None, nullable=True,
            help="llama.cpp mmproj GGUF with the vision tower of a GGUF text model (Gemma 3)"),
     Option("speculative", SpecConfig, None, nullable=True, parse=_parse_speculative, cli="json",

@@ -78,7 +78,8 @@ def cmd_compile(args) -> int:
                                 warmup_programs=warm["programs"])
     print(f"wrote {m['programs']} programs ({m['bytes'] / 1e6:.1f} MB) and {where}/"
           f"manifest.json in {m['seconds']:.1f}s; engines of this model on a host like this "
-          f"one start with them (compiled_dir, default beside the checkpoint)", file=sys.stderr)
+          f"one start with them given --compiled-dir "
+          f"{'auto' if not args.out else where}", file=sys.stderr)
     return 0
 
 

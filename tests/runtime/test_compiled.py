@@ -110,8 +110,14 @@ def test_install_says_why_it_uses_nothing(tmp_path, monkeypatch, caplog):
     from jaxinfer.runtime.config import EngineConfig
 
     monkeypatch.setattr(compiled, "cache_dir", lambda: str(tmp_path / "cache"))
-    # nothing beside the checkpoint: silent
+    # off unless asked for (native code), even with programs beside the checkpoint
+    (tmp_path / "model").mkdir()
+    _manifest(tmp_path / "model" / "compiled")
     assert compiled.install(tmp_path / "model", EngineConfig()) == 0 and not caplog.text
+    assert compiled.install(tmp_path / "model", EngineConfig(compiled_dir="auto")) == 1
+    # "auto" with nothing beside the checkpoint: silent
+    assert compiled.install(tmp_path, EngineConfig(compiled_dir="auto")) == 0
+    assert not caplog.text
     # a compiled_dir without a manifest, a manifest that is not JSON, one of another format
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -124,6 +130,10 @@ def test_install_says_why_it_uses_nothing(tmp_path, monkeypatch, caplog):
     caplog.clear()
     assert compiled.install(tmp_path, EngineConfig(compiled_dir=str(empty))) == 0
     assert "format 99" in caplog.text
+    (empty / "manifest.json").write_text(json.dumps({"format": compiled.FORMAT, "host": [1],
+                                                     "options": {}}))
+    assert compiled.install(tmp_path, EngineConfig(compiled_dir=str(empty))) == 0
+    assert "host must be an object" in caplog.text
     # the compilation cache off
     _manifest(tmp_path / "shipped")
     monkeypatch.setattr(compiled, "cache_dir", lambda: None)
