@@ -73,9 +73,11 @@ def load(model: str, options: dict) -> Prepared:
     import jax
 
     from jaxinfer.checkpoints.loader import resolve
-    from jaxinfer.runtime.compiled import install
 
-    install(resolve(model), config)  # programs shipped beside the checkpoint: before any compile
+    if config.compiled_dir:  # programs compiled ahead (jaxinfer compile): before any compile
+        from jaxinfer.runtime.compiled import install
+
+        install(resolve(model), config)
 
     if jax.default_backend() == "cpu":  # the CPU kernels compile (first use) while it loads
         from jaxinfer.runtime.device import cpu_kernels

@@ -84,7 +84,7 @@ def _qwen3_vl_encoder(vision) -> Callable:
                                                           merge_order_coords, patch_bucket)
 
     cfg = vision.cfg
-    fn = jax.jit(functools.partial(encode_image_bucketed, cfg=cfg))  # programs of this model's
+    fn = jax.jit(functools.partial(encode_image_bucketed, cfg=cfg))  # this engine's programs
     put = _placer(vision.params)
 
     def run(spans):
@@ -134,7 +134,6 @@ class Images:
         self.spec = kind.spec(vision.cfg)
         self.cache = EncoderCache(int(ecfg.mm_cache_gb * (1 << 30)))
         self._encode = kind.encoder(vision)
-        self.programs = self._encode.programs  # () -> encoder programs compiled
         self.runs = 0  # encoder calls
         self.encoded = 0  # images encoded
 
