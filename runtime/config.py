@@ -581,8 +581,9 @@ ENGINE_RULES = (
      "attention_backend unset or 'xla'"),
     ("batch_invariant", lambda c: not c.batch_invariant or c.speculative is None,
      "not with speculative decoding yet (the verify step is not batch-invariant)"),
-    ("batch_invariant", lambda c: not c.batch_invariant or c.tensor_parallel in (None, 1),
-     "runs on one device (a sharded product's reduction is not batch-invariant yet)"),
+    ("batch_invariant", lambda c: not c.batch_invariant or c.tensor_parallel in (None, 1, 2),
+     "runs on one or two devices: two partial sums add the same in any order (a + b == b + a), "
+     "more may be summed in an order the collective's algorithm picks"),
 )
 
 

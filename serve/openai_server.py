@@ -1172,7 +1172,8 @@ class OpenAIApp:
 
     @staticmethod
     def _cached(output) -> int:
-        return int(output.metrics.get("cached_tokens", 0))
+        """Its prompt tokens the prefix cache served (beam search's outputs carry no count)."""
+        return int((getattr(output, "metrics", None) or {}).get("cached_tokens", 0))
 
     def _final(self, job: _Job, choices: list[RequestOutput], chat: bool, rid: str) -> dict:
         out = []

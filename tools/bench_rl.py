@@ -3,8 +3,9 @@
     python -m jaxinfer.tools.bench_rl                          # the default model, 3 repeats
     python -m jaxinfer.tools.bench_rl --model DIR --repeats 1 --out r.json
 
-- `batch_invariant=True` against the same engine without it (one device both: the mode runs on
-  one) and against the default engine (the CPU's automatic tensor parallel), greedy, on three
+- `batch_invariant=True` against the same engine without it (one device both), on two devices
+  (tensor_parallel=2, where the mode stays invariant), and against the default engine (the
+  CPU's automatic tensor parallel), greedy, on three
   workloads: batch 1 and 16 (prompts of 32 tokens, 64 out) and a mixed one (32 requests, prompts
   16-128, outputs 16-64); first run (compiling) and steady state (median of --repeats) apart.
 - `update_weights`: seconds to serve new weights from an in-memory Params tree (the first
@@ -24,7 +25,8 @@ import time
 WORKLOADS = {"batch 1": (1, (32, 32), (64, 64)), "batch 16": (16, (32, 32), (64, 64)),
              "mixed 32": (32, (16, 128), (16, 64))}
 ENGINES = {"default": {}, "one device": {"tensor_parallel": 1},
-           "batch_invariant": {"batch_invariant": True}}
+           "batch_invariant": {"batch_invariant": True},
+           "batch_invariant tp2": {"batch_invariant": True, "tensor_parallel": 2}}
 
 
 def _throughput(llm, repeats: int, log) -> dict:
@@ -102,13 +104,14 @@ def run(model: str = "gemma3-270m", repeats: int = 3, max_slots: int = 16,
             row["sleep"] = _sleep_bytes(llm, log)
         report["engines"][name] = row
         del llm
-    if {"one device", "batch_invariant"} <= set(report["engines"]):
-        e = report["engines"]
-        report["invariant_vs_one_device"] = {
-            w: e["batch_invariant"][w]["steady_tok_s"] / e["one device"][w]["steady_tok_s"]
-            for w in WORKLOADS}
-        log("batch_invariant / one device, steady: " + ", ".join(
-            f"{w} {r:.2f}x" for w, r in report["invariant_vs_one_device"].items()))
+    e = report["engines"]
+    for name, key in (("batch_invariant", "invariant_vs_one_device"),
+                      ("batch_invariant tp2", "invariant_tp2_vs_one_device")):
+        if {"one device", name} <= set(e):
+            report[key] = {w: e[name][w]["steady_tok_s"] / e["one device"][w]["steady_tok_s"]
+                           for w in WORKLOADS}
+            log(f"{name} / one device, steady: " + ", ".join(
+                f"{w} {r:.2f}x" for w, r in report[key].items()))
     return report
 
 

@@ -12,6 +12,8 @@ import pytest
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.runtime.config import OptionError
 
+from tests.runtime.test_tensor_parallel import on_8_devices
+
 BASE = dict(page_size=8, max_model_len=256)
 N = 64
 
@@ -83,12 +85,30 @@ def test_score_equals_the_rollout_bitwise(alone):
 
 @pytest.mark.parametrize("options, named", [
     (dict(attention_backend="pallas_interpret"), "attention_backend"),
-    (dict(tensor_parallel=2), "one device"),
+    (dict(tensor_parallel=4), "one or two devices"),
     (dict(speculative={"method": "ngram", "k": 2, "n": 2}), "speculative"),
 ])
 def test_refused_where_not_invariant_yet(tiny_dir, options, named):
     with pytest.raises(OptionError, match=named):
         LLM(str(tiny_dir), **BASE, batch_invariant=True, **options)
+
+
+@on_8_devices
+def test_two_devices_are_batch_invariant_too(tiny_dir):
+    """tensor_parallel=2: every cross-device sum has two terms (a + b == b + a), so the
+    workload batched with chunks, prefix hits and preemption equals each request alone on the
+    same two devices, bit for bit."""
+    prompts, params = _workload()
+    mode = dict(BASE, batch_invariant=True, tensor_parallel=2)
+    ref = LLM(str(tiny_dir), **mode, max_slots=1).generate(prompts, params)
+    llm = LLM(str(tiny_dir), **mode, max_slots=8, prefill_chunk=32, num_pages=40)
+    got = llm.generate(prompts, params)
+    assert llm.engine.mesh is not None and llm.engine.mesh.shape["model"] == 2
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    bad = [i for i, (a, b) in enumerate(zip(got, ref)) if _lps(a) != _lps(b)]
+    assert bad == [], f"{len(bad)} of {N} requests' logprobs differ"
+    sched = llm.engine.scheduler
+    assert sched.num_preemptions > 0 and sched.prefix_cache_stats()["cached_tokens"] > 0
 
 
 def test_the_trainers_function_equals_the_rollout_bitwise(alone):
