@@ -97,7 +97,7 @@ def test_refused_where_not_invariant_yet(tiny_dir, options, named):
 def test_two_devices_are_batch_invariant_too(tiny_dir):
     """tensor_parallel=2: every cross-device sum has two terms (a + b == b + a), so the
     workload batched with chunks, prefix hits and preemption equals each request alone on the
-    same two devices, bit for bit."""
+    same two devices, bit for bit, and LLM.score on them equals the rollout."""
     prompts, params = _workload()
     mode = dict(BASE, batch_invariant=True, tensor_parallel=2)
     ref = LLM(str(tiny_dir), **mode, max_slots=1).generate(prompts, params)
@@ -109,6 +109,8 @@ def test_two_devices_are_batch_invariant_too(tiny_dir):
     assert bad == [], f"{len(bad)} of {N} requests' logprobs differ"
     sched = llm.engine.scheduler
     assert sched.num_preemptions > 0 and sched.prefix_cache_stats()["cached_tokens"] > 0
+    # scoring through the same two devices equals the rollout too
+    assert llm.score(prompts[:8], [o.token_ids for o in got[:8]]) == [_lps(o) for o in got[:8]]
 
 
 def test_the_trainers_function_equals_the_rollout_bitwise(alone):
