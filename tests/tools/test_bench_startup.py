@@ -43,7 +43,7 @@ def test_the_compile_log_is_read_per_program(tmp_path):
 
 def test_cold_then_warm_start_of_the_tiny_model(tiny_dir, capsys):
     a = argparse.Namespace(model=str(tiny_dir), modes="background", tokens=4, repeats=1,
-                           serve=False, out=None)
+                           serve=False, out=None, compiled_dir=None)
     report = bench_startup.measure(a)
     cold, warm = report["runs"]["background cold"][0], report["runs"]["background warm"][0]
     for r in (cold, warm):
