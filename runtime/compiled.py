@@ -76,17 +76,11 @@ def default_dir(checkpoint: Path) -> Path:
 
 
 def cpu_flags() -> list[str]:
-    """The CPU's feature flags (Linux /proc/cpuinfo; else the machine and processor names)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return sorted(set(line.split(":", 1)[1].split()))
-    except OSError:
-        pass
-    import platform
+    """The CPU's feature flags, sorted (cpu_kernels.cpu_flags_line, the line split)."""
+    from jaxinfer.runtime.device.cpu_kernels import cpu_flags_line
 
-    return [platform.machine(), platform.processor()]
+    line = cpu_flags_line()
+    return sorted(set(line.split(":", 1)[1].split())) if ":" in line else [line]
 
 
 def cpu_tag() -> str:
@@ -159,8 +153,9 @@ def read_manifest(where: Path) -> dict | None:
             if not isinstance(got.get(field), dict):
                 raise ValueError(f"{field} must be an object, got {got.get(field)!r:.80}")
         return got
-    except (OSError, ValueError) as e:
-        log.warning("compiled programs in %s not used: %s unreadable (%s)", where, MANIFEST, e)
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested too deep
+        log.warning("compiled programs in %s not used: %s unreadable (%s)", where, MANIFEST,
+                    type(e).__name__ if isinstance(e, RecursionError) else e)
         return None
 
 

@@ -42,7 +42,8 @@ def _compiler() -> str | None:
     return None
 
 
-def _cpu_flags() -> str:
+def cpu_flags_line() -> str:
+    """The CPU's feature-flags line (Linux /proc/cpuinfo), else the machine and processor."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -88,7 +89,7 @@ def _library_path() -> Path | None:
     import jaxlib
 
     key = hashlib.sha256(b"\0".join(s.encode() if isinstance(s, str) else s for s in (
-        _SOURCE.read_bytes(), version, _cpu_flags(), jaxlib.__version__))).hexdigest()[:20]
+        _SOURCE.read_bytes(), version, cpu_flags_line(), jaxlib.__version__))).hexdigest()[:20]
     out = cache_dir() / f"cpu_matmul-{key}.so"
     if out.exists():
         return out

@@ -134,6 +134,9 @@ def test_install_says_why_it_uses_nothing(tmp_path, monkeypatch, caplog):
                                                      "options": {}}))
     assert compiled.install(tmp_path, EngineConfig(compiled_dir=str(empty))) == 0
     assert "host must be an object" in caplog.text
+    (empty / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)  # nested too deep
+    assert compiled.install(tmp_path, EngineConfig(compiled_dir=str(empty))) == 0
+    assert "RecursionError" in caplog.text
     # the compilation cache off
     _manifest(tmp_path / "shipped")
     monkeypatch.setattr(compiled, "cache_dir", lambda: None)
