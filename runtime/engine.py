@@ -168,23 +168,22 @@ class Engine:
         self.proposer, self._verify = None, None
         if self.spec is not None:
             self._init_speculative(model.draft, kv_dtype, shapes.budget)
-        shardings, self.plan_channel, self.leader = None, None, jax.process_index() == 0
-        if self.mesh is not None:
-            from jaxinfer.runtime.device import sharding as shd
-
-            shardings = (shd.param_shardings(self.params, self.mesh),
-                         shd.cache_shardings(self.cache, self.mesh), shd.replicated(self.mesh))
-            if jax.process_count() > 1:  # multi-host: process 0 schedules and broadcasts plans
-                from jaxinfer.runtime.device.distributed import PlanChannel, PlanCodec
-
-                self.plan_channel = PlanChannel(PlanCodec(
-                    shapes.tokens[-1], ecfg.max_slots, shapes.pages[-1],
-                    self.scheduler.mask_words))
-        if self.mesh is None:  # body and head programs, layer by layer until compiled
+        self.plan_channel, self.leader = None, jax.process_index() == 0
+        if self.mesh is None or jax.process_count() == 1:
+            # body and head programs, layer by layer until compiled (on a mesh of this
+            # process's devices too: the programs take their shardings from the arrays)
             self._step = StepPrograms(cfg, self.backend, self.params, self.cache,
                                       mode=compile_mode(ecfg), vocab_limit=self.text_vocab,
-                                      processed_logprobs=self.processed_logprobs)
-        else:  # one program a step, sharded
+                                      processed_logprobs=self.processed_logprobs,
+                                      token_buckets=shapes.tokens)
+        else:  # several hosts: process 0 schedules, broadcasts plans; one sharded program a step
+            from jaxinfer.runtime.device import sharding as shd
+            from jaxinfer.runtime.device.distributed import PlanChannel, PlanCodec
+
+            self.plan_channel = PlanChannel(PlanCodec(
+                shapes.tokens[-1], ecfg.max_slots, shapes.pages[-1], self.scheduler.mask_words))
+            shardings = (shd.param_shardings(self.params, self.mesh),
+                         shd.cache_shardings(self.cache, self.mesh), shd.replicated(self.mesh))
             self._step = make_step(cfg, self.backend, shardings, vocab_limit=self.text_vocab,
                                    processed_logprobs=self.processed_logprobs)
         self._inflight = None  # (plan, packed, sampled tokens) of the launched, unapplied step

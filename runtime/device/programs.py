@@ -1,5 +1,6 @@
-"""One device's step as programs compiled ahead of use, in two tiers, so no step waits on a
-compile it does not need.
+"""A step as programs compiled ahead of use, in tiers, so no step waits on a compile it does
+not need (on one device, or a mesh of this process's devices: each program sharded as its
+arrays are).
 
 A step is two programs (runtime/device/steps.py): the **body** (embed, every layer, the final
 norm of the sampling rows; one per token x page x q-length bucket) and the **head** (vocabulary
@@ -9,9 +10,15 @@ by every bucket). Split this way the head compiles once, not once per bucket.
 `compile_mode="background"`: a body whose program is not ready runs **layer by layer** (an
 embed program, one program per layer kind (model.layer_kind: Gemma 3 has two), a last-rows
 program) and a head not ready runs a **fast head** of 1, S/2 or S rows (as many as the step has
-sequences); those small programs compile in a fraction of a second (FAST_OPTIONS on CPU) while
+sequences); those small programs compile in a fraction of a second (FAST_LEVELS on CPU) while
 the whole programs compile in the background `Compiler` thread; the first step after that uses
-them. `"blocking"`: a step compiles its whole programs first (what every step did before).
+them. A step whose body is not ready but whose programs for a larger token bucket are (a whole
+body of up to PAD_WHOLE x its rows, else layer programs) runs on its rows padded to that bucket
+(`pad_tokens`), compiling nothing first: the tail of a batch, as requests finish, keeps the
+programs of its full width. On CPU, where the background compile shares the cores with the
+steps, a stand-in that runs as fast as its whole program (level-1 layers, the fast head) has
+that program queued only after PATIENCE_S of use. `"blocking"`: a step compiles its whole
+programs first (what every step did before).
 Prompt-logprob steps run steps.step whole and wait for it.
 
 Programs are keyed by their argument signature (tree, shapes, dtypes, statics) and shared by
@@ -42,6 +49,7 @@ from jaxinfer.runtime.device.model import deepstack, layer_kind
 from jaxinfer.runtime.device.steps import (HEAD_FIELDS, METADATA_FIELDS, body, embed_rows,
                                            given_rows, head,
                                            last_rows, layer_rows, make_step, shared_jit)
+from jaxinfer.runtime.plan import PLAN_FIELDS
 
 log = logging.getLogger(__name__)
 
@@ -174,12 +182,16 @@ class Compiler:
         with contextlib.suppress(AttributeError, OSError):  # Linux: this thread only, nice 19:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # steps run first
         while True:
-            _, _, job = self._queue.get()
+            item = self._queue.get()
+            if item[2] is not None and not self._stopping:
+                self._wait_quiet()  # then the best job queued by now (put back, taken again)
+                self._queue.put(item)
+                item = self._queue.get()
+            job = item[2]
             if job is None or self._stopping:
                 return
             if job.started:  # queued twice (warm-up, then needed)
                 continue
-            self._wait_quiet()
             if not job.owners:  # every engine that asked for it is gone
                 job.priority = None
                 continue
@@ -212,7 +224,9 @@ class AheadOfTime:
         """`fixed`: the engine's first arguments (params, and the cache for a body), whose
         signature never changes: taken once, not per call."""
         self.jitted, self.statics, self.n_fixed = jitted, statics, len(fixed)
-        self.fixed = signature(fixed)
+        # with their shardings: the engines sharing a model's programs may sit on other meshes
+        self.fixed = (signature(fixed), tuple(x.sharding for x in jax.tree.leaves(fixed)
+                                              if isinstance(x, jax.Array)))
         self.table = _table(jitted)
         self.launched: set = set()  # signatures this engine launched
         self.waiting: list[Future] = []  # programs this engine queued on the background compiler
@@ -227,13 +241,18 @@ class AheadOfTime:
             job = self.table[key] = _Job(lambda: self.jitted.lower(*spec[0], **spec[1]).compile())
         return key, job
 
-    def get(self, args: tuple, kwargs: dict, *, background: bool, priority: int = NEEDED):
-        """The compiled program for this call; None when `background` and it is still compiling
-        (queued at `priority`)."""
+    def ready(self, args: tuple, kwargs: dict) -> bool:
+        """Whether this call's program is compiled (asks nothing to compile it)."""
+        job = self.table.get((self.fixed, signature((args[self.n_fixed:], kwargs))))
+        return job is not None and job.future.done() and job.future.exception() is None
+
+    def get(self, args: tuple, kwargs: dict, *, background: bool, priority: int | None = NEEDED):
+        """The compiled program for this call; None when `background` and it is not compiled
+        (queued at `priority`; None: not queued)."""
         key, job = self.job(args, kwargs)
         if not job.future.done():
             if background:
-                if compiler().submit(job, priority, self):
+                if priority is not None and compiler().submit(job, priority, self):
                     self.waiting.append(job.future)
                 return None
             if job.claim():  # compile it here, now
@@ -257,7 +276,7 @@ class AheadOfTime:
         return job.future
 
     def call(self, args: tuple, kwargs: dict, *, background: bool = False,
-             priority: int = NEEDED):
+             priority: int | None = NEEDED):
         program = self.get(args, kwargs, background=background, priority=priority)
         if program is None:
             return None
@@ -268,34 +287,67 @@ def head_arrays(arrays: dict) -> dict:
     return {k: arrays[k] for k in HEAD_FIELDS}
 
 
-def _rows(arrays: dict) -> int:
-    """The head rows a step's sequences need: 1, S/2 or S."""
-    s, n = arrays["logits_indices"].shape[0], int(np.asarray(arrays["num_seqs"])[0])
-    return min(r for r in (1, max(1, s // 2), s) if r >= n)
+# a step whose whole body is compiling may run a ready one of up to this many times its rows
+PAD_WHOLE = 4
+_T_FIELDS = tuple(f for f in PLAN_FIELDS if f.shape.split(",")[0] == "T")  # token rows first
 
 
-# XLA options of the layer-by-layer programs and the fast heads on CPU: they compile about 1.5x
-# faster and run about 1.5x slower (Gemma 3 270M), and serve only until the whole programs are
-# ready
-FAST_OPTIONS = (("xla_backend_optimization_level", 0), ("xla_llvm_disable_expensive_passes", True))
+def pad_tokens(arrays: dict, t: int) -> dict:
+    """A step's arrays with its token rows padded to `t` (padding rows: each field's pad value;
+    they write the null page and feed no logits row)."""
+    out = dict(arrays)
+    for f in _T_FIELDS:
+        if f.name in arrays:
+            a = np.asarray(arrays[f.name])
+            out[f.name] = np.concatenate(
+                [a, np.full((t - a.shape[0],) + a.shape[1:], f.pad, a.dtype)])
+    return out
+
+
+# XLA:CPU's backend optimization level of the layer-by-layer programs (with expensive LLVM
+# passes off), by the step's token rows: level 0 compiles ~1.3x faster than 1 and runs 1.5x
+# (Gemma 3 270M) to 2.5x (the mixed preset's d 512 layers) slower; level 1 runs as fast as the
+# default (2) and compiles ~1.2x faster. A step of few rows (one request's first token) is a
+# compile to hurry; one of many rows (a batch) runs long enough to repay level 1. The embed,
+# last-rows and fast head programs (a gather, a norm, one product) take level 0.
+FAST_LEVELS = ((16, 0), (None, 1))  # (rows up to, level); None: any
+
+
+# CPU: seconds a step shape whose stand-in runs as fast (level-1 layers, a fast head) is in use
+# before its whole program compiles in the background (those compiles share the cores with the
+# steps: ~6 s of a 14 s batch job on 2 cores for the mixed preset, where the stand-ins run as
+# fast as the whole programs; Gemma 3 270M's whole ones are 0-6 % faster). Elsewhere the host
+# compiles while the accelerator runs: at once.
+PATIENCE_S = {"cpu": 20.0}
+
+
+def fast_level(rows: int) -> int:
+    return next(lvl for most, lvl in FAST_LEVELS if most is None or rows <= most)
 
 
 @functools.lru_cache(maxsize=64)
-def fast_jit(fn, statics: tuple[str, ...], donate: tuple[str, ...], **bound):
-    """shared_jit with FAST_OPTIONS on CPU."""
-    options = dict(FAST_OPTIONS) if jax.default_backend() == "cpu" else None
+def fast_jit(fn, statics: tuple[str, ...], donate: tuple[str, ...], level: int = 0, **bound):
+    """shared_jit compiled at XLA:CPU optimization `level` on CPU (elsewhere: the defaults)."""
+    options = None
+    if jax.default_backend() == "cpu":
+        options = {"xla_backend_optimization_level": level,
+                   "xla_llvm_disable_expensive_passes": True}
     return jax.jit(functools.partial(fn, **bound), static_argnames=statics,
                    donate_argnames=donate, compiler_options=options)
 
 
 class StepPrograms:
-    """An engine's step on one device: `__call__` has make_step's signature and result."""
+    """An engine's step on one device or one process's mesh: `__call__` has make_step's
+    signature and result."""
 
     def __init__(self, cfg, backend: str, params, cache: KVCache, *, mode: str,
-                 vocab_limit: int | None, processed_logprobs: bool):
+                 vocab_limit: int | None, processed_logprobs: bool,
+                 token_buckets: tuple[int, ...] = ()):
+        """`token_buckets`: the T buckets steps come in; a step may run padded to a larger one
+        whose programs are ready."""
         if mode not in COMPILE_MODES:
             raise ValueError(f"compile mode {mode!r}, not one of {COMPILE_MODES}")
-        self.cfg, self.mode = cfg, mode
+        self.cfg, self.mode, self.token_buckets = cfg, mode, tuple(sorted(token_buckets))
         head_bound = dict(vocab_limit=vocab_limit, processed_logprobs=processed_logprobs)
         self.whole = make_step(cfg, backend, None, **head_bound)  # prompt-logprob steps
         self.body = AheadOfTime(shared_jit(body, ("max_q_len",), ("cache",), cfg=cfg,
@@ -307,8 +359,9 @@ class StepPrograms:
                                               cfg=cfg, **head_bound),
                                      head_statics + ("rows",), (params,))
         self._embed = fast_jit(embed_rows, (), (), cfg=cfg)
-        self._layer = fast_jit(layer_rows, ("i", "max_q_len"), ("k_pages", "v_pages"),
-                               cfg=cfg, backend=backend)
+        self._layers = {lvl: fast_jit(layer_rows, ("i", "max_q_len"), ("k_pages", "v_pages"),
+                                      level=lvl, cfg=cfg, backend=backend)
+                        for _, lvl in FAST_LEVELS}
         self._last = fast_jit(last_rows, (), (), cfg=cfg)
         self._kinds = tuple(layer_kind(cfg, i) for i in range(cfg.num_layers))
         self.layerwise: set = set()  # body signatures this engine ran layer by layer
@@ -316,7 +369,10 @@ class StepPrograms:
         # fast heads
         self.heads: set = set()
         self.layerwise_steps = 0  # steps whose body ran layer by layer
+        self.padded_steps = 0  # steps that ran padded to a larger token bucket's programs
         self.fast_head_steps = 0  # ... whose head ran the fast-compiled program
+        self.patience = PATIENCE_S.get(jax.default_backend(), 0.0)
+        self.first_use: dict = {}  # step shape -> when it first ran (time.monotonic)
 
     @property
     def count(self) -> int:
@@ -331,7 +387,7 @@ class StepPrograms:
         another engine compiled)."""
         tables = sum(j.future.done() for t in (self.body, self.head, self.fast_head)
                      for j in t.table.values())
-        jits = (self.whole.jitted, self._embed, self._layer, self._last)
+        jits = (self.whole.jitted, self._embed, self._last, *self._layers.values())
         return tables + sum(f._cache_size() for f in jits)
 
     def __call__(self, params, cache, arrays, *, max_q_len: int, num_logprobs: int,
@@ -350,22 +406,82 @@ class StepPrograms:
         background = self.mode == "background"
         args, kwargs = (params, cache, arrays), dict(prev=prev, max_q_len=max_q_len)
         out = self.body.call(args, kwargs, background=background,
-                             priority=DECODE if max_q_len == 1 else NEEDED)
+                             priority=self._body_priority(arrays, prev, max_q_len))
         if out is None:
-            out = self._by_layer(params, cache, arrays, prev, max_q_len)
+            tier, padded, q = self._stand_in(arrays, prev, max_q_len)
+            if padded is not arrays:
+                self.padded_steps += 1
+            if tier == "whole":
+                out = self.body.call((params, cache, padded), dict(prev=prev, max_q_len=q),
+                                     background=True)
+            else:
+                out = self._by_layer(params, cache, padded, prev, q)
         h, cache = out
         args, kwargs = self._head_args(params, h, arrays, procs, num_logprobs, filtered)
         key = signature((args[2:], kwargs))
-        out = self.head.call(args, kwargs, background=background)
+        # the fast head runs about as fast as the optimized one (a product and sampling ops):
+        # its whole program waits for _due too
+        due = self._due(("head", arrays["logits_indices"].shape[0], num_logprobs, filtered,
+                         args[3] is None))
+        out = self.head.call(args, kwargs, background=background, priority=NEEDED if due else None)
         if out is None:  # the optimized head is compiling: the fast one meanwhile, of as many
             self.fast_head_steps += 1  # rows as the step has sequences (1, S/2 or S)
-            rows = _rows(arrays)
+            rows = self._fast_rows(key, arrays)
             self.heads.add((key, rows))
             out = self.fast_head.call(args, dict(kwargs, rows=rows))
         else:
             self.heads.add(key)
         packed, new_procs = out
         return packed, cache, procs if args[3] is None else new_procs
+
+    def _due(self, shape: tuple) -> bool:
+        """Whether the whole program of a step `shape` whose stand-in runs as fast may be queued
+        now: at once where the host compiles beside an accelerator; on CPU once the shape has
+        been in use for `patience` seconds (a short job's cores are not shared with compiles
+        that would not pay back before it ends)."""
+        if not self.patience:
+            return True
+        first = self.first_use.setdefault(shape, time.monotonic())
+        return time.monotonic() - first >= self.patience
+
+    def _body_priority(self, arrays, prev, max_q_len: int) -> int | None:
+        """The background priority of this step's whole body; None: not queued yet (_due; a
+        stand-in of level-0 layers is slower: queued at once)."""
+        T = arrays["token_ids"].shape[0]
+        if fast_level(T) > 0 and not self._due(
+                ("body", T, arrays["page_indices"].shape[-1], max_q_len, prev is None)):
+            return None
+        return DECODE if max_q_len == 1 else NEEDED
+
+    def _stand_in(self, arrays, prev, max_q_len: int) -> tuple[str, dict, int]:
+        """How a step whose whole body is not ready runs: ("whole" | "layers", its arrays,
+        padded to a larger token bucket where that bucket's programs are ready, and the q-length
+        bound: a prefill's bound grows with its bucket, and a larger bound is as valid). In
+        order: a whole body of at most PAD_WHOLE times the rows, this shape's layer programs,
+        any larger shape's, else this shape's layer programs (compiled now)."""
+        T = arrays["token_ids"].shape[0]
+        first = None
+        if signature(((arrays, prev), max_q_len)) in self.layerwise:
+            first = ("layers", arrays, max_q_len)
+        if "mm_embeds" in arrays:  # image rows: no padding
+            return first or ("layers", arrays, max_q_len)
+        later = None
+        for t in (b for b in self.token_buckets if b > T):
+            padded = pad_tokens(arrays, t)
+            for q in dict.fromkeys((max_q_len, t if max_q_len > 1 else 1)):
+                if t <= PAD_WHOLE * T and self.body.ready((None, None, padded),
+                                                          dict(prev=prev, max_q_len=q)):
+                    return "whole", padded, q
+                if later is None and signature(((padded, prev), q)) in self.layerwise:
+                    later = ("layers", padded, q)
+        return first or later or ("layers", arrays, max_q_len)
+
+    def _fast_rows(self, key, arrays: dict) -> int:
+        """The fast head's rows for a step: the fewest of 1, S/2, S that hold its sequences,
+        of those already compiled if any (the last requests of a batch keep its head)."""
+        s, n = arrays["logits_indices"].shape[0], int(np.asarray(arrays["num_seqs"])[0])
+        fits = [r for r in sorted({1, max(1, s // 2), s}) if r >= n]
+        return next((r for r in fits if (key, r) in self.heads), fits[0])
 
     @staticmethod
     def _head_args(params, h, arrays, procs, num_logprobs, filtered):
@@ -386,13 +502,15 @@ class StepPrograms:
                                            num_logprobs=num_logprobs, filtered=filtered,
                                            prompt_logprobs=True, prev=prev, procs=procs)
         _, body_job = self.body.job((params, cache, arrays), dict(prev=prev, max_q_len=max_q_len))
-        if not body_job.future.done() and (
-                self.mode == "blocking" or signature(((arrays, prev), max_q_len))
-                not in self.layerwise):
-            return True
+        if not body_job.future.done():
+            if self.mode == "blocking":
+                return True
+            tier, padded, q = self._stand_in(arrays, prev, max_q_len)
+            if tier == "layers" and signature(((padded, prev), q)) not in self.layerwise:
+                return True
         args, kwargs = self._head_args(None, None, arrays, procs, num_logprobs, filtered)
         key = signature((args[2:], kwargs))
-        return key not in self.heads and (key, _rows(arrays)) not in self.heads
+        return key not in self.heads and (key, self._fast_rows(key, arrays)) not in self.heads
 
     def _by_layer(self, params, cache: KVCache, arrays, prev, max_q_len: int):
         """The body as a chain of small programs (same math, same cache writes)."""
@@ -402,10 +520,11 @@ class StepPrograms:
         x, mask, ple = self._embed(params, arrays, prev)
         given = given_rows(arrays)
         ks, vs = list(cache.k), list(cache.v)
+        layer = self._layers[fast_level(arrays["token_ids"].shape[0])]
         for i, lp in enumerate(params.layers):
             adapter = None if mask is None else params.lora[i]
             j = self.cfg.layer_kv_source(i)
-            x, ks[j], vs[j] = self._layer(lp, x, ks[j], vs[j], md, adapter, mask,
+            x, ks[j], vs[j] = layer(lp, x, ks[j], vs[j], md, adapter, mask,
                                           None if ple is None else ple[:, i],
                                           i=self._kinds[i], max_q_len=max_q_len)
             x = deepstack(x, given, i)

@@ -90,8 +90,9 @@ def test_background_compiles_take_over(tiny_dir, blocking):
     programs._table.cache_clear()
     # no prefix cache: the second run plans the same step shapes as the first
     llm = LLM(str(tiny_dir), compile_mode="background", enable_prefix_caching=False, **TINY)
-    toks, lps = _tokens_and_logprobs(llm)
     step = llm.engine._step
+    step.patience = 0  # every whole program queued at its first use (see the test below)
+    toks, lps = _tokens_and_logprobs(llm)
     assert step.settle(timeout=300)  # every program it asked for is compiled
     before = step.layerwise_steps
     toks2, lps2 = _tokens_and_logprobs(llm)
@@ -99,6 +100,85 @@ def test_background_compiles_take_over(tiny_dir, blocking):
     assert step.body.launched
     assert toks == toks2 == blocking[1][0]
     np.testing.assert_allclose(lps2, blocking[1][1], atol=1e-5)
+
+
+def test_a_step_runs_padded_to_a_larger_ready_bucket(tiny_dir, blocking):
+    """A request alone whose bodies are compiling runs the ready whole bodies of a 4-request
+    batch on padded rows (prefill: token bucket and q-length bound 4 -> the batch's 16; decode:
+    1 -> 4): the same tokens and logprobs as its own programs, no step layer by layer."""
+    programs._table.cache_clear()
+    llm = LLM(str(tiny_dir), compile_mode="background", enable_prefix_caching=False,
+              min_token_bucket=1, **TINY)
+    step = llm.engine._step
+    four = [[7, 8, 9], [10, 11, 12], [13, 14, 15], [16, 17, 18]]
+    llm.generate(four, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert step.settle(timeout=300)  # the 4-row decode body is ready
+    compiling = []
+    # queued ones are only recorded: none gets compiled meanwhile
+    programs.compiler().submit = lambda job, *a, **k: compiling.append(job) or False
+    try:
+        before = step.layerwise_steps
+        toks, lps = _tokens_and_logprobs(llm, [PROMPTS[1]])
+    finally:
+        del programs.compiler().submit
+    assert step.padded_steps == 12 and step.layerwise_steps == before  # 1 prefill, 11 decodes
+    assert compiling  # its own programs were asked for (and would replace the padded ones)
+    assert toks[0] == blocking[1][0][1]
+    ref = np.array([[e["logprob"] for e in o.outputs[0].logprobs]
+                    for o in blocking[0].generate([PROMPTS[1]], SP)])
+    np.testing.assert_allclose(lps[0][:len(ref[0])], ref[0], atol=1e-5)
+
+
+def test_pad_tokens_pads_only_the_token_rows():
+    arrays = {"token_ids": np.array([5, 6], np.int32), "prompt_targets": np.array([7, -1]),
+              "feed_rows": np.array([-1, 0], np.int32), "rope_positions": np.ones((2, 3), np.int32),
+              "kv_lens": np.array([3, 4], np.int32)}
+    out = programs.pad_tokens(arrays, 4)
+    assert out["token_ids"].tolist() == [5, 6, 0, 0]
+    assert out["prompt_targets"].tolist() == [7, -1, -1, -1]  # PLAN_FIELDS' pad values
+    assert out["feed_rows"].tolist() == [-1, 0, -1, -1]
+    assert out["rope_positions"].shape == (4, 3) and not out["rope_positions"][2:].any()
+    assert out["kv_lens"] is arrays["kv_lens"]  # per-sequence rows untouched
+    assert out["token_ids"].dtype == np.int32
+
+
+def test_the_compiler_takes_the_best_job_queued_by_the_time_it_may_start():
+    """A warm-up program queued first, a needed one queued while a step's compile holds the
+    thread back: the needed one compiles first."""
+    c, order = programs.Compiler(), []
+    job = lambda name: programs._Job(lambda: order.append(name))  # noqa: E731
+    warm, needed, owner = job("warm-up"), job("needed"), programs.AheadOfTime.__new__(
+        programs.AheadOfTime)
+    with c.foreground():
+        c.submit(warm, programs.WARMUP, owner)
+        c.submit(needed, programs.DECODE, owner)
+    warm.future.result(timeout=30), needed.future.result(timeout=30)
+    c.stop()
+    assert order == ["needed", "warm-up"]
+
+
+def test_a_stand_in_as_fast_waits_its_patience_before_the_whole_program(tiny_dir):
+    """On CPU a prefill of > 16 rows runs level-1 layers (as fast as its whole body) and a head
+    the fast one: their whole programs are queued only once the shape has been in use for
+    `patience` seconds; the 1-row decode (level-0 layers) has its body queued at once."""
+    programs._table.cache_clear()
+    llm = LLM(str(tiny_dir), compile_mode="background", enable_prefix_caching=False, **TINY)
+    step = llm.engine._step
+    assert step.patience == programs.PATIENCE_S["cpu"] > 0
+    step.patience = 3600
+    sp = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    prompt = [list(range(40, 75))]  # 35 tokens: token bucket 64
+    done = lambda t: sum(j.future.done() for j in t.table.values())  # noqa: E731
+    llm.generate(prompt, sp)
+    assert step.settle(timeout=300)
+    assert done(step.body) == 1 and done(step.head) == 0  # the decode body only
+    step.patience = 1e-9  # the shapes have now been in use for longer
+    llm.generate(prompt, sp)
+    assert step.settle(timeout=300)
+    assert done(step.body) == 2 and done(step.head) == 1
+    before = step.layerwise_steps, step.fast_head_steps
+    llm.generate(prompt, sp)
+    assert (step.layerwise_steps, step.fast_head_steps) == before
 
 
 class Failing(programs.Compiler):
@@ -114,6 +194,7 @@ def test_a_failed_background_compile_leaves_the_shape_layer_by_layer(tiny_dir, b
                                                                      monkeypatch):
     programs._table.cache_clear()
     monkeypatch.setattr(programs, "compiler", lambda: Failing())
+    monkeypatch.setitem(programs.PATIENCE_S, "cpu", 0)
     llm = LLM(str(tiny_dir), compile_mode="background", **TINY)
     toks, lps = _tokens_and_logprobs(llm)
     step = llm.engine._step
