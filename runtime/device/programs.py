@@ -16,9 +16,9 @@ them. A step whose body is not ready but whose programs for a larger token bucke
 body of up to PAD_WHOLE x its rows, else layer programs) runs on its rows padded to that bucket
 (`pad_tokens`), compiling nothing first: the tail of a batch, as requests finish, keeps the
 programs of its full width. On CPU, where the background compile shares the cores with the
-steps, a stand-in that runs as fast as its whole program (level-1 layers, the fast head) has
-that program queued only after PATIENCE_S of use. `"blocking"`: a step compiles its whole
-programs first (what every step did before).
+steps, a stand-in that runs about as fast as its whole program (level-1 layers, a larger
+bucket's ready whole body, the fast head) has that program queued only after PATIENCE_S of
+use. `"blocking"`: a step compiles its whole programs first (what every step did before).
 Prompt-logprob steps run steps.step whole and wait for it.
 
 Programs are keyed by their argument signature (tree, shapes, dtypes, statics) and shared by
@@ -83,6 +83,7 @@ class _Job:
     """A program to compile once, by whichever thread claims it first."""
 
     _lock = threading.Lock()
+    landed = 0  # jobs finished in this process (counted after their future is set)
 
     def __init__(self, fn):
         self.fn, self.future, self.started = fn, Future(), False
@@ -101,6 +102,7 @@ class _Job:
             self.future.set_result(self.fn())
         except BaseException as exc:  # noqa: BLE001 - whoever needs the program re-raises it
             self.future.set_exception(exc)
+        _Job.landed += 1
 
 
 class Compiler:
@@ -373,6 +375,7 @@ class StepPrograms:
         self.fast_head_steps = 0  # ... whose head ran the fast-compiled program
         self.patience = PATIENCE_S.get(jax.default_backend(), 0.0)
         self.first_use: dict = {}  # step shape -> when it first ran (time.monotonic)
+        self._chosen: tuple = (None, None)  # _stand_in's last (key, choice)
 
     @property
     def count(self) -> int:
@@ -405,10 +408,11 @@ class StepPrograms:
     def _step(self, params, cache, arrays, max_q_len, num_logprobs, filtered, prev, procs):
         background = self.mode == "background"
         args, kwargs = (params, cache, arrays), dict(prev=prev, max_q_len=max_q_len)
-        out = self.body.call(args, kwargs, background=background,
-                             priority=self._body_priority(arrays, prev, max_q_len))
+        out = self.body.call(args, kwargs, background=background, priority=None)
         if out is None:
             tier, padded, q = self._stand_in(arrays, prev, max_q_len)
+            self.body.get(args, kwargs, background=True,  # queued now, or not yet (_due)
+                          priority=self._body_priority(arrays, prev, max_q_len, tier, padded))
             if padded is not arrays:
                 self.padded_steps += 1
             if tier == "whole":
@@ -444,11 +448,13 @@ class StepPrograms:
         first = self.first_use.setdefault(shape, time.monotonic())
         return time.monotonic() - first >= self.patience
 
-    def _body_priority(self, arrays, prev, max_q_len: int) -> int | None:
-        """The background priority of this step's whole body; None: not queued yet (_due; a
-        stand-in of level-0 layers is slower: queued at once)."""
+    def _body_priority(self, arrays, prev, max_q_len: int, tier: str,
+                       stand_in: dict) -> int | None:
+        """The background priority of this step's whole body; None: not queued yet. A stand-in
+        about as fast (a ready whole body of a larger bucket, level-1 layers, padded or not)
+        waits _due; one of level-0 layers is slower: queued at once."""
         T = arrays["token_ids"].shape[0]
-        if fast_level(T) > 0 and not self._due(
+        if (tier == "whole" or fast_level(stand_in["token_ids"].shape[0]) > 0) and not self._due(
                 ("body", T, arrays["page_indices"].shape[-1], max_q_len, prev is None)):
             return None
         return DECODE if max_q_len == 1 else NEEDED
@@ -460,21 +466,29 @@ class StepPrograms:
         order: a whole body of at most PAD_WHOLE times the rows, this shape's layer programs,
         any larger shape's, else this shape's layer programs (compiled now)."""
         T = arrays["token_ids"].shape[0]
-        first = None
-        if signature(((arrays, prev), max_q_len)) in self.layerwise:
-            first = ("layers", arrays, max_q_len)
+        # one choice a step (the engine asks compiles() first), until a program lands
+        key = (signature(((arrays, prev), max_q_len)), len(self.layerwise), _Job.landed)
+        if self._chosen[0] != key:
+            self._chosen = key, self._choose(arrays, prev, max_q_len, key[0])
+        tier, t, q = self._chosen[1]
+        return tier, arrays if t == T else pad_tokens(arrays, t), q
+
+    def _choose(self, arrays, prev, max_q_len: int, sig) -> tuple[str, int, int]:
+        """_stand_in's choice: (tier, token rows, q-length bound)."""
+        T = arrays["token_ids"].shape[0]
+        first = ("layers", T, max_q_len) if sig in self.layerwise else None
         if "mm_embeds" in arrays:  # image rows: no padding
-            return first or ("layers", arrays, max_q_len)
+            return first or ("layers", T, max_q_len)
         later = None
         for t in (b for b in self.token_buckets if b > T):
             padded = pad_tokens(arrays, t)
             for q in dict.fromkeys((max_q_len, t if max_q_len > 1 else 1)):
                 if t <= PAD_WHOLE * T and self.body.ready((None, None, padded),
                                                           dict(prev=prev, max_q_len=q)):
-                    return "whole", padded, q
+                    return "whole", t, q
                 if later is None and signature(((padded, prev), q)) in self.layerwise:
-                    later = ("layers", padded, q)
-        return first or later or ("layers", arrays, max_q_len)
+                    later = ("layers", t, q)
+        return first or later or ("layers", T, max_q_len)
 
     def _fast_rows(self, key, arrays: dict) -> int:
         """The fast head's rows for a step: the fewest of 1, S/2, S that hold its sequences,

@@ -105,7 +105,8 @@ def test_background_compiles_take_over(tiny_dir, blocking):
 def test_a_step_runs_padded_to_a_larger_ready_bucket(tiny_dir, blocking):
     """A request alone whose bodies are compiling runs the ready whole bodies of a 4-request
     batch on padded rows (prefill: token bucket and q-length bound 4 -> the batch's 16; decode:
-    1 -> 4): the same tokens and logprobs as its own programs, no step layer by layer."""
+    1 -> 4): the same tokens and logprobs as its own programs, no step layer by layer; its own
+    programs are queued after `patience`."""
     programs._table.cache_clear()
     llm = LLM(str(tiny_dir), compile_mode="background", enable_prefix_caching=False,
               min_token_bucket=1, **TINY)
@@ -117,12 +118,16 @@ def test_a_step_runs_padded_to_a_larger_ready_bucket(tiny_dir, blocking):
     # queued ones are only recorded: none gets compiled meanwhile
     programs.compiler().submit = lambda job, *a, **k: compiling.append(job) or False
     try:
-        before = step.layerwise_steps
+        before, step.patience = step.layerwise_steps, 3600
         toks, lps = _tokens_and_logprobs(llm, [PROMPTS[1]])
+        assert step.padded_steps == 12 and step.layerwise_steps == before  # 1 prefill, 11 decodes
+        # padded onto a whole body, it runs about as fast: its own programs wait their patience
+        assert not compiling
+        step.patience = 1e-9  # ... once the shapes have been in use that long, they are asked for
+        _tokens_and_logprobs(llm, [PROMPTS[1]])
+        assert compiling and step.padded_steps == 24
     finally:
         del programs.compiler().submit
-    assert step.padded_steps == 12 and step.layerwise_steps == before  # 1 prefill, 11 decodes
-    assert compiling  # its own programs were asked for (and would replace the padded ones)
     assert toks[0] == blocking[1][0][1]
     ref = np.array([[e["logprob"] for e in o.outputs[0].logprobs]
                     for o in blocking[0].generate([PROMPTS[1]], SP)])
