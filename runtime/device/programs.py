@@ -466,7 +466,7 @@ class StepPrograms:
         order: a whole body of at most PAD_WHOLE times the rows, this shape's layer programs,
         any larger shape's, else this shape's layer programs (compiled now)."""
         T = arrays["token_ids"].shape[0]
-        # one choice a step (the engine asks compiles() first), until a program lands
+        # one choice a shape (the engine asks compiles() first), until a program lands
         key = (signature(((arrays, prev), max_q_len)), len(self.layerwise), _Job.landed)
         if self._chosen[0] != key:
             self._chosen = key, self._choose(arrays, prev, max_q_len, key[0])

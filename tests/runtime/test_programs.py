@@ -117,10 +117,15 @@ def test_a_step_runs_padded_to_a_larger_ready_bucket(tiny_dir, blocking):
     compiling = []
     # queued ones are only recorded: none gets compiled meanwhile
     programs.compiler().submit = lambda job, *a, **k: compiling.append(job) or False
+    choices, choose = [], step._choose
+    step._choose = lambda *a: choices.append(a[2]) or choose(*a)
     try:
         before, step.patience = step.layerwise_steps, 3600
         toks, lps = _tokens_and_logprobs(llm, [PROMPTS[1]])
         assert step.padded_steps == 12 and step.layerwise_steps == before  # 1 prefill, 11 decodes
+        # the engine asks whether a step compiles, then runs it: the stand-in is chosen once a
+        # shape (the q-length bounds: the prefill's, the decodes'), until a program lands
+        assert choices == [4, 1]
         # padded onto a whole body, it runs about as fast: its own programs wait their patience
         assert not compiling
         step.patience = 1e-9  # ... once the shapes have been in use that long, they are asked for
