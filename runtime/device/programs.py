@@ -310,12 +310,14 @@ def pad_tokens(arrays: dict, t: int) -> dict:
 # passes off), by the step's token rows: level 0 compiles ~1.3x faster than 1 and runs 1.5x
 # (Gemma 3 270M) to 2.5x (the mixed preset's d 512 layers) slower; level 1 runs as fast as the
 # default (2) and compiles ~1.2x faster. A step of few rows (one request's first token) is a
-# compile to hurry; one of many rows (a batch) runs long enough to repay level 1. The embed,
-# last-rows and fast head programs (a gather, a norm, one product) take level 0.
+# compile to hurry; one of many rows (a batch) runs long enough to repay level 1. The fast
+# head takes its rows' level (at level 0 the mixed preset's 32-row head, a 32k vocabulary and
+# sampling, ran the stand-in steps 8-10 % slower: two pairs of runs); the embed and last-rows
+# programs (a gather, a norm) take level 0.
 FAST_LEVELS = ((16, 0), (None, 1))  # (rows up to, level); None: any
 
 
-# CPU: seconds a step shape whose stand-in runs as fast (level-1 layers, a fast head) is in use
+# CPU: seconds a step shape whose stand-in runs as fast (level-1 layers, the fast head) is in use
 # before its whole program compiles in the background (those compiles share the cores with the
 # steps: ~6 s of a 14 s batch job on 2 cores for the mixed preset, where the stand-ins run as
 # fast as the whole programs; Gemma 3 270M's whole ones are 0-6 % faster). Elsewhere the host
@@ -357,9 +359,10 @@ class StepPrograms:
         head_statics = ("num_logprobs", "filtered")
         self.head = AheadOfTime(shared_jit(head, head_statics, ("procs",), cfg=cfg, **head_bound),
                                 head_statics, (params,))
-        self.fast_head = AheadOfTime(fast_jit(head, head_statics + ("rows",), ("procs",),
-                                              cfg=cfg, **head_bound),
-                                     head_statics + ("rows",), (params,))
+        self.fast_heads = {lvl: AheadOfTime(fast_jit(head, head_statics + ("rows",), ("procs",),
+                                                     level=lvl, cfg=cfg, **head_bound),
+                                            head_statics + ("rows",), (params,))
+                           for _, lvl in FAST_LEVELS}  # by level, as the layers
         self._embed = fast_jit(embed_rows, (), (), cfg=cfg)
         self._layers = {lvl: fast_jit(layer_rows, ("i", "max_q_len"), ("k_pages", "v_pages"),
                                       level=lvl, cfg=cfg, backend=backend)
@@ -381,14 +384,15 @@ class StepPrograms:
     def count(self) -> int:
         """Distinct programs launched: whole steps, heads, bodies, and bodies run layer by layer
         (their small programs compiled for that signature)."""
-        return (self.whole.count + len(self.head.launched) + len(self.fast_head.launched)
+        return (self.whole.count + len(self.head.launched)
+                + sum(len(t.launched) for t in self.fast_heads.values())
                 + len(self.body.launched) + len(self.layerwise))
 
     def compiled(self) -> int:
         """Programs compiled in this process for this model's steps, by every engine of it:
         whole bodies and heads, and the small programs (what `count` cannot see: a program
         another engine compiled)."""
-        tables = sum(j.future.done() for t in (self.body, self.head, self.fast_head)
+        tables = sum(j.future.done() for t in (self.body, self.head, *self.fast_heads.values())
                      for j in t.table.values())
         jits = (self.whole.jitted, self._embed, self._last, *self._layers.values())
         return tables + sum(f._cache_size() for f in jits)
@@ -432,7 +436,7 @@ class StepPrograms:
             self.fast_head_steps += 1  # rows as the step has sequences (1, S/2 or S)
             rows = self._fast_rows(key, arrays)
             self.heads.add((key, rows))
-            out = self.fast_head.call(args, dict(kwargs, rows=rows))
+            out = self.fast_heads[fast_level(rows)].call(args, dict(kwargs, rows=rows))
         else:
             self.heads.add(key)
         packed, new_procs = out
