@@ -102,7 +102,8 @@ class _Job:
             self.future.set_result(self.fn())
         except BaseException as exc:  # noqa: BLE001 - whoever needs the program re-raises it
             self.future.set_exception(exc)
-        _Job.landed += 1
+        with self._lock:  # two threads may finish at once (a foreground and a background one)
+            _Job.landed += 1
 
 
 class Compiler:
@@ -469,30 +470,34 @@ class StepPrograms:
         bound: a prefill's bound grows with its bucket, and a larger bound is as valid). In
         order: a whole body of at most PAD_WHOLE times the rows, this shape's layer programs,
         any larger shape's, else this shape's layer programs (compiled now)."""
-        T = arrays["token_ids"].shape[0]
-        # one choice a shape (the engine asks compiles() first), until a program lands
+        tier, t, q, _ = self._choice(arrays, prev, max_q_len)
+        return tier, arrays if t == arrays["token_ids"].shape[0] else pad_tokens(arrays, t), q
+
+    def _choice(self, arrays, prev, max_q_len: int) -> tuple[str, int, int, bool]:
+        """_stand_in's choice: (tier, token rows, q-length bound, whether its layer programs
+        compile first); made once a shape (the engine asks compiles() first), until a program
+        lands or layer programs are added."""
         key = (signature(((arrays, prev), max_q_len)), len(self.layerwise), _Job.landed)
         if self._chosen[0] != key:
             self._chosen = key, self._choose(arrays, prev, max_q_len, key[0])
-        tier, t, q = self._chosen[1]
-        return tier, arrays if t == T else pad_tokens(arrays, t), q
+        return self._chosen[1]
 
-    def _choose(self, arrays, prev, max_q_len: int, sig) -> tuple[str, int, int]:
-        """_stand_in's choice: (tier, token rows, q-length bound)."""
+    def _choose(self, arrays, prev, max_q_len: int, sig) -> tuple[str, int, int, bool]:
         T = arrays["token_ids"].shape[0]
-        first = ("layers", T, max_q_len) if sig in self.layerwise else None
+        first = ("layers", T, max_q_len, False) if sig in self.layerwise else None
+        new = ("layers", T, max_q_len, True)
         if "mm_embeds" in arrays:  # image rows: no padding
-            return first or ("layers", T, max_q_len)
+            return first or new
         later = None
         for t in (b for b in self.token_buckets if b > T):
             padded = pad_tokens(arrays, t)
             for q in dict.fromkeys((max_q_len, t if max_q_len > 1 else 1)):
                 if t <= PAD_WHOLE * T and self.body.ready((None, None, padded),
                                                           dict(prev=prev, max_q_len=q)):
-                    return "whole", t, q
+                    return "whole", t, q, False
                 if later is None and signature(((padded, prev), q)) in self.layerwise:
-                    later = ("layers", t, q)
-        return first or later or ("layers", T, max_q_len)
+                    later = ("layers", t, q, False)
+        return first or later or new
 
     def _fast_rows(self, key, arrays: dict) -> int:
         """The fast head's rows for a step: the fewest of 1, S/2, S that hold its sequences,
@@ -523,8 +528,7 @@ class StepPrograms:
         if not body_job.future.done():
             if self.mode == "blocking":
                 return True
-            tier, padded, q = self._stand_in(arrays, prev, max_q_len)
-            if tier == "layers" and signature(((padded, prev), q)) not in self.layerwise:
+            if self._choice(arrays, prev, max_q_len)[3]:
                 return True
         args, kwargs = self._head_args(None, None, arrays, procs, num_logprobs, filtered)
         key = signature((args[2:], kwargs))
@@ -543,8 +547,8 @@ class StepPrograms:
             adapter = None if mask is None else params.lora[i]
             j = self.cfg.layer_kv_source(i)
             x, ks[j], vs[j] = layer(lp, x, ks[j], vs[j], md, adapter, mask,
-                                          None if ple is None else ple[:, i],
-                                          i=self._kinds[i], max_q_len=max_q_len)
+                                    None if ple is None else ple[:, i],
+                                    i=self._kinds[i], max_q_len=max_q_len)
             x = deepstack(x, given, i)
         return self._last(params, x, md), KVCache(k=tuple(ks), v=tuple(vs))
 
