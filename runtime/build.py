@@ -232,11 +232,6 @@ def prepare(cfg: ModelConfig, params, tokenizer, config: EngineConfig, *, mesh=N
     loaded = params
     backend = resolve_backend(config.attention_backend)
     if config.batch_invariant:
-        from jaxinfer.runtime.config import OptionError
-
-        if cfg.num_experts:
-            raise OptionError("batch_invariant", "not with mixture-of-experts models yet (their "
-                                                 "routing groups rows across the batch)")
         cfg, backend = dataclasses.replace(cfg, batch_invariant=True), "xla"
     if mesh is None and (config.tensor_parallel > 1 or jax.process_count() > 1):
         from jaxinfer.runtime.device.sharding import make_mesh

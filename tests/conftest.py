@@ -88,6 +88,21 @@ def tiny_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def moe_dir(tiny_dir, tmp_path_factory):
+    """(dir, HF model): a random-init HF Qwen3-MoE (2 layers, d 64, 16 experts, top 4) with the
+    tiny Llama's tokenizer; tests read it and never write into it."""
+    import shutil
+
+    from tests.hf_models import make_hf_model
+
+    d = tmp_path_factory.mktemp("qwen3_moe")
+    hf = make_hf_model("qwen3_moe", d, hidden=64, layers=2, vocab=2000)
+    for name in ("tokenizer.model", "tokenizer_config.json"):
+        shutil.copy(tiny_dir / name, d / name)
+    return d, hf
+
+
+@pytest.fixture(scope="session")
 def gemma3_vision_dir(tmp_path_factory):
     """(dir, HF model): a random-init Gemma 3 with its SigLIP tower (tests/vision_models.py),
     with a byte-level tokenizer that knows Gemma's image and turn marks and a chat template

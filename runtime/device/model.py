@@ -216,7 +216,7 @@ def _out_and_mlp(lp: LayerParams, x, o, cfg: ModelConfig, lora, lora_mask, ple=N
         kw = dict(k=cfg.experts_per_token, norm_topk=cfg.norm_topk_prob,
                   glu=_expert_glu(cfg, glu), router_bias=lp.router_b, biases=biases,
                   routing=routing_of(cfg), choice_bias=lp.router_choice_b,
-                  expert_scale=lp.expert_scale)
+                  expert_scale=lp.expert_scale, fixed_blocks=cfg.batch_invariant)
         if lp.expert_in_norm is None:
             e = moe_mlp(h, lp.router, lp.we_gate, lp.we_up, lp.we_down, **kw)  # [T, D]
             m = e if m is None else m + e

@@ -82,7 +82,8 @@ def route(h: jax.Array, router: jax.Array, k: int, norm_topk: bool, bias=None,
 
 def moe_mlp(h: jax.Array, router, we_gate, we_up, we_down, *, k: int, norm_topk: bool,
             glu, router_bias=None, biases=None, routing: Routing = Routing(),
-            choice_bias=None, expert_scale=None, route_input=None) -> jax.Array:
+            choice_bias=None, expert_scale=None, route_input=None,
+            fixed_blocks: bool = False) -> jax.Array:
     """h [T, D]; we_gate / we_up [E, D, F], we_down [E, F, D] (arrays or QuantizedArrays) ->
     [T, D]. TPU/GPU: at most E pairs (a decode step) gather their experts' weights
     (`_gathered`), more are grouped by expert through ragged_dot (`_grouped`). CPU: blocks
@@ -91,20 +92,25 @@ def moe_mlp(h: jax.Array, router, we_gate, we_up, we_down, *, k: int, norm_topk:
     All read only the chosen experts. Traced on a mesh whose "model" axis
     divides E (the engine's tensor-parallel steps), each device runs its own E / tp experts on
     the (replicated) tokens and the partial outputs are summed: `_expert_parallel`.
-    route_input [T, D]: what the router reads when it is not h (Gemma 4)."""
+    route_input [T, D]: what the router reads when it is not h (Gemma 4). `fixed_blocks`
+    (batch-invariant mode, h one block of rows of a fixed count): `_blocked` on every platform,
+    so a row's expert products have one shape whatever its neighbours chose, and its k
+    outputs are summed in rank order (no scatter-add, whose order a GPU leaves open)."""
     w, e = route(h if route_input is None else route_input, router, k, norm_topk, router_bias,
                  routing, choice_bias, expert_scale)
     args = (h, w, e, we_gate, we_up, we_down, biases)
     mesh = jax.sharding.get_abstract_mesh()
     tp = 1 if mesh.empty or "model" not in mesh.axis_names else mesh.shape["model"]
     if tp > 1 and we_gate.shape[0] % tp == 0:
-        return _expert_parallel(mesh, *args, glu=glu).astype(h.dtype)
-    return _forms(*args, glu=glu).astype(h.dtype)
+        return _expert_parallel(mesh, *args, glu=glu, fixed_blocks=fixed_blocks).astype(h.dtype)
+    return _forms(*args, glu=glu, fixed_blocks=fixed_blocks).astype(h.dtype)
 
 
-def _forms(h, w, e, we_gate, we_up, we_down, biases, *, glu) -> jax.Array:
+def _forms(h, w, e, we_gate, we_up, we_down, biases, *, glu, fixed_blocks=False) -> jax.Array:
     """f32 [T, D] by the platform's form for T * k pairs over these E experts; experts e >= E
     are held elsewhere and add nothing."""
+    if fixed_blocks:
+        return _blocked(h, w, e, we_gate, we_up, we_down, biases, glu)
     small = h.shape[0] * e.shape[1] <= we_gate.shape[0]
     return jax.lax.platform_dependent(
         h, w, e, we_gate, we_up, we_down, biases, cpu=functools.partial(_blocked, glu=glu),
@@ -120,7 +126,8 @@ def _bias(biases, i: int, idx: jax.Array) -> jax.Array | float:
     return b[jnp.minimum(idx, b.shape[0] - 1)].astype(jnp.float32)
 
 
-def _expert_parallel(mesh, h, w, e, we_gate, we_up, we_down, biases, *, glu) -> jax.Array:
+def _expert_parallel(mesh, h, w, e, we_gate, we_up, we_down, biases, *, glu,
+                     fixed_blocks=False) -> jax.Array:
     """Expert parallelism over the mesh's "model" axis: device i holds experts
     [i * E/tp, (i + 1) * E/tp) whole and the routed tokens are replicated, so each device
     applies its experts to the pairs that chose them (the others map past its last expert and
@@ -131,7 +138,7 @@ def _expert_parallel(mesh, h, w, e, we_gate, we_up, we_down, biases, *, glu) -> 
     def on_device(h, w, e, we_gate, we_up, we_down, biases):
         le = e - jax.lax.axis_index("model") * local  # [T, k] expert ids on this device
         le = jnp.where((le >= 0) & (le < local), le, local)
-        y = _forms(h, w, le, we_gate, we_up, we_down, biases, glu=glu)
+        y = _forms(h, w, le, we_gate, we_up, we_down, biases, glu=glu, fixed_blocks=fixed_blocks)
         return jax.lax.psum(y, "model")
 
     rep, split = jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec("model")
@@ -230,9 +237,9 @@ def _blocked(h, w, e, we_gate, we_up, we_down, biases, glu) -> jax.Array:
         return glu(g, u) @ _experts(we_down, i) + _bias(biases, 2, i)  # [B, D]
 
     y = jax.lax.map(block, (x.reshape(nb, b, d), block_e)).reshape(nb * b, d)
-    y = jnp.take(y, dest, axis=0, mode="fill", fill_value=0.0)  # [P, D]
-    y = y * w.reshape(-1)[order][:, None]
-    return jnp.zeros((t, d), jnp.float32).at[order // k].add(y)
+    row = jnp.zeros_like(dest).at[order].set(dest)  # [P] block row of pair t * k + j
+    y = jnp.take(y, row, axis=0, mode="fill", fill_value=0.0).reshape(t, k, d)
+    return jnp.einsum("tkd,tk->td", y, w)  # each token's k outputs summed in rank order
 
 
 def moe_mlp_dense(h: jax.Array, router, we_gate, we_up, we_down, *, k: int, norm_topk: bool,

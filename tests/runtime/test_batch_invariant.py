@@ -1,8 +1,9 @@
 """batch_invariant=True: each request's logprobs (and tokens) bitwise equal to the same request
 run alone with max_slots=1, whatever else shares its steps: 64 mixed-length requests (greedy
 and seeded sampling) under chunked prefill, prefix-cache hits, preemption and both scheduling
-modes; LLM.score's teacher-forced logprobs bitwise equal to the rollout's. The default mode is
-shown not to be (the reason for the option)."""
+modes; LLM.score's teacher-forced logprobs bitwise equal to the rollout's; the same for a
+mixture-of-experts model, on one device and two. The default mode is shown not to be (the
+reason for the option)."""
 
 from __future__ import annotations
 
@@ -129,3 +130,46 @@ def test_the_trainers_function_equals_the_rollout_bitwise(alone):
     g = jax.grad(lambda w_: fn(w_, toks).sum())(w)
     assert all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(g))
     assert float(jnp.abs(g.layers[0].wq).sum()) > 0
+
+
+def _moe_equal_alone(d, n: int, **mode) -> LLM:
+    """The workload's first n requests on the MoE model batched (8 slots, chunks of 32, a page
+    pool that preempts) against each alone: tokens and logprobs bitwise equal; the batched LLM."""
+    prompts, params = (x[:n] for x in _workload())
+    mode = dict(BASE, batch_invariant=True, **mode)
+    ref = LLM(str(d), **mode, max_slots=1).generate(prompts, params)
+    llm = LLM(str(d), **mode, max_slots=8, prefill_chunk=32, num_pages=40)
+    got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    bad = [i for i, (a, b) in enumerate(zip(got, ref)) if _lps(a) != _lps(b)]
+    assert bad == [], f"{len(bad)} of {n} requests' logprobs differ"
+    sched = llm.engine.scheduler
+    assert sched.num_preemptions > 0 and sched.prefix_cache_stats()["cached_tokens"] > 0
+    return llm, prompts, got
+
+
+def test_mixture_of_experts_is_batch_invariant_too(moe_dir):
+    """A Qwen3-MoE (16 experts, top 4): each block of 8 rows meets its experts in blocks of one
+    shape (runtime/device/moe.py `_blocked`, on every platform in this mode) and a token's 4
+    expert outputs are summed in rank order, so what the other rows routed where changes no
+    bit; the trainer's function on get_weights() equals the rollout and differentiates
+    through the experts."""
+    import jax
+    import jax.numpy as jnp
+
+    llm, prompts, outs = _moe_equal_alone(moe_dir[0], 24)
+    fn, w = llm.logprob_fn(), llm.get_weights()
+    for p, o in list(zip(prompts, outs))[:4]:
+        lp = fn(w, jnp.asarray([p + o.token_ids], jnp.int32))[0, len(p) - 1:]
+        assert np.asarray(lp).tolist() == _lps(o)
+    toks = jnp.asarray([prompts[1][:6] + outs[1].token_ids[:4]], jnp.int32)
+    g = jax.grad(lambda w_: fn(w_, toks).sum())(w)
+    assert float(jnp.abs(g.layers[0].we_gate).sum()) > 0
+
+
+@on_8_devices
+def test_mixture_of_experts_on_two_devices(moe_dir):
+    """tensor_parallel=2 splits the experts between the devices (8 each); each token's output
+    is the sum of two partial sums, so it stays bitwise equal to the request alone."""
+    llm, _, _ = _moe_equal_alone(moe_dir[0], 16, tensor_parallel=2)
+    assert llm.engine.mesh.shape["model"] == 2

@@ -4,8 +4,6 @@ lowering for TPU and CUDA, and a Qwen3-MoE checkpoint served by the engine again
 transformers (greedy, under chunked prefill and preemption), float and int8. Logits of
 Qwen3-MoE, Qwen2-MoE and Mixtral against HF: tests/runtime/test_model_hf.py."""
 
-import shutil
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,9 +34,10 @@ def test_grouped_and_gathered_experts_equal_the_dense_reference(e, k):
     kw = dict(k=k, norm_topk=k == 2, glu=silu_glu)
     want = jax.jit(lambda *a: moe_mlp_dense(*a, **kw))(h, router, wg, wu, wd)
 
-    for fn in (_grouped, _gathered, _blocked, None):
-        got = (jax.jit(lambda *a: moe_mlp(*a, **kw)) if fn is None else _form(fn, k, k == 2))(
-            h, router, wg, wu, wd)
+    for fn in (_grouped, _gathered, _blocked, None, "fixed"):
+        fixed = dict(kw, fixed_blocks=fn == "fixed")
+        got = (jax.jit(lambda *a: moe_mlp(*a, **fixed)) if fn in (None, "fixed")
+               else _form(fn, k, k == 2))(h, router, wg, wu, wd)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
     used = np.unique(np.asarray(route(h, router, k, False)[1]))
     assert len(used) < e or e == 8  # experts that receive no token are in the mix
@@ -134,18 +133,10 @@ def test_grouped_experts_lower_for_accelerators(platform):
         exported = jax.export.export(fn, platforms=[platform])(*args)
         assert exported.platforms == (platform,) and exported.out_avals[0].shape == (T, D)
         assert ("ragged" in exported.mlir_module()) == (k == 8) or platform == "cuda"
-
-
-@pytest.fixture(scope="module")
-def moe_dir(tiny_dir, tmp_path_factory):
-    """A random-init HF Qwen3-MoE (16 experts, top 4) with the tiny Llama's tokenizer."""
-    from tests.hf_models import make_hf_model
-
-    d = tmp_path_factory.mktemp("qwen3_moe")
-    hf = make_hf_model("qwen3_moe", d, hidden=64, layers=2, vocab=2000)
-    for name in ("tokenizer.model", "tokenizer_config.json"):
-        shutil.copy(tiny_dir / name, d / name)
-    return d, hf
+    # batch-invariant mode: the fixed-shape blocks on every platform, whatever T * k is
+    fixed = jax.jit(lambda *a: moe_mlp(*a, k=8, norm_topk=True, glu=silu_glu, fixed_blocks=True))
+    text = jax.export.export(fixed, platforms=[platform])(*args).mlir_module()
+    assert "ragged" not in text and "stablehlo.while" in text  # lax.map over the blocks
 
 
 def test_qwen3_moe_served_greedy_equals_hf_under_chunking_and_preemption(moe_dir):
