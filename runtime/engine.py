@@ -175,7 +175,8 @@ class Engine:
             self._step = StepPrograms(cfg, self.backend, self.params, self.cache,
                                       mode=compile_mode(ecfg), vocab_limit=self.text_vocab,
                                       processed_logprobs=self.processed_logprobs,
-                                      token_buckets=shapes.tokens)
+                                      token_buckets=shapes.tokens,
+                                      mesh=None if self.mesh is None else self.mesh.abstract_mesh)
         else:  # several hosts: process 0 schedules, broadcasts plans; one sharded program a step
             from jaxinfer.runtime.device import sharding as shd
             from jaxinfer.runtime.device.distributed import PlanChannel, PlanCodec

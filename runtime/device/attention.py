@@ -135,7 +135,7 @@ def attend(
     platform = {"pallas_tpu": "tpu", "pallas_gpu": "gpu", "pallas_interpret": "tpu"}[backend]
     kernel = functools.partial(ragged_paged_attention, platform=platform,
                                interpret=backend == "pallas_interpret")
-    # traced on a mesh (the tensor-parallel steps: runtime/device/steps.py `_on_mesh`), the
+    # traced on a mesh (the tensor-parallel steps: runtime/device/steps.py `on_mesh`), the
     # kernel runs per device on its KV heads: XLA SPMD cannot partition a Mosaic / Triton call
     return shard_kv_heads(kernel, jax.sharding.get_abstract_mesh())(*args, **kw)
 

@@ -48,7 +48,8 @@ from jaxinfer.runtime.device.kv_cache import KVCache
 from jaxinfer.runtime.device.model import deepstack, layer_kind
 from jaxinfer.runtime.device.steps import (HEAD_FIELDS, METADATA_FIELDS, body, embed_rows,
                                            given_rows, head,
-                                           last_rows, layer_rows, make_step, shared_jit)
+                                           last_rows, layer_rows, make_step, shared_jit,
+                                           on_mesh)
 from jaxinfer.runtime.plan import PLAN_FIELDS
 
 log = logging.getLogger(__name__)
@@ -331,13 +332,14 @@ def fast_level(rows: int) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def fast_jit(fn, statics: tuple[str, ...], donate: tuple[str, ...], level: int = 0, **bound):
+def fast_jit(fn, statics: tuple[str, ...], donate: tuple[str, ...], level: int = 0, mesh=None,
+             **bound):
     """shared_jit compiled at XLA:CPU optimization `level` on CPU (elsewhere: the defaults)."""
     options = None
     if jax.default_backend() == "cpu":
         options = {"xla_backend_optimization_level": level,
                    "xla_llvm_disable_expensive_passes": True}
-    return jax.jit(functools.partial(fn, **bound), static_argnames=statics,
+    return jax.jit(functools.partial(on_mesh(fn, mesh), **bound), static_argnames=statics,
                    donate_argnames=donate, compiler_options=options)
 
 
@@ -347,28 +349,31 @@ class StepPrograms:
 
     def __init__(self, cfg, backend: str, params, cache: KVCache, *, mode: str,
                  vocab_limit: int | None, processed_logprobs: bool,
-                 token_buckets: tuple[int, ...] = ()):
+                 token_buckets: tuple[int, ...] = (), mesh=None):
         """`token_buckets`: the T buckets steps come in; a step may run padded to a larger one
-        whose programs are ready."""
+        whose programs are ready. `mesh` (an AbstractMesh): the one params and cache lie on,
+        every program traced on it (expert-parallel layers and the Pallas kernels' shard_map
+        find its "model" axis there)."""
         if mode not in COMPILE_MODES:
             raise ValueError(f"compile mode {mode!r}, not one of {COMPILE_MODES}")
         self.cfg, self.mode, self.token_buckets = cfg, mode, tuple(sorted(token_buckets))
         head_bound = dict(vocab_limit=vocab_limit, processed_logprobs=processed_logprobs)
-        self.whole = make_step(cfg, backend, None, **head_bound)  # prompt-logprob steps
+        self.whole = make_step(cfg, backend, None, **head_bound, mesh=mesh)  # prompt logprobs
         self.body = AheadOfTime(shared_jit(body, ("max_q_len",), ("cache",), cfg=cfg,
-                                           backend=backend), ("max_q_len",), (params, cache))
+                                           backend=backend, mesh=mesh), ("max_q_len",),
+                                (params, cache))
         head_statics = ("num_logprobs", "filtered")
-        self.head = AheadOfTime(shared_jit(head, head_statics, ("procs",), cfg=cfg, **head_bound),
-                                head_statics, (params,))
+        self.head = AheadOfTime(shared_jit(head, head_statics, ("procs",), cfg=cfg, mesh=mesh,
+                                           **head_bound), head_statics, (params,))
         self.fast_heads = {lvl: AheadOfTime(fast_jit(head, head_statics + ("rows",), ("procs",),
-                                                     level=lvl, cfg=cfg, **head_bound),
+                                                     level=lvl, cfg=cfg, mesh=mesh, **head_bound),
                                             head_statics + ("rows",), (params,))
                            for _, lvl in FAST_LEVELS}  # by level, as the layers
-        self._embed = fast_jit(embed_rows, (), (), cfg=cfg)
+        self._embed = fast_jit(embed_rows, (), (), cfg=cfg, mesh=mesh)
         self._layers = {lvl: fast_jit(layer_rows, ("i", "max_q_len"), ("k_pages", "v_pages"),
-                                      level=lvl, cfg=cfg, backend=backend)
+                                      level=lvl, cfg=cfg, backend=backend, mesh=mesh)
                         for _, lvl in FAST_LEVELS}
-        self._last = fast_jit(last_rows, (), (), cfg=cfg)
+        self._last = fast_jit(last_rows, (), (), cfg=cfg, mesh=mesh)
         self._kinds = tuple(layer_kind(cfg, i) for i in range(cfg.num_layers))
         self.layerwise: set = set()  # body signatures this engine ran layer by layer
         # head signatures (sampling arrays, statics) this engine ran; (signature, rows) of the

@@ -317,15 +317,17 @@ def make_verify(cfg: ModelConfig, backend: str, shardings=None,
 
 
 def make_step(cfg: ModelConfig, backend: str, shardings=None,
-              vocab_limit: int | None = None, processed_logprobs: bool = False) -> Launches:
+              vocab_limit: int | None = None, processed_logprobs: bool = False,
+              mesh=None) -> Launches:
     """The step for one model; static: q bucket, logprob count, filter flag, prompt logprobs.
     `shardings` (tensor parallel): (params, cache, replicated) NamedSharding trees from
-    runtime.device.sharding."""
+    runtime.device.sharding. Without them, `mesh` (an AbstractMesh; None: none) is the mesh
+    the step is traced on when its arrays come laid out on one (shared_jit)."""
     return _jit(step, _STEP_STATICS, shardings, cfg=cfg, backend=backend,
-                vocab_limit=vocab_limit, processed_logprobs=processed_logprobs)
+                vocab_limit=vocab_limit, processed_logprobs=processed_logprobs, mesh=mesh)
 
 
-def _jit(fn, statics: tuple[str, ...], shardings, **bound) -> Launches:
+def _jit(fn, statics: tuple[str, ...], shardings, mesh=None, **bound) -> Launches:
     """One device: the process's shared jit of `fn`. On a mesh (`shardings`): `fn` traced on
     the mesh (the Pallas attention kernels and expert-parallel layers run per device in a
     shard_map over its "model" axis). Inputs arrive laid out (params and cache committed to
@@ -334,31 +336,36 @@ def _jit(fn, statics: tuple[str, ...], shardings, **bound) -> Launches:
     recompile. The processor state is replicated. (jit takes no in_shardings together with
     keyword static args.)"""
     if shardings is None:
-        return Launches(shared_jit(fn, statics, ("cache", "procs"), **bound))
+        return Launches(shared_jit(fn, statics, ("cache", "procs"), mesh=mesh, **bound))
     _, cache_sh, rep = shardings
-    return Launches(jax.jit(functools.partial(_on_mesh(fn, rep.mesh), **bound),
+    return Launches(jax.jit(functools.partial(on_mesh(fn, rep.mesh.abstract_mesh), **bound),
                             static_argnames=statics, donate_argnames=("cache", "procs"),
                             out_shardings=(rep, cache_sh, rep)))
 
 
-def _on_mesh(fn, mesh):
-    """`fn` traced with `mesh` as the context mesh, where the model's expert-parallel layers
-    (runtime/device/moe.py) and the Pallas attention kernels (runtime/device/attention.py)
-    find the "model" axis."""
+def on_mesh(fn, mesh):
+    """`fn` traced with `mesh` (an AbstractMesh; None: as it is) as the context mesh, where the
+    model's expert-parallel layers (runtime/device/moe.py) and the Pallas attention kernels
+    (runtime/device/attention.py) find the "model" axis."""
+    if mesh is None:
+        return fn
+
     @functools.wraps(fn)
     def traced(*args, **kwargs):
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        with jax.sharding.use_abstract_mesh(mesh):
             return fn(*args, **kwargs)
 
     return traced
 
 
 @functools.lru_cache(maxsize=16)
-def shared_jit(fn, statics: tuple[str, ...], donate: tuple[str, ...] = ("cache",), **bound):
-    """One jitted `fn` per set of bound keyword values (model config, backend, ...) in the
-    process, so engines of one model trace and compile each shape once; `statics` are its
-    static argument names and `donate` the donated ones. Its programs outlive the engines
-    that launched them (until evicted, or `jax.clear_caches()`); on XLA:CPU each holds a few
-    hundred memory mappings, of the process's vm.max_map_count."""
-    return jax.jit(functools.partial(fn, **bound), static_argnames=statics,
+def shared_jit(fn, statics: tuple[str, ...], donate: tuple[str, ...] = ("cache",), mesh=None,
+               **bound):
+    """One jitted `fn` per set of bound keyword values (model config, backend, ...) and `mesh`
+    in the process, so engines of one model trace and compile each shape once; `statics` are
+    its static argument names and `donate` the donated ones; `mesh` (an AbstractMesh) the
+    mesh it is traced on, for engines whose arrays lie on one (`on_mesh`). Its programs
+    outlive the engines that launched them (until evicted, or `jax.clear_caches()`); on
+    XLA:CPU each holds a few hundred memory mappings, of the process's vm.max_map_count."""
+    return jax.jit(functools.partial(on_mesh(fn, mesh), **bound), static_argnames=statics,
                    donate_argnames=donate)

@@ -350,7 +350,8 @@ def test_expert_parallel_moves_no_weights_and_the_engine_matches_one_device():
     """Traced on the mesh (as the engine's steps are), an MoE layer runs each device's experts
     on the replicated tokens: its one collective is an all-reduce of the [T, D] output, for
     decode- and prefill-sized steps; no expert weight moves. The
-    engine's greedy tokens at tp 4 equal one device's."""
+    engine's greedy tokens at tp 4 equal one device's, and its own step programs (traced on
+    its mesh) hold the same collectives: no expert weight gathered."""
     import re
 
     from jaxinfer.runtime.config import EngineConfig
@@ -375,7 +376,8 @@ def test_expert_parallel_moves_no_weights_and_the_engine_matches_one_device():
     tokens = []
     for tp in (1, 4):
         eng = Engine(prepare(MOE, params, _IdTokenizer(MOE.vocab_size),
-                             EngineConfig(max_slots=2, max_model_len=64, tensor_parallel=tp)))
+                             EngineConfig(max_slots=2, max_model_len=64, tensor_parallel=tp,
+                                          compile_mode="blocking")))
         sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         rids = [eng.add_request([3 + i, 40, 7 * i + 5] * 6, sp) for i in range(2)]
         done = {}
@@ -383,6 +385,14 @@ def test_expert_parallel_moves_no_weights_and_the_engine_matches_one_device():
             done |= {d.request_id: d.output for d in eng.step() if d.finished}
         tokens.append([done[r].token_ids for r in rids])
     assert tokens[0] == tokens[1] and all(len(t) == 8 for t in tokens[0])
+    body = eng._step.body  # its table is the jitted function's: this engine's own programs
+    bodies = [job.future.result().as_text() for key, job in body.table.items()
+              if key[0] == body.fixed and job.future.done()]
+    assert bodies
+    for hlo in bodies:  # every layer's [T, D] output summed; nothing gathered
+        ops = re.findall(r"= \S+ (all-gather|all-reduce|all-to-all|collective-permute|"
+                         r"reduce-scatter)\(", hlo)
+        assert ops and set(ops) == {"all-reduce"}, sorted(set(ops))
 
 
 @on_8_devices
