@@ -218,6 +218,16 @@ def _load_draft(target: str, cfg: ModelConfig, params, config: EngineConfig) -> 
     return draft.cfg, draft.params
 
 
+def _quantized(params) -> bool:
+    """Whether any weight of `params` is a QuantizedArray."""
+    import jax
+
+    from jaxinfer.runtime.device.quantization import QuantizedArray
+
+    is_q = lambda x: isinstance(x, QuantizedArray)  # noqa: E731
+    return any(is_q(x) for x in jax.tree.leaves(params, is_leaf=is_q))
+
+
 def prepare(cfg: ModelConfig, params, tokenizer, config: EngineConfig, *, mesh=None,
             draft: tuple | None = None, source: str | None = None,
             consume: bool = False) -> Prepared:
@@ -233,6 +243,12 @@ def prepare(cfg: ModelConfig, params, tokenizer, config: EngineConfig, *, mesh=N
     backend = resolve_backend(config.attention_backend)
     if config.batch_invariant:
         cfg, backend = dataclasses.replace(cfg, batch_invariant=True), "xla"
+        if config.tensor_parallel > 2 and _quantized(params):
+            from jaxinfer.runtime.config import OptionError
+
+            raise OptionError("batch_invariant", "on more than two devices runs float weights "
+                              "(its fixed-order sums take dense products): load with "
+                              "quantization='dequantize' or none")
     if mesh is None and (config.tensor_parallel > 1 or jax.process_count() > 1):
         from jaxinfer.runtime.device.sharding import make_mesh
 

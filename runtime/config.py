@@ -581,9 +581,10 @@ ENGINE_RULES = (
      "attention_backend unset or 'xla'"),
     ("batch_invariant", lambda c: not c.batch_invariant or c.speculative is None,
      "not with speculative decoding yet (the verify step is not batch-invariant)"),
-    ("batch_invariant", lambda c: not c.batch_invariant or c.tensor_parallel in (None, 1, 2),
-     "runs on one or two devices: two partial sums add the same in any order (a + b == b + a), "
-     "more may be summed in an order the collective's algorithm picks"),
+    ("batch_invariant", lambda c: not c.batch_invariant or c.tensor_parallel in (None, 1, 2)
+     or not c.enable_lora,
+     "with LoRA adapters runs on one or two devices (an adapter's products over a split axis "
+     "are summed by XLA's all-reduce, whose order more than two devices may change)"),
 )
 
 

@@ -15,6 +15,7 @@ from flax import struct
 
 from jaxinfer.runtime.device.attention import AttentionMetadata, attend
 from jaxinfer.runtime.config import ModelConfig
+from jaxinfer.runtime.device.fixed_sums import gathered_head, row_parallel_einsum
 from jaxinfer.runtime.device.fused_projections import split_qkv
 from jaxinfer.runtime.device import lora as lora_ops
 from jaxinfer.runtime.device.kv_cache import KVCache, write_pages
@@ -189,7 +190,7 @@ def _out_and_mlp(lp: LayerParams, x, o, cfg: ModelConfig, lora, lora_mask, ple=N
     ad = lambda y, x_, t: lora_ops.add(y, x_, lora, t, lora_mask)  # noqa: E731
     if cfg.latent_attention:
         o = latent_out(lp, o, cfg)  # [T, H, V]
-    o = ad(einsum("thk,hkd->td", o, lp.wo), o, "o")  # [T, D]
+    o = ad(row_parallel_einsum("thk,hkd->td", o, lp.wo, cfg.batch_invariant), o, "o")  # [T, D]
     if lp.bo is not None:
         o = o + lp.bo.astype(o.dtype)
     if lp.post_attn_norm is not None:
@@ -207,7 +208,8 @@ def _out_and_mlp(lp: LayerParams, x, o, cfg: ModelConfig, lora, lora_mask, ple=N
         else:
             gate, up = einsum("td,df->tf", h, lp.w_gate), einsum("td,df->tf", h, lp.w_up)
         m = glu(ad(gate, h, "gate"), ad(up, h, "up"))  # [T, F]
-        m = ad(einsum("tf,fd->td", m, lp.w_down), m, "down")  # [T, D]
+        m = ad(row_parallel_einsum("tf,fd->td", m, lp.w_down, cfg.batch_invariant), m,
+               "down")  # [T, D]
         if lp.shared_gate is not None:
             gate = jnp.einsum("td,d->t", h.astype(jnp.float32), lp.shared_gate.astype(jnp.float32))
             m = (m * jax.nn.sigmoid(gate)[:, None]).astype(h.dtype)
@@ -373,14 +375,15 @@ def compute_logits(params: Params, h: jax.Array, cfg: ModelConfig) -> jax.Array:
     """h [N, D] -> f32 logits [N, V] (tied or separate head, optional final soft cap)."""
     head = params.embed if params.lm_head is None else params.lm_head
 
-    def rows(h):
+    def product(h, head):
         if h.shape[0] <= _VOCAB_MAJOR_ROWS and jax.default_backend() == "cpu":
             # a few rows: XLA:CPU runs the [V, N] product faster than [N, V]; the barrier keeps
             # that layout for the dot, the transpose of the small result is cheap
-            logits = jax.lax.optimization_barrier(einsum("nd,vd->vn", h, head)).T  # [N, V]
-        else:
-            logits = einsum("nd,vd->nv", h, head)  # [N, V]
-        logits = logits.astype(jnp.float32)
+            return jax.lax.optimization_barrier(einsum("nd,vd->vn", h, head)).T  # [N, V]
+        return einsum("nd,vd->nv", h, head)  # [N, V]
+
+    def rows(h):
+        logits = gathered_head(product, h, head, cfg.batch_invariant).astype(jnp.float32)
         if cfg.final_logit_softcap is not None:
             c = cfg.final_logit_softcap
             logits = c * jnp.tanh(logits / c)

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from jaxinfer.runtime.config import ModelConfig
 
+from jaxinfer.runtime.device.fixed_sums import ordered_sum, split_over
 from jaxinfer.runtime.device.quantization import QuantizedArray, dequantize
 
 
@@ -131,15 +132,17 @@ def _expert_parallel(mesh, h, w, e, we_gate, we_up, we_down, biases, *, glu,
     """Expert parallelism over the mesh's "model" axis: device i holds experts
     [i * E/tp, (i + 1) * E/tp) whole and the routed tokens are replicated, so each device
     applies its experts to the pairs that chose them (the others map past its last expert and
-    add nothing) and one all-reduce of [T, D] sums the devices' outputs. No weight moves
-    between devices."""
+    add nothing) and one all-reduce of [T, D] sums the devices' outputs (with `fixed_blocks`
+    on > 2 devices: gathered and summed in device order, runtime/device/fixed_sums.py). No
+    weight moves between devices."""
     local = we_gate.shape[0] // mesh.shape["model"]
+    ordered = split_over(we_gate.shape[0]) if fixed_blocks else 0
 
     def on_device(h, w, e, we_gate, we_up, we_down, biases):
         le = e - jax.lax.axis_index("model") * local  # [T, k] expert ids on this device
         le = jnp.where((le >= 0) & (le < local), le, local)
         y = _forms(h, w, le, we_gate, we_up, we_down, biases, glu=glu, fixed_blocks=fixed_blocks)
-        return jax.lax.psum(y, "model")
+        return ordered_sum(y, ordered) if ordered else jax.lax.psum(y, "model")
 
     rep, split = jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec("model")
     return jax.shard_map(on_device, mesh=mesh,

@@ -86,7 +86,7 @@ def test_score_equals_the_rollout_bitwise(alone):
 
 @pytest.mark.parametrize("options, named", [
     (dict(attention_backend="pallas_interpret"), "attention_backend"),
-    (dict(tensor_parallel=4), "one or two devices"),
+    (dict(tensor_parallel=4, enable_lora=True), "LoRA"),
     (dict(speculative={"method": "ngram", "k": 2, "n": 2}), "speculative"),
 ])
 def test_refused_where_not_invariant_yet(tiny_dir, options, named):
@@ -112,6 +112,43 @@ def test_two_devices_are_batch_invariant_too(tiny_dir):
     assert sched.num_preemptions > 0 and sched.prefix_cache_stats()["cached_tokens"] > 0
     # scoring through the same two devices equals the rollout too
     assert llm.score(prompts[:8], [o.token_ids for o in got[:8]]) == [_lps(o) for o in got[:8]]
+
+
+@on_8_devices
+def test_four_devices_sum_in_a_fixed_order(tiny_dir):
+    """tensor_parallel=4: a product split along its contracted axis (wo, w_down) reaches every
+    device as the 4 partials, all-gathered and added in device order (runtime/device/
+    fixed_sums.py), never through an all-reduce of a layer's rows, whose order an
+    accelerator's collective may pick by message size; the workload batched equals each
+    request alone bit for bit. Quantized weights are refused on > 2 devices."""
+    import re
+
+    prompts, params = (x[:16] for x in _workload())
+    mode = dict(BASE, batch_invariant=True, tensor_parallel=4)
+    ref = LLM(str(tiny_dir), **mode, max_slots=1).generate(prompts, params)
+    llm = LLM(str(tiny_dir), **mode, max_slots=8, prefill_chunk=32, num_pages=40)
+    got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    bad = [i for i, (a, b) in enumerate(zip(got, ref)) if _lps(a) != _lps(b)]
+    assert bad == [], f"{len(bad)} of 16 requests' logprobs differ"
+    assert llm.engine.scheduler.num_preemptions > 0
+    body = llm.engine._step.body  # this engine's compiled body programs
+    hlos = [job.future.result().as_text() for key, job in body.table.items()
+            if key[0] == body.fixed and job.future.done()]
+    assert hlos
+    d = 64  # the tiny Llama's width; 2 layers x (wo, w_down)
+    for hlo in hlos:
+        assert len(re.findall(rf"= f32\[4,8,{d}\]\S* all-gather\(", hlo)) == 4
+        # the one all-reduce left is the embedding's lookup of the step's rows (one device
+        # holds each row, the others add zeros: exact in any order)
+        assert len(re.findall(r" all-reduce\(", hlo)) == 1
+    head = llm.engine._step.head  # the logits gathered whole before any sum over the vocabulary
+    hlos = [job.future.result().as_text() for key, job in head.table.items()
+            if key[0] == head.fixed and job.future.done()]
+    assert hlos and all(re.search(r"= f32\[8,2000\]\S* all-gather\(", h) for h in hlos)
+    assert not any(" all-reduce(" in h for h in hlos)
+    with pytest.raises(OptionError, match="float weights"):
+        LLM(str(tiny_dir), **mode, quantization="int8")
 
 
 def test_the_trainers_function_equals_the_rollout_bitwise(alone):

@@ -396,6 +396,34 @@ def test_expert_parallel_moves_no_weights_and_the_engine_matches_one_device():
 
 
 @on_8_devices
+def test_row_parallel_products_sum_partials_in_device_order():
+    """Batch-invariant mode on 4 devices: wo's product over heads split 4 ways equals each
+    device's partial product, added ((p0 + p1) + p2) + p3 in numpy, bit for bit; without the
+    mode it is XLA's partitioned product (equal within float tolerance)."""
+    from jax.sharding import NamedSharding
+
+    from jaxinfer.runtime.device.fixed_sums import row_parallel_einsum
+
+    mesh = shd.make_mesh(4)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((8, 16, 4)).astype(np.float32)  # [T, H, K]
+    w = rng.standard_normal((16, 4, 32)).astype(np.float32)  # [H, K, D]
+    spec = "thk,hkd->td"
+    parts = [np.asarray(jnp.einsum(spec, x[:, 4 * i:4 * i + 4], w[4 * i:4 * i + 4],
+                                   preferred_element_type=jnp.float32)) for i in range(4)]
+    want = ((parts[0] + parts[1]) + parts[2]) + parts[3]
+    xs = jax.device_put(x, NamedSharding(mesh, P(None, "model")))
+    ws = jax.device_put(w, NamedSharding(mesh, P("model")))
+    for invariant in (True, False):
+        with jax.set_mesh(mesh):
+            got = np.asarray(jax.jit(lambda a, b: row_parallel_einsum(spec, a, b, invariant))(
+                xs, ws))
+        if invariant:
+            assert np.array_equal(got, want)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@on_8_devices
 def test_quantized_params_shard_and_match():
     from jaxinfer.checkpoints.quantize import quantize_params
 
