@@ -242,7 +242,9 @@ def prepare(cfg: ModelConfig, params, tokenizer, config: EngineConfig, *, mesh=N
     loaded = params
     backend = resolve_backend(config.attention_backend)
     if config.batch_invariant:
-        cfg, backend = dataclasses.replace(cfg, batch_invariant=True), "xla"
+        cfg = dataclasses.replace(cfg, batch_invariant=True)
+        if config.attention_backend is None:  # the XLA path unless a kernel is asked for
+            backend = "xla"
         if config.tensor_parallel > 2 and _quantized(params):
             from jaxinfer.runtime.config import OptionError
 

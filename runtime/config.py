@@ -576,9 +576,6 @@ ENGINE_RULES = (
      "needs ttft_slo_ms (the budget requests are refused against)"),
     ("max_cpu_loras", lambda c: c.max_cpu_loras is None or c.max_cpu_loras >= c.max_loras,
      "must be >= max_loras ({c.max_loras}), got {c.max_cpu_loras}"),
-    ("batch_invariant", lambda c: not c.batch_invariant or c.attention_backend in (None, "xla"),
-     "runs the XLA attention path (the Pallas kernels are not batch-invariant yet): leave "
-     "attention_backend unset or 'xla'"),
     ("batch_invariant", lambda c: not c.batch_invariant or c.speculative is None,
      "not with speculative decoding yet (the verify step is not batch-invariant)"),
     ("batch_invariant", lambda c: not c.batch_invariant or c.tensor_parallel in (None, 1, 2)

@@ -109,7 +109,9 @@ def attend(
     sliding_window: int | None,
     soft_cap: float | None,
     backend: str,  # a resolve_backend() result
-    row_tiles: bool = False,  # XLA path: a query row per tile (batch-invariant numerics)
+    # batch-invariant numerics: the XLA path a query row per tile; the TPU kernel a fixed
+    # block_q (its default grows with the step's rows; the GPU kernel's is fixed already)
+    row_tiles: bool = False,
     sinks: jax.Array | None = None,  # [Hq] a logit per q head in the softmax (gpt-oss)
 ) -> jax.Array:  # [T, Hq, Dh]
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
@@ -133,6 +135,8 @@ def attend(
     from jaxinfer.runtime.device.sharding import shard_kv_heads
 
     platform = {"pallas_tpu": "tpu", "pallas_gpu": "gpu", "pallas_interpret": "tpu"}[backend]
+    if row_tiles and platform == "tpu":
+        kw.update(block_q=8 * (4 // jnp.dtype(q.dtype).itemsize))  # one sublane tile of rows
     kernel = functools.partial(ragged_paged_attention, platform=platform,
                                interpret=backend == "pallas_interpret")
     # traced on a mesh (the tensor-parallel steps: runtime/device/steps.py `on_mesh`), the

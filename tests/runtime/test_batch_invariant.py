@@ -85,7 +85,6 @@ def test_score_equals_the_rollout_bitwise(alone):
 
 
 @pytest.mark.parametrize("options, named", [
-    (dict(attention_backend="pallas_interpret"), "attention_backend"),
     (dict(tensor_parallel=4, enable_lora=True), "LoRA"),
     (dict(speculative={"method": "ngram", "k": 2, "n": 2}), "speculative"),
 ])
@@ -112,6 +111,47 @@ def test_two_devices_are_batch_invariant_too(tiny_dir):
     assert sched.num_preemptions > 0 and sched.prefix_cache_stats()["cached_tokens"] > 0
     # scoring through the same two devices equals the rollout too
     assert llm.score(prompts[:8], [o.token_ids for o in got[:8]]) == [_lps(o) for o in got[:8]]
+
+
+def test_the_tpu_kernel_at_a_fixed_block_is_batch_invariant():
+    """attention_backend='pallas_interpret' (the TPU kernel, interpreted): in this mode the
+    kernel takes one block of 8 query rows whatever the step's token count (its default block
+    grows with T, up to 32), so a sequence's 5 rows give the same bits alone in a step of 8 rows
+    as between two other sequences in a step of 64; at the default block they do not."""
+    import jax.numpy as jnp
+
+    from jaxinfer.runtime.device.attention import AttentionMetadata, attend
+
+    rng = np.random.default_rng(0)
+    hq, hkv, dh, ps = 4, 2, 64, 8
+    k, v = (jnp.asarray(rng.standard_normal((hkv, 40, ps, dh)), jnp.float32) for _ in "kv")
+    own = rng.standard_normal((5, hq, dh)).astype(np.float32)  # 5 new rows, 40 in the cache
+
+    def rows_of(seqs, t: int, row_tiles: bool) -> np.ndarray:  # seqs: (q rows, kv_len, pages)
+        q, cu, s = np.zeros((t, hq, dh), np.float32), [0], len(seqs)
+        for rows, _, _ in seqs:
+            q[cu[-1]:cu[-1] + len(rows)] = rows
+            cu.append(cu[-1] + len(rows))
+        md = AttentionMetadata(
+            positions=jnp.zeros((t,), jnp.int32), slot_mapping=jnp.zeros((t,), jnp.int32),
+            cu_q_lens=jnp.asarray(cu + [cu[-1]] * (8 - s), jnp.int32),
+            kv_lens=jnp.asarray([n for _, n, _ in seqs] + [0] * (8 - s), jnp.int32),
+            page_indices=jnp.asarray([p + [0] * (8 - len(p)) for _, _, p in seqs]
+                                     + [[0] * 8] * (8 - s), jnp.int32),
+            num_seqs=jnp.asarray([s], jnp.int32), logits_indices=jnp.zeros((1,), jnp.int32),
+            max_q_len=t)
+        return np.asarray(attend(jnp.asarray(q), k, v, md, sm_scale=dh ** -0.5,
+                                 sliding_window=None, soft_cap=None,
+                                 backend="pallas_interpret", row_tiles=row_tiles))
+
+    mine = (own, 40, [3, 9, 4, 12, 7])
+    others = ((rng.standard_normal((20, hq, dh)).astype(np.float32), 30, [1, 2, 5, 6]),
+              (rng.standard_normal((30, hq, dh)).astype(np.float32), 50, list(range(13, 20))))
+    for fixed in (True, False):
+        alone = rows_of([mine], 8, fixed)[:5]
+        among = rows_of([others[0], mine, others[1]], 64, fixed)[20:25]
+        np.testing.assert_allclose(among, alone, rtol=1e-5, atol=1e-5)
+        assert np.array_equal(among, alone) == fixed
 
 
 @on_8_devices
