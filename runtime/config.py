@@ -576,8 +576,11 @@ ENGINE_RULES = (
      "needs ttft_slo_ms (the budget requests are refused against)"),
     ("max_cpu_loras", lambda c: c.max_cpu_loras is None or c.max_cpu_loras >= c.max_loras,
      "must be >= max_loras ({c.max_loras}), got {c.max_cpu_loras}"),
-    ("batch_invariant", lambda c: not c.batch_invariant or c.speculative is None,
-     "not with speculative decoding yet (the verify step is not batch-invariant)"),
+    ("batch_invariant", lambda c: not c.batch_invariant or c.speculative is None
+     or c.speculative.method == "ngram",
+     "speculates with n-gram proposals only (a draft model's rejection sampling emits other "
+     "tokens than the plain sampler would; n-gram proposals accepted while they equal its "
+     "draws change no token)"),
     ("batch_invariant", lambda c: not c.batch_invariant or c.tensor_parallel in (None, 1, 2)
      or not c.enable_lora,
      "with LoRA adapters runs on one or two devices (an adapter's products over a split axis "

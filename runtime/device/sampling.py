@@ -167,22 +167,29 @@ def accept(
     probability min(1, p(x)/q(x)) (p, q = the target's / proposer's distributions after the
     row's temperature, top-k, top-p, min-p), on the first rejection sample from normalized
     max(0, p - q), and if all d are accepted sample a bonus token from p. The emitted tokens are
-    then distributed exactly as the target's. A deterministic proposer (n-gram) has
-    q = one-hot(x): accept with probability p(x), on rejection sample from p without x."""
+    then distributed exactly as the target's. A deterministic proposer (n-gram, q None) has
+    q = one-hot(x): accept with probability p(x), on rejection sample from p without x, which
+    is what drawing each position's token as `sample` does and accepting while it equals the
+    proposal gives: so a row emits exactly the tokens the plain step would have sampled (the
+    same key and rule a position, called on [S, V] slices: the same shapes as a plain step's)."""
     S, K1, V = logits.shape
     K = K1 - 1
     rows = jnp.arange(S)
+    live = jnp.arange(K)[None, :] < num_draft[:, None]  # [S, K]
+    safe_draft = jnp.where(live, draft, 0)
+    if q is None:
+        drawn = jnp.stack([sample(logits[:, j], temperature, top_k, top_p, min_p, seeds,
+                                  positions + j, filtered=filtered) for j in range(K1)], 1)
+        ok = (safe_draft == drawn[:, :K]) & live
+        n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+        return n_acc, _emitted(draft, n_acc, drawn[rows, n_acc])
     greedy_row = temperature <= 0
     argmax = row_argmax(logits)  # [S, K+1]
     p = probs_of(logits, temperature[:, None], top_k[:, None], top_p[:, None], min_p[:, None],
                  filtered=filtered)  # [S, K+1, V]
-    if q is None:
-        q = jax.nn.one_hot(draft, V, dtype=jnp.float32)  # [S, K, V]
     pos = positions[:, None] + jnp.arange(K1)[None, :]  # [S, K+1]
     keys = row_keys(jnp.repeat(seeds, K1), pos.reshape(-1)).reshape(S, K1)  # [S, K+1]
 
-    live = jnp.arange(K)[None, :] < num_draft[:, None]  # [S, K]
-    safe_draft = jnp.where(live, draft, 0)
     px = jnp.take_along_axis(p[:, :K], safe_draft[..., None], axis=-1)[..., 0]  # [S, K]
     qx = jnp.take_along_axis(q, safe_draft[..., None], axis=-1)[..., 0]
     u = jax.vmap(jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1))))(keys[:, :K])
@@ -200,8 +207,13 @@ def accept(
     key_j = jnp.where(use_resid, jax.vmap(lambda k: jax.random.fold_in(k, 2))(key_j), key_j)
     drawn = gumbel_pick(key_j, jnp.log(dist))
     final = jnp.where(greedy_row, argmax[rows, n_acc], drawn)
+    return n_acc, _emitted(draft, n_acc, final)
 
-    j = jnp.arange(K1)[None, :]
-    padded = jnp.concatenate([draft, jnp.zeros((S, 1), draft.dtype)], axis=1)
+
+def _emitted(draft: jax.Array, n_acc: jax.Array, final: jax.Array) -> jax.Array:
+    """[S, K+1] int32: the n_acc accepted proposals, then `final`, then -1."""
+    s, k = draft.shape
+    j = jnp.arange(k + 1)[None, :]
+    padded = jnp.concatenate([draft, jnp.zeros((s, 1), draft.dtype)], axis=1)
     tokens = jnp.where(j < n_acc[:, None], padded, jnp.where(j == n_acc[:, None], final[:, None], -1))
-    return n_acc, tokens.astype(jnp.int32)
+    return tokens.astype(jnp.int32)

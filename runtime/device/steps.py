@@ -251,29 +251,41 @@ def verify(
     logits, cache = forward(params, arrays["token_ids"], cache, md, cfg, backend,
                             arrays["lora_ids"], given_rows(arrays))  # [S*(K+1), V]
     logits = mask_vocab(logits, vocab_limit).reshape(S, K + 1, -1)  # [S, K+1, V]
-    raw = logits[:, 0]  # logprobs are the model's own (before any processor or constraint)
     slots = arrays["proc_slots"]
+
+    def accept_rows(logits, a):  # rows' logits [s, K+1, V] and their fields -> packed [s, C]
+        s = logits.shape[0]
+        raw = logits[:, 0]  # logprobs are the model's own (before any processor or constraint)
+        if procs is not None:
+            logits = process_verify(logits, procs, a["proc_slots"], a["sample_positions"],
+                                    a["draft_ids"], a["num_draft"])
+        # a constrained row's verify row j takes the grammar's mask after its first j proposals
+        masks = jnp.concatenate([a["token_bitmask"][:, None], a["draft_bitmask"]], 1)
+        logits = allow_tokens(logits.reshape(s * (K + 1), -1), masks.reshape(s * (K + 1), -1),
+                              jnp.repeat(a["constrained"], K + 1)).reshape(s, K + 1, -1)
+        n_acc, tokens = accept(
+            logits, a["draft_ids"], a["num_draft"], a.get("q"), a["temperature"], a["top_k"],
+            a["top_p"], a["min_p"], a["seeds"], a["sample_positions"], filtered=filtered)
+        cols = [n_acc.astype(jnp.float32)[:, None], tokens.astype(jnp.float32)]
+        if num_logprobs:
+            chosen, vals, ids = top_logprobs(logits[:, 0] if processed_logprobs else raw,
+                                             tokens[:, 0], num_logprobs)
+            cols += [chosen[:, None], vals, ids.astype(jnp.float32)]
+        return jnp.concatenate(cols, axis=1)
+
+    fields = {k: arrays[k] for k in _VERIFY_ROW_FIELDS}
+    if q_probs is not None:
+        fields["q"] = q_probs[q_rows]  # [S, K, V]
+    # batch-invariant: each row's acceptance in fixed blocks of rows, as a plain step's head
+    packed = by_rows(accept_rows, cfg, logits, fields)
     if procs is not None:
-        logits = process_verify(logits, procs, slots, arrays["sample_positions"],
-                                arrays["draft_ids"], arrays["num_draft"])
-    # a constrained row's verify row j takes the grammar's mask after its first j proposals
-    masks = jnp.concatenate([arrays["token_bitmask"][:, None], arrays["draft_bitmask"]], 1)
-    logits = allow_tokens(logits.reshape(S * (K + 1), -1), masks.reshape(S * (K + 1), -1),
-                          jnp.repeat(arrays["constrained"], K + 1)).reshape(S, K + 1, -1)
-    q = None if q_probs is None else q_probs[q_rows]
-    n_acc, tokens = accept(
-        logits, arrays["draft_ids"], arrays["num_draft"], q, arrays["temperature"],
-        arrays["top_k"], arrays["top_p"], arrays["min_p"], arrays["seeds"],
-        arrays["sample_positions"], filtered=filtered,
-    )
-    cols = [n_acc.astype(jnp.float32)[:, None], tokens.astype(jnp.float32)]
-    if num_logprobs:
-        chosen, vals, ids = top_logprobs(logits[:, 0] if processed_logprobs else raw,
-                                         tokens[:, 0], num_logprobs)
-        cols += [chosen[:, None], vals, ids.astype(jnp.float32)]
-    if procs is not None:
+        n_acc, tokens = packed[:, 0].astype(jnp.int32), packed[:, 1:K + 2].astype(jnp.int32)
         procs = record(procs, slots, tokens, jnp.where(slots >= 0, n_acc + 1, 0))
-    return jnp.concatenate(cols, axis=1), cache, procs
+    return packed, cache, procs
+
+
+# the per-row fields of a verify step's acceptance (besides the logits)
+_VERIFY_ROW_FIELDS = SAMPLING_FIELDS + ("draft_ids", "num_draft", "draft_bitmask")
 
 
 class Launches:

@@ -2,7 +2,8 @@
 run alone with max_slots=1, whatever else shares its steps: 64 mixed-length requests (greedy
 and seeded sampling) under chunked prefill, prefix-cache hits, preemption and both scheduling
 modes; LLM.score's teacher-forced logprobs bitwise equal to the rollout's; the same for a
-mixture-of-experts model, on one device and two. The default mode is shown not to be (the
+mixture-of-experts model (one device and two), on four devices, under n-gram speculation and
+for the TPU kernel (interpreted). The default mode is shown not to be (the
 reason for the option)."""
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def test_score_equals_the_rollout_bitwise(alone):
 
 @pytest.mark.parametrize("options, named", [
     (dict(tensor_parallel=4, enable_lora=True), "LoRA"),
-    (dict(speculative={"method": "ngram", "k": 2, "n": 2}), "speculative"),
+    (dict(speculative={"method": "draft", "model": "a-draft", "k": 2}), "n-gram"),
 ])
 def test_refused_where_not_invariant_yet(tiny_dir, options, named):
     with pytest.raises(OptionError, match=named):
@@ -111,6 +112,29 @@ def test_two_devices_are_batch_invariant_too(tiny_dir):
     assert sched.num_preemptions > 0 and sched.prefix_cache_stats()["cached_tokens"] > 0
     # scoring through the same two devices equals the rollout too
     assert llm.score(prompts[:8], [o.token_ids for o in got[:8]]) == [_lps(o) for o in got[:8]]
+
+
+def test_ngram_speculation_changes_no_token_or_logprob(tiny_dir):
+    """With n-gram speculation (k 3) in batches of 16, chunked: every request's tokens (greedy
+    and seeded sampling, with and without top-p) and logprobs bitwise equal to the request
+    alone without speculation. The verify step accepts a proposal while it equals the plain
+    sampler's own draw for that position, and runs its rows in the head's fixed blocks."""
+    rng = np.random.default_rng(1)
+    prompts = [[int(t) for t in rng.integers(5, 1900, int(rng.integers(2, 6)))]
+               * int(rng.integers(3, 12)) for _ in range(16)]  # repeating: n-grams to propose
+    params = [SamplingParams(max_tokens=int(rng.integers(8, 32)), ignore_eos=True,
+                             logprobs=2 if i % 3 == 0 else None,  # (those take no proposals)
+                             temperature=float(rng.choice([0.0, 0.5])),
+                             top_p=float(rng.choice([1.0, 0.9])), seed=i) for i in range(16)]
+    ref = LLM(str(tiny_dir), **BASE, max_slots=1, batch_invariant=True).generate(prompts, params)
+    llm = LLM(str(tiny_dir), **BASE, max_slots=16, prefill_chunk=32, batch_invariant=True,
+              speculative={"method": "ngram", "k": 3, "n": 2})
+    got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert [o.logprobs for o in got] == [o.logprobs for o in ref]
+    accepted = [o.metrics["spec_accepted"] for o in got]
+    sampled = [a for a, p in zip(accepted, params) if p.temperature > 0]
+    assert sum(accepted) >= 5 and sum(sampled) > 0, (accepted, sampled)
 
 
 def test_the_tpu_kernel_at_a_fixed_block_is_batch_invariant():
