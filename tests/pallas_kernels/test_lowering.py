@@ -123,6 +123,9 @@ def test_export_tpu_block_options():
                   vmem_limit_bytes=32 << 20)
     export_kernel("gpu", 128, 8, 2, 128, 16, jnp.bfloat16, block_q=8, pages_per_block=4,
                   num_warps=8, num_stages=3)
+    # batch-invariant mode's fixed block (runtime/device/attention.py): one sublane tile of rows
+    export_kernel("tpu", 128, 8, 2, 128, 16, jnp.float32, block_q=8)
+    export_kernel("tpu", 128, 8, 2, 128, 16, jnp.bfloat16, block_q=16)
 
 
 INT8_SHAPES = all_pairs([64, 128, 256], [16, 32], list(STEPS))  # head_dim, page_size, step
