@@ -187,15 +187,7 @@ def test_four_devices_sum_in_a_fixed_order(tiny_dir):
     request alone bit for bit. Quantized weights are refused on > 2 devices."""
     import re
 
-    prompts, params = (x[:16] for x in _workload())
-    mode = dict(BASE, batch_invariant=True, tensor_parallel=4)
-    ref = LLM(str(tiny_dir), **mode, max_slots=1).generate(prompts, params)
-    llm = LLM(str(tiny_dir), **mode, max_slots=8, prefill_chunk=32, num_pages=40)
-    got = llm.generate(prompts, params)
-    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
-    bad = [i for i, (a, b) in enumerate(zip(got, ref)) if _lps(a) != _lps(b)]
-    assert bad == [], f"{len(bad)} of 16 requests' logprobs differ"
-    assert llm.engine.scheduler.num_preemptions > 0
+    llm, _, _ = _equal_alone(tiny_dir, 16, tensor_parallel=4)
     body = llm.engine._step.body  # this engine's compiled body programs
     hlos = [job.future.result().as_text() for key, job in body.table.items()
             if key[0] == body.fixed and job.future.done()]
@@ -212,7 +204,7 @@ def test_four_devices_sum_in_a_fixed_order(tiny_dir):
     assert hlos and all(re.search(r"= f32\[8,2000\]\S* all-gather\(", h) for h in hlos)
     assert not any(" all-reduce(" in h for h in hlos)
     with pytest.raises(OptionError, match="float weights"):
-        LLM(str(tiny_dir), **mode, quantization="int8")
+        LLM(str(tiny_dir), **BASE, batch_invariant=True, tensor_parallel=4, quantization="int8")
 
 
 def test_the_trainers_function_equals_the_rollout_bitwise(alone):
@@ -233,9 +225,10 @@ def test_the_trainers_function_equals_the_rollout_bitwise(alone):
     assert float(jnp.abs(g.layers[0].wq).sum()) > 0
 
 
-def _moe_equal_alone(d, n: int, **mode) -> LLM:
-    """The workload's first n requests on the MoE model batched (8 slots, chunks of 32, a page
-    pool that preempts) against each alone: tokens and logprobs bitwise equal; the batched LLM."""
+def _equal_alone(d, n: int, **mode) -> tuple:
+    """The workload's first n requests on the model in d batched (8 slots, chunks of 32, a page
+    pool that preempts) against each alone: tokens and logprobs bitwise equal, preemption and
+    prefix hits exercised; -> (the batched LLM, the prompts, its outputs)."""
     prompts, params = (x[:n] for x in _workload())
     mode = dict(BASE, batch_invariant=True, **mode)
     ref = LLM(str(d), **mode, max_slots=1).generate(prompts, params)
@@ -258,7 +251,7 @@ def test_mixture_of_experts_is_batch_invariant_too(moe_dir):
     import jax
     import jax.numpy as jnp
 
-    llm, prompts, outs = _moe_equal_alone(moe_dir[0], 24)
+    llm, prompts, outs = _equal_alone(moe_dir[0], 24)
     fn, w = llm.logprob_fn(), llm.get_weights()
     for p, o in list(zip(prompts, outs))[:4]:
         lp = fn(w, jnp.asarray([p + o.token_ids], jnp.int32))[0, len(p) - 1:]
@@ -272,5 +265,5 @@ def test_mixture_of_experts_is_batch_invariant_too(moe_dir):
 def test_mixture_of_experts_on_two_devices(moe_dir):
     """tensor_parallel=2 splits the experts between the devices (8 each); each token's output
     is the sum of two partial sums, so it stays bitwise equal to the request alone."""
-    llm, _, _ = _moe_equal_alone(moe_dir[0], 16, tensor_parallel=2)
+    llm, _, _ = _equal_alone(moe_dir[0], 16, tensor_parallel=2)
     assert llm.engine.mesh.shape["model"] == 2
