@@ -13,6 +13,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from jaxinfer.runtime.config import ATTENTION_BACKENDS
@@ -128,9 +129,18 @@ def attend(
     if md.see_until is not None and backend not in ("xla", "xla_every_chunk"):
         backend = "xla"  # the kernels mask causally only (steps with image tokens are prefills)
     if backend in ("xla", "xla_every_chunk"):  # XLA SPMD partitions it on a mesh like any op
-        return xla_ragged_paged_attention(*args, **kw, max_q_len=md.max_q_len,
-                                          every_chunk=backend == "xla_every_chunk",
-                                          row_tiles=row_tiles, see_until=md.see_until)
+        xla = functools.partial(xla_ragged_paged_attention, *args, **kw, max_q_len=md.max_q_len,
+                                every_chunk=backend == "xla_every_chunk",
+                                row_tiles=row_tiles, see_until=md.see_until)
+        if backend == "xla" and md.max_q_len == 1 and not row_tiles and md.see_until is None \
+                and "k_scale" not in kw and _cpu_kernel_takes(q, k_pages):
+            from jaxinfer.runtime.device.sharding import shard_kv_heads
+
+            return jax.lax.platform_dependent(
+                cpu=lambda: shard_kv_heads(cpu_paged_attention, jax.sharding.get_abstract_mesh())(
+                    *args, **kw),
+                default=xla)
+        return xla()
     from jaxinfer.pallas_kernels.ragged_paged_attention import ragged_paged_attention
     from jaxinfer.runtime.device.sharding import shard_kv_heads
 
@@ -152,6 +162,29 @@ _GROUPED_FROM = 8  # ... when there are more tiles than this
 
 
 @functools.partial(jax.named_call, name="xla_ragged_paged_attention")
+def _cpu_kernel_takes(q, k_pages) -> bool:
+    """Whether the CPU decode kernel (runtime/device/cpu_attention.cc) can run this call: f32
+    queries and pages, and the kernel library built for this host."""
+    from jaxinfer.runtime.device import cpu_kernels
+
+    return q.dtype == k_pages.dtype == jnp.float32 and cpu_kernels.available("cpu")
+
+
+def cpu_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
+                        sm_scale: float, sliding_window: int | None = None,
+                        soft_cap: float | None = None, sinks=None):
+    """`xla_ragged_paged_attention`'s result (f32 [T, Hq, Dh]) from the CPU kernel: K and V
+    read in place from their pages, each row over its own visible positions only."""
+    from jaxinfer.runtime.device.cpu_kernels import ATTENTION_TARGET
+
+    call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    i32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
+    sk = jnp.zeros((0,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
+    return call(q, k_pages, v_pages, i32(kv_lens), i32(page_indices), i32(cu_q_lens),
+                i32(num_seqs), sk, sm_scale=np.float32(sm_scale),
+                window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0))
+
+
 def xla_ragged_paged_attention(
     q,  # [T, Hq, Dh]
     k_pages,  # [Hkv, N, ps, Dh]

@@ -1,5 +1,5 @@
-"""The CPU kernels' library (runtime/device/cpu_matmul.cc): compiled on first use, loaded and
-registered with XLA's FFI. Kept apart from the weight type (cpu_matmul.py) so that the
+"""The CPU kernels' library (runtime/device/cpu_matmul.cc, cpu_attention.cc): compiled on first
+use, loaded and registered with XLA's FFI. Kept apart from the weight type (cpu_matmul.py) so that the
 platform defaults in quantization.py can ask whether the kernels run without an import cycle.
 
 Build: compiled with the host's C++ compiler (`$CXX`, else g++ / c++ / clang++) for this CPU's
@@ -29,7 +29,8 @@ import jax
 log = logging.getLogger("jaxinfer")
 
 TARGET = "jaxinfer_qmatmul"
-_SOURCE = Path(__file__).with_name("cpu_matmul.cc")
+ATTENTION_TARGET = "jaxinfer_paged_attention"
+_SOURCES = tuple(Path(__file__).with_name(f) for f in ("cpu_matmul.cc", "cpu_attention.cc"))
 
 
 # ------------------------------------------------------------------------- build and load
@@ -89,7 +90,7 @@ def _library_path() -> Path | None:
     import jaxlib
 
     key = hashlib.sha256(b"\0".join(s.encode() if isinstance(s, str) else s for s in (
-        _SOURCE.read_bytes(), version, cpu_flags_line(), jaxlib.__version__))).hexdigest()[:20]
+        *(f.read_bytes() for f in _SOURCES), version, cpu_flags_line(), jaxlib.__version__))).hexdigest()[:20]
     out = cache_dir() / f"cpu_matmul-{key}.so"
     if out.exists():
         return out
@@ -97,14 +98,14 @@ def _library_path() -> Path | None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     base = [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-w",
-            "-isystem", jax.ffi.include_dir(), str(_SOURCE), "-o", tmp]
+            "-isystem", jax.ffi.include_dir(), *map(str, _SOURCES), "-o", tmp]
     for arch in (["-march=native"], ["-mcpu=native"], []):
         r = subprocess.run(base[:1] + arch + base[1:], capture_output=True, text=True)
         if r.returncode == 0:
             os.replace(tmp, out)  # atomic: a concurrent build writes the same file
             return out
     os.unlink(tmp)
-    _warn_once(f"compiling {_SOURCE.name} failed:\n{r.stderr[-2000:]}")
+    _warn_once(f"compiling {', '.join(f.name for f in _SOURCES)} failed:\n{r.stderr[-2000:]}")
     return None
 
 
@@ -131,6 +132,8 @@ def load() -> str | None:
         lib = ctypes.CDLL(str(path))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxinferQMatmul),
                                     platform="cpu")
+        jax.ffi.register_ffi_target(ATTENTION_TARGET,
+                                    jax.ffi.pycapsule(lib.JaxinferPagedAttention), platform="cpu")
         lib.jaxinfer_cpu_matmul_isa.restype = ctypes.c_char_p
         return lib.jaxinfer_cpu_matmul_isa().decode()
     except (OSError, AttributeError) as e:

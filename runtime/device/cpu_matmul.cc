@@ -46,6 +46,9 @@ struct V {
 };
 inline V vzero() { return {_mm512_setzero_ps()}; }
 inline V vload(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline V vload_half(const uint16_t* p) {
+  return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+}
 inline V vfma(V a, V b, V c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline V vadd(V a, V b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline V vmul(V a, V b) { return {_mm512_mul_ps(a.v, b.v)}; }
@@ -115,9 +118,15 @@ inline V dec_i8(const uint8_t* p) {
 }
 inline float half_to_float(uint16_t h) {
   uint32_t e = (h >> 10) & 0x1F, m = h & 0x3FF;
-  float mag = e ? __builtin_ldexpf(static_cast<float>(m | 0x400), static_cast<int>(e) - 25)
-                : __builtin_ldexpf(static_cast<float>(m), -24);
+  float mag = e == 0x1F ? (m ? __builtin_nanf("") : __builtin_inff())
+              : e ? __builtin_ldexpf(static_cast<float>(m | 0x400), static_cast<int>(e) - 25)
+                  : __builtin_ldexpf(static_cast<float>(m), -24);
   return (h & 0x8000) ? -mag : mag;
+}
+inline V vload_half(const uint16_t* p) {
+  V r;
+  for (int i = 0; i < 16; ++i) r.v[i] = half_to_float(p[i]);
+  return r;
 }
 inline V dec_e4m3(const uint8_t* p) {
   V r;
@@ -143,8 +152,8 @@ constexpr const char* kIsa = "portable";
 struct Problem {
   const float* x;       // [M, K]
   const uint8_t* q;     // [P, panel bytes]
-  const float* scale;   // [P, K / G, 16]
-  const float* offset;  // [P, K / G, 16] or null
+  const void* scale;    // [P, K / G, 16] f32 or f16
+  const void* offset;   // [P, K / G, 16] (the scale's dtype) or null
   float* y;             // [M, 16 P]
   int64_t m, n, k, g, panel_bytes;
 };
@@ -152,11 +161,10 @@ struct Problem {
 template <Kind kKind>
 constexpr int kStep = (kKind == U4 || kKind == S4) ? 2 : 1;  // inputs per 16-byte load
 
-// Inputs k (and k + 1 for 4-bit, in w[1]) of panel `pq` widened, with its group's scales s and
-// offsets o (16 channels).
+// Inputs k (and k + 1 for 4-bit, in w[1]) of panel `pq` widened, with its group's scales sv and
+// offsets ov (16 channels).
 template <Kind kKind, bool kOffset>
-inline void widen(const uint8_t* pq, int64_t k, const float* s, const float* o, V* w) {
-  const V sv = vload(s);
+inline void widen(const uint8_t* pq, int64_t k, V sv, V ov, V* w) {
   if constexpr (kKind == U4 || kKind == S4) {
     dec_4<kKind == S4>(pq + k / 2 * 16, w[0], w[1]);
     w[1] = vmul(w[1], sv);
@@ -167,28 +175,32 @@ inline void widen(const uint8_t* pq, int64_t k, const float* s, const float* o, 
   }
   w[0] = vmul(w[0], sv);
   if constexpr (kOffset) {
-    const V ov = vload(o);
     w[0] = vadd(w[0], ov);
     if constexpr (kKind == U4 || kKind == S4) w[1] = vadd(w[1], ov);
   }
 }
 
-inline const float* group_ptr(const float* a, const Problem& p, int64_t panel, int64_t j) {
-  return a ? a + (panel * (p.k / p.g) + j) * 16 : nullptr;
+// Group j's scales (or offsets) of panel `panel` (16 channels) as f32; zeros when `a` is null.
+template <bool kHalf>
+inline V group_factors(const void* a, const Problem& p, int64_t panel, int64_t j) {
+  if (!a) return vzero();
+  const int64_t at = (panel * (p.k / p.g) + j) * 16;
+  if constexpr (kHalf) return vload_half(static_cast<const uint16_t*>(a) + at);
+  else return vload(static_cast<const float*>(a) + at);
 }
 
 // Few rows: rows r0..r0+R x panels p0..p0+NP, the weights widened in registers.
-template <int R, int NP, Kind kKind, bool kOffset>
+template <int R, int NP, Kind kKind, bool kOffset, bool kHalf>
 inline void tile_direct(const Problem& p, int64_t r0, int64_t p0) {
   constexpr int step = kStep<kKind>;
   V acc[R][NP];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < NP; ++c) acc[r][c] = vzero();
   for (int64_t j = 0; j < p.k / p.g; ++j) {
-    const float *s[NP], *o[NP];
+    V s[NP], o[NP];
     for (int c = 0; c < NP; ++c) {
-      s[c] = group_ptr(p.scale, p, p0 + c, j);
-      o[c] = group_ptr(p.offset, p, p0 + c, j);
+      s[c] = group_factors<kHalf>(p.scale, p, p0 + c, j);
+      o[c] = group_factors<kHalf>(p.offset, p, p0 + c, j);
     }
     for (int64_t k = j * p.g; k < (j + 1) * p.g; k += step) {
       V w[NP][2];
@@ -233,7 +245,7 @@ inline void rows_wide(const Problem& p, const float* wide, int64_t c) {
   for (; r < p.m; ++r) tile_wide<1, NP>(p, wide, r, c);
 }
 
-template <Kind kKind, bool kOffset>
+template <Kind kKind, bool kOffset, bool kHalf>
 void run_panels(const Problem& p, int64_t a, int64_t b) {
   constexpr int step = kStep<kKind>;
   if (p.m < kWideRows) {
@@ -241,14 +253,14 @@ void run_panels(const Problem& p, int64_t a, int64_t b) {
     for (; c + 4 <= b; c += 4) {  // a chunk is whole groups of 4 panels but the last
       int64_t r = 0;
       for (; r + 4 <= p.m; r += 4) {
-        tile_direct<4, 2, kKind, kOffset>(p, r, c);
-        tile_direct<4, 2, kKind, kOffset>(p, r, c + 2);
+        tile_direct<4, 2, kKind, kOffset, kHalf>(p, r, c);
+        tile_direct<4, 2, kKind, kOffset, kHalf>(p, r, c + 2);
       }
-      for (; r + 2 <= p.m; r += 2) tile_direct<2, 4, kKind, kOffset>(p, r, c);
-      for (; r < p.m; ++r) tile_direct<1, 4, kKind, kOffset>(p, r, c);
+      for (; r + 2 <= p.m; r += 2) tile_direct<2, 4, kKind, kOffset, kHalf>(p, r, c);
+      for (; r < p.m; ++r) tile_direct<1, 4, kKind, kOffset, kHalf>(p, r, c);
     }
     for (; c < b; ++c)
-      for (int64_t r = 0; r < p.m; ++r) tile_direct<1, 1, kKind, kOffset>(p, r, c);
+      for (int64_t r = 0; r < p.m; ++r) tile_direct<1, 1, kKind, kOffset, kHalf>(p, r, c);
     return;
   }
   thread_local std::vector<float> wide;
@@ -257,8 +269,8 @@ void run_panels(const Problem& p, int64_t a, int64_t b) {
     const int np = std::min<int64_t>(2, b - c);
     for (int i = 0; i < np; ++i)
       for (int64_t j = 0; j < p.k / p.g; ++j) {
-        const float* s = group_ptr(p.scale, p, c + i, j);
-        const float* o = group_ptr(p.offset, p, c + i, j);
+        const V s = group_factors<kHalf>(p.scale, p, c + i, j);
+        const V o = group_factors<kHalf>(p.offset, p, c + i, j);
         for (int64_t k = j * p.g; k < (j + 1) * p.g; k += step) {
           V w[2];
           widen<kKind, kOffset>(p.q + (c + i) * p.panel_bytes, k, s, o, w);
@@ -272,12 +284,18 @@ void run_panels(const Problem& p, int64_t a, int64_t b) {
 
 using PanelsFn = void (*)(const Problem&, int64_t, int64_t);
 
-PanelsFn pick(Kind kind, bool offset) {
+template <Kind kKind>
+PanelsFn pick_kind(bool offset, bool half) {
+  if (half) return offset ? run_panels<kKind, true, true> : run_panels<kKind, false, true>;
+  return offset ? run_panels<kKind, true, false> : run_panels<kKind, false, false>;
+}
+
+PanelsFn pick(Kind kind, bool offset, bool half) {
   switch (kind) {
-    case I8: return offset ? run_panels<I8, true> : run_panels<I8, false>;
-    case U4: return offset ? run_panels<U4, true> : run_panels<U4, false>;
-    case S4: return offset ? run_panels<S4, true> : run_panels<S4, false>;
-    case E4M3: return offset ? run_panels<E4M3, true> : run_panels<E4M3, false>;
+    case I8: return pick_kind<I8>(offset, half);
+    case U4: return pick_kind<U4>(offset, half);
+    case S4: return pick_kind<S4>(offset, half);
+    case E4M3: return pick_kind<E4M3>(offset, half);
   }
   return nullptr;
 }
@@ -334,8 +352,8 @@ void run(ffi::ThreadPool& pool, const Problem& p, PanelsFn fn) {
 }
 
 ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
-                   ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
-                   ffi::ResultBuffer<ffi::F32> y, int32_t kind, int64_t group) {
+                   ffi::AnyBuffer scale, ffi::AnyBuffer offset, ffi::ResultBuffer<ffi::F32> y,
+                   int32_t kind, int64_t group) {
   const auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions(),
              yd = y->dimensions();
   if (xd.size() != 2 || qd.size() != 2 || sd.size() != 2 || yd.size() != 2)
@@ -347,6 +365,9 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
   p.g = group;
   const Kind kd = static_cast<Kind>(kind);
   if (kd < I8 || kd > E4M3) return ffi::Error::InvalidArgument("jaxinfer_qmatmul: unknown kind");
+  const ffi::DataType st = scale.element_type();
+  if (st != ffi::DataType::F32 && st != ffi::DataType::F16)
+    return ffi::Error::InvalidArgument("jaxinfer_qmatmul: scales must be f32 or f16");
   const bool four = kd == U4 || kd == S4;
   p.panel_bytes = 16 * (four ? p.k / 2 : p.k);
   if (p.g <= 0 || p.k % p.g || (four && p.g % 2))
@@ -357,15 +378,16 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
       sd[0] * 16 != p.n || sd[1] != groups * 16)
     return ffi::Error::InvalidArgument("jaxinfer_qmatmul: weight shapes do not match x and y");
   const bool has_offset = offset.element_count() > 0;
-  if (has_offset && static_cast<int64_t>(offset.element_count()) != p.n * groups)
+  if (has_offset && (static_cast<int64_t>(offset.element_count()) != p.n * groups ||
+                     offset.element_type() != st))
     return ffi::Error::InvalidArgument("jaxinfer_qmatmul: offsets must match the scales");
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
   p.x = x.typed_data();
   p.q = static_cast<const uint8_t*>(q.untyped_data());
-  p.scale = scale.typed_data();
-  p.offset = has_offset ? offset.typed_data() : nullptr;
+  p.scale = scale.untyped_data();
+  p.offset = has_offset ? offset.untyped_data() : nullptr;
   p.y = y->typed_data();
-  run(pool, p, pick(kd, has_offset));
+  run(pool, p, pick(kd, has_offset, st == ffi::DataType::F16));
   return ffi::Error::Success();
 }
 
@@ -376,8 +398,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferQMatmul, QMatmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
                                   .Arg<ffi::AnyBuffer>()         // q [P, panel bytes / itemsize]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale [P, K / G * 16]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // offset like scale, or [0]
+                                  .Arg<ffi::AnyBuffer>()         // scale f32|f16 [P, K / G * 16]
+                                  .Arg<ffi::AnyBuffer>()         // offset like scale, or [0]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, 16 P]
                                   .Attr<int32_t>("kind")
                                   .Attr<int64_t>("group"));
