@@ -123,6 +123,7 @@ def attend(
         k_pages, v_pages = k_pages.values, v_pages.values
     args = (q, k_pages, v_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs)
     from jaxinfer.pallas_kernels.ragged_paged_attention import GPU_HEAD_DIMS
+    from jaxinfer.runtime.device.sharding import shard_kv_heads
 
     if backend == "pallas_gpu" and q.shape[-1] not in GPU_HEAD_DIMS:
         backend = "xla"  # a head the Triton kernel cannot tile (latent attention's 576)
@@ -134,15 +135,13 @@ def attend(
                                 row_tiles=row_tiles, see_until=md.see_until)
         if backend == "xla" and md.max_q_len == 1 and not row_tiles and md.see_until is None \
                 and "k_scale" not in kw and _cpu_kernel_takes(q, k_pages):
-            from jaxinfer.runtime.device.sharding import shard_kv_heads
-
+            # the CPU kernel on decode steps (runtime/device/cpu_attention.cc: pages read in
+            # place, no padded tiles); other platforms lower the XLA path
+            mesh = jax.sharding.get_abstract_mesh()
             return jax.lax.platform_dependent(
-                cpu=lambda: shard_kv_heads(cpu_paged_attention, jax.sharding.get_abstract_mesh())(
-                    *args, **kw),
-                default=xla)
+                cpu=lambda: shard_kv_heads(cpu_paged_attention, mesh)(*args, **kw), default=xla)
         return xla()
     from jaxinfer.pallas_kernels.ragged_paged_attention import ragged_paged_attention
-    from jaxinfer.runtime.device.sharding import shard_kv_heads
 
     platform = {"pallas_tpu": "tpu", "pallas_gpu": "gpu", "pallas_interpret": "tpu"}[backend]
     if row_tiles and platform == "tpu":
