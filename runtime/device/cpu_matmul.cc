@@ -10,6 +10,10 @@
 //                             folds 2^8 into the scales)
 //   q [P, K / 2, 16]    U4    byte: input 2t in the low nibble, 2t + 1 in the high (0..15)
 //                       S4    as U4, the value minus 8 (symmetric int4, GGUF Q4_0)
+//   q [P, K / 2, 20]    U5    5-bit values (0..31): per input pair 2t, 2t + 1 the 16 bytes of
+//                             U4 (the low four bits), then a little-endian 32-bit word of fifth
+//                             bits: bit c for input 2t of channel c, bit 16 + c for input 2t + 1
+//                       S5    as U5, the value minus 16 (GGUF Q5_0)
 //   scale / offset [P, K / G, 16]
 // Values are widened in registers (q * scale, then + offset: as the reference widens them), never
 // written out. Every output element is one thread's sum over k in order, acc = fma(w_k, x_k, acc),
@@ -36,7 +40,10 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-enum Kind : int32_t { I8 = 0, U4 = 1, S4 = 2, E4M3 = 3 };
+enum Kind : int32_t { I8 = 0, U4 = 1, S4 = 2, E4M3 = 3, U5 = 4, S5 = 5 };
+
+constexpr bool paired(Kind k) { return k == U4 || k == S4 || k == U5 || k == S5; }
+constexpr int64_t pair_bytes(Kind k) { return (k == U5 || k == S5) ? 20 : 16; }
 
 // ------------------------------------------------------------------ 16 f32 lanes
 
@@ -77,6 +84,24 @@ inline void dec_4(const uint8_t* p, V& lo, V& hi) {
   if (kSigned) {
     l = _mm512_sub_epi32(l, _mm512_set1_epi32(8));
     h = _mm512_sub_epi32(h, _mm512_set1_epi32(8));
+  }
+  lo = {_mm512_cvtepi32_ps(l)};
+  hi = {_mm512_cvtepi32_ps(h)};
+}
+template <bool kSigned>
+inline void dec_5(const uint8_t* p, V& lo, V& hi) {  // 16 nibble bytes, then 32 fifth bits
+  __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  uint32_t bits;
+  std::memcpy(&bits, p + 16, 4);
+  __m128i m = _mm_set1_epi8(0x0F);
+  const __m512i sixteen = _mm512_set1_epi32(16);
+  __m512i l = _mm512_cvtepu8_epi32(_mm_and_si128(b, m));
+  __m512i h = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), m));
+  l = _mm512_mask_add_epi32(l, static_cast<__mmask16>(bits), l, sixteen);
+  h = _mm512_mask_add_epi32(h, static_cast<__mmask16>(bits >> 16), h, sixteen);
+  if (kSigned) {
+    l = _mm512_sub_epi32(l, sixteen);
+    h = _mm512_sub_epi32(h, sixteen);
   }
   lo = {_mm512_cvtepi32_ps(l)};
   hi = {_mm512_cvtepi32_ps(h)};
@@ -144,6 +169,16 @@ inline void dec_4(const uint8_t* p, V& lo, V& hi) {
     hi.v[i] = static_cast<float>((p[i] >> 4) - bias);
   }
 }
+template <bool kSigned>
+inline void dec_5(const uint8_t* p, V& lo, V& hi) {
+  uint32_t bits;
+  std::memcpy(&bits, p + 16, 4);
+  const int bias = kSigned ? 16 : 0;
+  for (int i = 0; i < 16; ++i) {
+    lo.v[i] = static_cast<float>(((p[i] & 0x0F) | (((bits >> i) & 1) << 4)) - bias);
+    hi.v[i] = static_cast<float>(((p[i] >> 4) | (((bits >> (16 + i)) & 1) << 4)) - bias);
+  }
+}
 constexpr const char* kIsa = "portable";
 #endif
 
@@ -159,7 +194,7 @@ struct Problem {
 };
 
 template <Kind kKind>
-constexpr int kStep = (kKind == U4 || kKind == S4) ? 2 : 1;  // inputs per 16-byte load
+constexpr int kStep = paired(kKind) ? 2 : 1;  // inputs per load
 
 // Inputs k (and k + 1 for 4-bit, in w[1]) of panel `pq` widened, with its group's scales sv and
 // offsets ov (16 channels).
@@ -167,6 +202,9 @@ template <Kind kKind, bool kOffset>
 inline void widen(const uint8_t* pq, int64_t k, V sv, V ov, V* w) {
   if constexpr (kKind == U4 || kKind == S4) {
     dec_4<kKind == S4>(pq + k / 2 * 16, w[0], w[1]);
+    w[1] = vmul(w[1], sv);
+  } else if constexpr (kKind == U5 || kKind == S5) {
+    dec_5<kKind == S5>(pq + k / 2 * 20, w[0], w[1]);
     w[1] = vmul(w[1], sv);
   } else if constexpr (kKind == I8) {
     w[0] = dec_i8(pq + k * 16);
@@ -176,7 +214,7 @@ inline void widen(const uint8_t* pq, int64_t k, V sv, V ov, V* w) {
   w[0] = vmul(w[0], sv);
   if constexpr (kOffset) {
     w[0] = vadd(w[0], ov);
-    if constexpr (kKind == U4 || kKind == S4) w[1] = vadd(w[1], ov);
+    if constexpr (paired(kKind)) w[1] = vadd(w[1], ov);
   }
 }
 
@@ -295,6 +333,8 @@ PanelsFn pick(Kind kind, bool offset, bool half) {
     case I8: return pick_kind<I8>(offset, half);
     case U4: return pick_kind<U4>(offset, half);
     case S4: return pick_kind<S4>(offset, half);
+    case U5: return pick_kind<U5>(offset, half);
+    case S5: return pick_kind<S5>(offset, half);
     case E4M3: return pick_kind<E4M3>(offset, half);
   }
   return nullptr;
@@ -364,14 +404,15 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
   p.n = yd[1];
   p.g = group;
   const Kind kd = static_cast<Kind>(kind);
-  if (kd < I8 || kd > E4M3) return ffi::Error::InvalidArgument("jaxinfer_qmatmul: unknown kind");
+  if (kd < I8 || kd > S5) return ffi::Error::InvalidArgument("jaxinfer_qmatmul: unknown kind");
   const ffi::DataType st = scale.element_type();
   if (st != ffi::DataType::F32 && st != ffi::DataType::F16)
     return ffi::Error::InvalidArgument("jaxinfer_qmatmul: scales must be f32 or f16");
-  const bool four = kd == U4 || kd == S4;
-  p.panel_bytes = 16 * (four ? p.k / 2 : p.k);
-  if (p.g <= 0 || p.k % p.g || (four && p.g % 2))
-    return ffi::Error::InvalidArgument("jaxinfer_qmatmul: the group must divide K (evenly for 4-bit)");
+  const bool two = paired(kd);
+  p.panel_bytes = two ? pair_bytes(kd) * (p.k / 2) : 16 * p.k;
+  if (p.g <= 0 || p.k % p.g || (two && p.g % 2))
+    return ffi::Error::InvalidArgument(
+        "jaxinfer_qmatmul: the group must divide K (evenly for 4- and 5-bit)");
   const int64_t groups = p.k / p.g;
   const int64_t q_bytes = qd[1] * static_cast<int64_t>(ffi::ByteWidth(q.element_type()));
   if (yd[0] != p.m || p.n % 16 || qd[0] * 16 != p.n || q_bytes != p.panel_bytes ||

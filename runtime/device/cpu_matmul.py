@@ -8,13 +8,19 @@ file) reads the narrow values in registers and splits each product over the host
 Built and loaded by runtime/device/cpu_kernels.py (compiled on first use for the host).
 
 `PackedWeight` is a weight in the kernel's layout: output channels in panels of 16, each panel
-input by input (one 16-byte load = one input of 16 channels), with one f32 scale (and offset)
-per channel and group of G inputs along the contracted axes:
+input by input (one 16-byte load = one input of 16 channels), with one scale (and offset)
+per channel and group of G inputs along the contracted axes, in f16 where every one of them is
+an f16 value (GGUF's d and m: the bytes a step reads shrink, the values do not change), else
+f32:
     kind  q [P, ...]                                    from
     i8    int8 [K, 16]                                  int8 per channel, GGUF Q8_0 / Q5_x / Q6_K
     u4    uint8 [K / 2, 16]: input 2t low nibble,       int4 / GGUF Q4_K, Q4_1 (with offsets)
           2t + 1 high
     s4    as u4, the value minus 8                      symmetric int4, GGUF Q4_0
+    u5    uint8 [K / 2, 20]: u4's 16 bytes of low four   values that fit 5 bits: GGUF Q5_1,
+          bits, then a 32-bit word of fifth bits        Q5_K (with offsets)
+          (bit c: input 2t, bit 16 + c: input 2t + 1)
+    s5    as u5, the value minus 16                     GGUF Q5_0
     e4m3  fp8 bytes [K, 16] (scales x 2^8, see the .cc) fp8 per channel
 Its `einsum` takes the spec model code writes ("td,dhk->thk"); `logical()` gives back the
 QuantizedArray it was made from, value for value (get_weights, update_weights).
@@ -32,7 +38,9 @@ from flax import struct
 from jaxinfer.runtime.device.cpu_kernels import TARGET, load
 from jaxinfer.runtime.device.quantization import QuantizedArray, pack_nibbles, parse_einsum
 
-KINDS = {"i8": 0, "u4": 1, "s4": 2, "e4m3": 3}
+KINDS = {"i8": 0, "u4": 1, "s4": 2, "e4m3": 3, "u5": 4, "s5": 5}
+_PAIRED = ("u4", "s4", "u5", "s5")  # two inputs a load (4 or 5 bits a value)
+_BIAS = {"s4": 8, "s5": 16}  # stored value = value + bias
 _E4M3_SCALE = 256.0  # e4m3 bits read as f16 are the value / 2^8 (cpu_matmul.cc)
 
 
@@ -55,7 +63,7 @@ def qmatmul(x: jax.Array, q: jax.Array, scale: jax.Array, offset: jax.Array | No
 @struct.dataclass
 class PackedWeight:
     q: jax.Array  # [P, K * 16] int8 | uint8 (e4m3 bits); [P, K / 2 * 16] uint8 (4-bit)
-    scale: jax.Array  # f32 [P, K / group * 16]
+    scale: jax.Array  # f32 | f16 [P, K / group * 16]
     offset: jax.Array | None  # like scale
     kind: str = struct.field(pytree_node=False)
     group: int = struct.field(pytree_node=False)
@@ -103,25 +111,37 @@ class PackedWeight:
             return jnp.swapaxes(a, 1, 2).reshape(-1, a.shape[1])
         return a[ids // 16, :, ids % 16]
 
-    def _nibbles(self, q: jax.Array) -> jax.Array:
-        """4-bit kinds: bytes [n, K / 2] -> int8 values [n, K] (input 2t low, 2t + 1 high)."""
-        v = jnp.stack([q & 0xF, q >> 4], axis=-1).reshape(q.shape[0], -1).astype(jnp.int8)
-        return v - 8 if self.kind == "s4" else v
+    def _values(self, ids) -> jax.Array:
+        """Integer kinds: the values [n, K] (int8) of channels `ids` (all if None)."""
+        if self.kind in ("u5", "s5"):
+            b = self.q.reshape(self.q.shape[0], -1, 20)  # [P, K / 2, 20]
+            word = jnp.sum(b[..., 16:].astype(jnp.uint32) << (8 * jnp.arange(4, dtype=jnp.uint32)),
+                           axis=-1, dtype=jnp.uint32)  # [P, K / 2]
+            c = jnp.arange(16, dtype=jnp.uint32)
+            fifth = lambda shift: ((word[..., None] >> (c + shift)) & 1).astype(jnp.uint8)  # noqa: E731
+            nib = b[..., :16]
+            v = jnp.stack([(nib & 0xF) | (fifth(0) << 4), (nib >> 4) | (fifth(16) << 4)], -1)
+            v = jnp.transpose(v, (0, 2, 1, 3)).reshape(-1, 2 * b.shape[1])  # [P * 16, K]
+            v = v if ids is None else v[ids]
+        else:
+            v = self._channels(self.q, ids)
+            if self.kind in ("u4", "s4"):
+                v = jnp.stack([v & 0xF, v >> 4], axis=-1).reshape(v.shape[0], -1)
+        v = v.astype(jnp.int8) if self.kind == "i8" else v.astype(jnp.int16)
+        return (v - _BIAS.get(self.kind, 0)).astype(jnp.int8)
 
     def _widened(self, ids=None) -> jax.Array:
         """f32 weights [n, K] of channels `ids` (stored order), as the kernel widens them."""
-        q = self._channels(self.q, ids)
-        scale = self._channels(self.scale, ids)
-        if self.kind in ("u4", "s4"):
-            v = self._nibbles(q).astype(jnp.float32)
-        elif self.kind == "e4m3":
-            v = jax.lax.bitcast_convert_type(q, jnp.float8_e4m3fn).astype(jnp.float32)
+        scale = self._channels(self.scale, ids).astype(jnp.float32)
+        if self.kind == "e4m3":
+            v = jax.lax.bitcast_convert_type(self._channels(self.q, ids), jnp.float8_e4m3fn)
+            v = v.astype(jnp.float32)
             scale = scale / _E4M3_SCALE
         else:
-            v = q.astype(jnp.float32)
+            v = self._values(ids).astype(jnp.float32)
         w = v.reshape(v.shape[0], scale.shape[1], -1) * scale[..., None]
         if self.offset is not None:
-            w = w + self._channels(self.offset, ids)[..., None]
+            w = w + self._channels(self.offset, ids).astype(jnp.float32)[..., None]
         return w.reshape(v.shape)
 
     def take_rows(self, ids: jax.Array) -> jax.Array:
@@ -144,11 +164,9 @@ class PackedWeight:
             offset_dtype = self.like
         inverse = [self.order.index(i) for i in range(self.ndim)]
         n = self.n
-        four = self.kind in ("u4", "s4")
-        q = self._channels(self.q, None)[:n]
-        v = self._nibbles(q) if four else q
-        v = jnp.transpose(v.reshape(self.dims), inverse)
-        if four:
+        v = self._channels(self.q, None) if self.kind == "e4m3" else self._values(None)
+        v = jnp.transpose(v[:n].reshape(self.dims), inverse)
+        if self.kind in ("u4", "s4"):
             v = pack_nibbles(v, group_axis)
         values = jax.lax.bitcast_convert_type(v, jnp.dtype(values_dtype)) \
             if self.kind == "e4m3" else v.astype(jnp.dtype(values_dtype))
@@ -161,7 +179,7 @@ class PackedWeight:
                 kept[ax] = 1 if group_size is None else kept[ax]
             if group_size is not None:
                 kept[self.order.index(group_axis)] //= group_size
-            a = self._channels(a, None)[:n] / mult
+            a = self._channels(a, None)[:n].astype(jnp.float32) / mult
             return jnp.transpose(a.reshape(kept), inverse).astype(dt)
 
         return QuantizedArray(
@@ -195,9 +213,25 @@ def pack(w: QuantizedArray, contracted: tuple[int, ...]) -> PackedWeight | None:
         return None  # groups must run along the last contracted axis: K in order
     k = int(np.prod([w.shape[a] for a in contracted]))
     group = w.group_size or k
-    if k % group or (kind in ("u4", "s4") and group % 2):
+    if kind == "i8" and group % 2 == 0:
+        kind = _five_bits(w) or kind
+    if k % group or (kind in _PAIRED and group % 2):
         return None
     return _pack(w, contracted, kind, group)
+
+
+def _five_bits(w: QuantizedArray) -> str | None:
+    """"s5" / "u5" for int8 values that all fit 5 bits (-16..15 without offsets, 0..31 with:
+    GGUF Q5_0 / Q5_1 / Q5_K), else None (also while tracing: values unknown)."""
+    if isinstance(w.values, jax.core.Tracer):
+        return None
+    lo, hi = (0, 31) if w.offsets is not None else (-16, 15)
+    return ("u5" if lo == 0 else "s5") if bool(_within(w.values, lo, hi)) else None
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _within(a: jax.Array, lo: int, hi: int) -> jax.Array:
+    return jnp.all((a >= lo) & (a <= hi))
 
 
 def _panels(a: jax.Array, n: int) -> jax.Array:
@@ -212,27 +246,60 @@ def _pack(w: QuantizedArray, contracted, kind: str, group: int) -> PackedWeight:
     like = (w.fmt, w.mode, tuple(w.reduce_axes), w.group_size, w.group_axis, w.dtype,
             jnp.dtype(w.values.dtype).name, jnp.dtype(w.scales.dtype).name,
             None if w.offsets is None else jnp.dtype(w.offsets.dtype).name)
-    q, scale, offset = _pack_arrays(w, order, w.ndim - len(contracted), kind)
+    half = kind != "e4m3" and all(_f16_exact(a) for a in (w.scales, w.offsets) if a is not None)
+    q, scale, offset = _pack_arrays(w, order, w.ndim - len(contracted), kind, half)
     return PackedWeight(q=q, scale=scale, offset=offset, kind=kind, group=group, order=order,
                         dims=dims, n_out=w.ndim - len(contracted), like=like)
 
 
-@functools.partial(jax.jit, static_argnames=("order", "n_out", "kind"))
-def _pack_arrays(w: QuantizedArray, order, n_out: int, kind: str):
+def _f16_exact(a: jax.Array) -> bool:
+    """Whether every value of `a` is an f16 value (False while tracing: values unknown)."""
+    if isinstance(a, jax.core.Tracer):
+        return False
+    return bool(_is_f16(a))
+
+
+@jax.jit
+def _is_f16(a: jax.Array) -> jax.Array:
+    a = a.astype(jnp.float32)
+    return jnp.all(a.astype(jnp.float16).astype(jnp.float32) == a)
+
+
+@functools.partial(jax.jit, static_argnames=("order", "n_out", "kind", "half"))
+def _pack_arrays(w: QuantizedArray, order, n_out: int, kind: str, half: bool = False):
     """One program per weight shape and kind (a 262k-row table packs in one pass)."""
     n = int(np.prod([w.shape[i] for i in order[:n_out]], dtype=np.int64))
     ints = w._ints(w.values)
     if kind == "e4m3":
         ints = jax.lax.bitcast_convert_type(ints, jnp.uint8)
     q = jnp.transpose(ints, order).reshape(n, -1)
-    if kind in ("u4", "s4"):
-        u = (q.astype(jnp.int16) + (8 if kind == "s4" else 0)).astype(jnp.uint8)
-        q = u[:, 0::2] | (u[:, 1::2] << 4)
+    if kind in _PAIRED:
+        u = (q.astype(jnp.int16) + _BIAS.get(kind, 0)).astype(jnp.uint8)
+        q = (u[:, 0::2] & 0xF) | ((u[:, 1::2] & 0xF) << 4)  # [n, K / 2]
+        if kind in ("u5", "s5"):
+            return (_five_bit_panels(q, u >> 4, n), *_factors(w, order, n, kind, half))
+    return (_panels(q, n), *_factors(w, order, n, kind, half))
+
+
+def _five_bit_panels(nibbles: jax.Array, fifth: jax.Array, n: int) -> jax.Array:
+    """Low-nibble bytes [n, K / 2] and fifth bits [n, K] -> the u5 panels [P, K / 2 * 20]."""
+    nib = _panels(nibbles, n).reshape(-1, nibbles.shape[1], 16)  # [P, K / 2, 16]
+    f = jnp.pad(fifth, [(0, -n % 16), (0, 0)]).astype(jnp.uint32)
+    f = f.reshape(-1, 16, fifth.shape[1])  # [P, 16 channels, K]
+    c = jnp.arange(16, dtype=jnp.uint32)[None, :, None]
+    word = jnp.sum((f[..., 0::2] << c) | (f[..., 1::2] << (c + 16)), axis=1,
+                   dtype=jnp.uint32)  # [P, K / 2] (the bits are disjoint: sum = or)
+    by = ((word[..., None] >> (8 * jnp.arange(4, dtype=jnp.uint32))) & 0xFF).astype(jnp.uint8)
+    return jnp.concatenate([nib, by], axis=-1).reshape(nib.shape[0], -1)
+
+
+def _factors(w: QuantizedArray, order, n: int, kind: str, half: bool):
+    """Scales and offsets (None) per channel in panels, f16 when `half`."""
 
     def per_channel(a, mult=1.0):
         if a is None:
             return None
-        return _panels(jnp.transpose(a, order).reshape(n, -1).astype(jnp.float32) * mult, n)
+        a = jnp.transpose(a, order).reshape(n, -1).astype(jnp.float32) * mult
+        return _panels(a.astype(jnp.float16 if half else jnp.float32), n)
 
-    return (_panels(q, n), per_channel(w.scales, _E4M3_SCALE if kind == "e4m3" else 1.0),
-            per_channel(w.offsets))
+    return per_channel(w.scales, _E4M3_SCALE if kind == "e4m3" else 1.0), per_channel(w.offsets)

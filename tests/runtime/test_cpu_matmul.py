@@ -45,6 +45,8 @@ KINDS = OUR_KINDS + GGUF_KINDS
 KERNEL_KIND = {"int8": "i8", "fp8": "e4m3", "int4": "u4", "int4_sym": "s4", "Q4_0": "s4",
                "Q4_1": "u4", "Q5_0": "i8", "Q5_1": "i8", "Q8_0": "i8", "Q4_K": "u4",
                "Q5_K": "i8", "Q6_K": "i8", "MXFP4": "i8"}  # MXFP4: int8 2 * e2m1, group scales
+# ... and the layout `pack` stores: int8 values that fit 5 bits take 5 (MXFP4's -12..12 too)
+PACKED_KIND = {**KERNEL_KIND, "Q5_0": "s5", "Q5_1": "u5", "Q5_K": "u5", "MXFP4": "s5"}
 ROWS = (1, 2, 7, 16, 33, 256)  # both sides of the 16-row switch, every row-tile remainder
 
 
@@ -142,7 +144,7 @@ def _ein(spec: str, pw: PackedWeight, x: jax.Array) -> jax.Array:
 
 # pack as one program: the same arrays as calling it eagerly (data movement, scales x 1 or 2^8),
 # compiled once per weight structure rather than op by op (the round trips call it eagerly)
-_pack = jax.jit(pack, static_argnums=1)
+_pack = pack  # eager: scales that are f16 values are packed as f16 (a traced pack cannot know)
 
 
 @jax.jit
@@ -198,7 +200,7 @@ def test_every_kind_every_row_count(kind):
     w = _weight(kind, "ffn", k=k, n=88, seed=3)
     assert kernel_kind(w) == KERNEL_KIND[kind]
     pw = pack(w, (0,))
-    assert isinstance(pw, PackedWeight) and pw.kind == KERNEL_KIND[kind]
+    assert isinstance(pw, PackedWeight) and pw.kind == PACKED_KIND[kind]
     assert pw.shape == w.shape and pw.n == 88
     x = _x((256, w.shape[0]), seed=4)
     for m in ROWS:
@@ -307,7 +309,7 @@ def test_batch_invariant(kind):
         assert _same_bits(part, full[rows]), f"{kind}: rows {rows[:4]}..."
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4", "Q4_K"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "Q4_K", "Q5_0"])
 def test_batch_invariant_threaded(kind):
     """Products big enough to be split over threads (weight bytes + 4 M N K >= 2^20): rows are
     the same bits alone and among others, and right."""
@@ -327,7 +329,7 @@ sys.path.insert(0, sys.argv[2])
 from tests.runtime.test_cpu_matmul import _ein, _pack, _weight, _x
 out = sys.argv[1]
 np.save(os.path.join(out, "cpus.npy"), np.array(len(os.sched_getaffinity(0))))
-for kind in ("int8", "fp8", "int4_sym", "Q4_K"):
+for kind in ("int8", "fp8", "int4_sym", "Q4_K", "Q5_0"):
     pw = _pack(_weight(kind, "ffn", k=640, n=4096, seed=21), (0,))
     x = _x((40, pw.shape[0]), seed=22)
     for m in (1, 33):
@@ -353,7 +355,7 @@ def test_same_bits_whatever_the_thread_count(tmp_path):
         assert p.returncode == 0, err[-3000:]
     assert int(np.load(outs[0] / "cpus.npy")) >= 2 and int(np.load(outs[1] / "cpus.npy")) == 1
     files = sorted(p.name for p in outs[0].glob("*-*.npy"))
-    assert len(files) == 8
+    assert len(files) == 10
     for name in files:
         a, b = np.load(outs[0] / name), np.load(outs[1] / name)
         assert a.shape[1] == 4096 and _same_bits(a, b), name
@@ -379,10 +381,13 @@ def test_logical_round_trip(kind, layout):
     assert pw is not None
     back = pw.logical()
     _assert_same_qarray(back, w)
-    # packed as one program: the same arrays (the other tests pack so)
-    jitted = _pack(w, LAYOUTS[layout][1])
-    assert jax.tree.structure(jitted) == jax.tree.structure(pw)
-    assert all(_same_bits(a, b) for a, b in zip(jax.tree.leaves(jitted), jax.tree.leaves(pw)))
+    # packed under jit (values unknown): f32 scales, int8 values a byte; the same weight
+    jitted = jax.jit(pack, static_argnums=1)(w, LAYOUTS[layout][1])
+    assert jitted.scale.dtype == jnp.float32 and jitted.kind == KERNEL_KIND[kind]
+    _assert_same_qarray(jitted.logical(), w)
+    if jitted.kind == pw.kind:
+        assert all(_same_bits(a, b.astype(a.dtype))
+                   for a, b in zip(jax.tree.leaves(jitted), jax.tree.leaves(pw)))
     if layout == "ffn":
         assert _same_bits(pw.dequantize(), w.dequantize())
         # and under jit, as get_weights reads it
@@ -540,3 +545,20 @@ def test_take_rows_negative_id():
     w = _weight("int8", "table", k=64, n=40, seed=29)
     ids = jnp.array([-1, 39])
     assert _same_bits(pack(w, (1,)).take_rows(ids), w.take_rows(ids))
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q4_0", "Q4_1", "int8"])
+def test_scales_that_are_f16_values_are_kept_as_f16(kind):
+    """GGUF's d (and m) are f16 in the file: packed as f16 (fewer bytes a step), the products
+    bit for bit those of the same weight packed with f32 scales (the widening is exact); a
+    scale that is no f16 value (int8 per channel, from f32 maxima) stays f32."""
+    w = _weight(kind, "ffn", k=256, n=48, seed=23)
+    pw = pack(w, (0,))
+    f32 = jax.jit(pack, static_argnums=1)(w, (0,))  # traced: values unknown, f32
+    assert f32.scale.dtype == jnp.float32
+    assert pw.scale.dtype == (jnp.float32 if kind == "int8" else jnp.float16)
+    assert pw.nbytes < f32.nbytes or kind == "int8"
+    for m in (1, 7, 33):
+        x = _x((m, 256), seed=m)
+        assert _same_bits(pw.einsum("td,df->tf", x), f32.einsum("td,df->tf", x))
+    _assert_close(pw.einsum("td,df->tf", _x((5, 256))), _reference("td,df->tf", _x((5, 256)), w))
