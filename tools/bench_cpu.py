@@ -178,6 +178,7 @@ def step_kinds(llm, repeats: int) -> dict:
             continue
         sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
         llm.generate([prompt(8) for _ in range(b)], sp)  # compiles its shapes
+        llm.engine.settle()  # steady state: the whole programs, not the layer-by-layer stand-ins
         itl = []
         for _ in range(repeats):
             outs = llm.generate([prompt(8) for _ in range(b)], sp)
@@ -187,6 +188,7 @@ def step_kinds(llm, repeats: int) -> dict:
     sp = SamplingParams(max_tokens=1, temperature=0.0)
     chunk = min(256, llm.config.prefill_chunk, llm.config.max_model_len - 1)
     llm.generate([prompt(chunk)], sp)
+    llm.engine.settle()
     ttft = [llm.generate([prompt(chunk)], sp)[0].metrics["ttft_s"] for _ in range(repeats)]
     s = float(np.median(ttft))
     out[f"prefill {chunk}"] = {"rows": chunk, "step_s": s,
@@ -211,6 +213,7 @@ def decode_vs_hf(llm, source, tokens: int = 64, batches=(1, 16), repeats: int = 
         if b > llm.config.max_slots:
             continue
         llm.generate([prompt] * b, sp)
+        llm.engine.settle()
         ours, theirs = [], []
         with torch.no_grad():
             hf.generate(ids.repeat(b, 1), max_new_tokens=4, min_new_tokens=4, do_sample=False)
@@ -244,6 +247,7 @@ def decode_vs_llamacpp(llm, gguf: str, tokens: int = 64, batches=(1, 16), repeat
             if b > llm.config.max_slots:
                 continue
             llm.generate([ids] * b, sp)  # compiles its shapes
+            llm.engine.settle()  # steady state: the whole programs compiled in the background
             ours = []
             for _ in range(repeats):
                 t = time.perf_counter()

@@ -15,15 +15,12 @@
 // result does not depend on the thread count or on the other rows.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <mutex>
 #include <vector>
 
+#include "cpu_threads.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -110,28 +107,6 @@ void item(const Attn& a, int64_t row, int64_t h, std::vector<float>& scores) {
   }
 }
 
-struct Job {
-  const Attn* a;
-  int64_t items, chunk;
-  std::atomic<int64_t> next{0}, done{0};
-  std::mutex mu;
-  std::condition_variable cv;
-
-  void work() {
-    std::vector<float> scores;
-    for (;;) {
-      const int64_t c = next.fetch_add(1);
-      if (c * chunk >= items) return;
-      const int64_t end = std::min(items, (c + 1) * chunk);
-      for (int64_t i = c * chunk; i < end; ++i) item(*a, i / a->hkv, i % a->hkv, scores);
-      if (done.fetch_add(end - c * chunk) + (end - c * chunk) == items) {
-        std::lock_guard<std::mutex> lock(mu);
-        cv.notify_all();
-      }
-    }
-  }
-};
-
 // Below this many multiply-adds (over every item) the call stays on the calling thread.
 constexpr int64_t kThreadedWork = 1 << 18;
 
@@ -188,15 +163,12 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
     for (int64_t i = 0; i < items; ++i) item(a, i / a.hkv, i % a.hkv, scores);
     return ffi::Error::Success();
   }
-  auto job = std::make_shared<Job>();
-  job->a = &a;
-  job->items = items;
-  job->chunk = std::max<int64_t>(1, items / (threads * 4));
-  const int64_t chunks = (items + job->chunk - 1) / job->chunk;
-  for (int64_t t = 1; t < std::min(threads, chunks); ++t) pool.Schedule([job] { job->work(); });
-  job->work();
-  std::unique_lock<std::mutex> lock(job->mu);
-  job->cv.wait(lock, [&] { return job->done.load() == items; });
+  const int64_t chunk = std::max<int64_t>(1, items / (threads * 4));
+  jaxinfer_cpu::helpers().parallel((items + chunk - 1) / chunk, threads, [&](int64_t c) {
+    std::vector<float> scores;
+    for (int64_t i = c * chunk; i < std::min(items, (c + 1) * chunk); ++i)
+      item(a, i / a.hkv, i % a.hkv, scores);
+  });
   return ffi::Error::Success();
 }
 

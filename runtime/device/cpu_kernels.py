@@ -31,6 +31,7 @@ log = logging.getLogger("jaxinfer")
 TARGET = "jaxinfer_qmatmul"
 ATTENTION_TARGET = "jaxinfer_paged_attention"
 _SOURCES = tuple(Path(__file__).with_name(f) for f in ("cpu_matmul.cc", "cpu_attention.cc"))
+_HEADERS = (Path(__file__).with_name("cpu_threads.h"),)
 
 
 # ------------------------------------------------------------------------- build and load
@@ -90,7 +91,7 @@ def _library_path() -> Path | None:
     import jaxlib
 
     key = hashlib.sha256(b"\0".join(s.encode() if isinstance(s, str) else s for s in (
-        *(f.read_bytes() for f in _SOURCES), version, cpu_flags_line(), jaxlib.__version__))).hexdigest()[:20]
+        *(f.read_bytes() for f in _SOURCES + _HEADERS), version, cpu_flags_line(), jaxlib.__version__))).hexdigest()[:20]
     out = cache_dir() / f"cpu_matmul-{key}.so"
     if out.exists():
         return out

@@ -14,22 +14,19 @@
 //                             U4 (the low four bits), then a little-endian 32-bit word of fifth
 //                             bits: bit c for input 2t of channel c, bit 16 + c for input 2t + 1
 //                       S5    as U5, the value minus 16 (GGUF Q5_0)
-//   scale / offset [P, K / G, 16]
+//   scale / offset [P, K / G, 16]   f32, or f16 (widened exactly as they are loaded)
 // Values are widened in registers (q * scale, then + offset: as the reference widens them), never
 // written out. Every output element is one thread's sum over k in order, acc = fma(w_k, x_k, acc),
 // whatever the thread count and the number of rows in the product (batch invariant): row tiles
 // and the scratch panel of many-row products only share widened weights between elements.
-// Threads: XLA's intra-op pool; the caller works too, and waits only for chunks others started.
+// Threads: cpu_threads.h (as many as XLA's intra-op pool has); the caller works too.
 
 #include <algorithm>
-#include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <mutex>
 #include <vector>
 
+#include "cpu_threads.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__AVX512F__)
@@ -342,27 +339,6 @@ PanelsFn pick(Kind kind, bool offset, bool half) {
 
 // ------------------------------------------------------------------ threads
 
-struct Job {
-  Problem p;
-  PanelsFn fn;
-  int64_t chunk, chunks, panels;
-  std::atomic<int64_t> next{0}, done{0};
-  std::mutex mu;
-  std::condition_variable cv;
-
-  void work() {
-    for (;;) {
-      const int64_t c = next.fetch_add(1);
-      if (c >= chunks) return;
-      fn(p, c * chunk, std::min(panels, (c + 1) * chunk));
-      if (done.fetch_add(1) + 1 == chunks) {
-        std::lock_guard<std::mutex> lock(mu);
-        cv.notify_all();
-      }
-    }
-  }
-};
-
 // Below this much work (weight bytes read + 4 x multiply-adds) a product runs on the calling
 // thread: waking a helper costs more than it saves.
 constexpr int64_t kThreadedWork = 1 << 20;
@@ -370,25 +346,19 @@ constexpr int64_t kThreadedWork = 1 << 20;
 void run(ffi::ThreadPool& pool, const Problem& p, PanelsFn fn) {
   const int64_t panels = p.n / 16;
   const int64_t work = panels * p.panel_bytes + 4 * p.m * p.n * p.k;
+  // as many threads as XLA's intra-op pool has (the host's cores, or fewer when pinned)
   const int64_t threads = work < kThreadedWork ? 1 : std::max<int64_t>(1, pool.num_threads());
   // several chunks per thread (so a late helper still helps), of whole groups of 4 panels
   const int64_t want = threads == 1 ? 1 : threads * 4;
   const int64_t chunk = std::max<int64_t>(4, (panels + want - 1) / want + 3) / 4 * 4;
-  auto job = std::make_shared<Job>();
-  job->p = p;
-  job->fn = fn;
-  job->chunk = chunk;
-  job->panels = panels;
-  job->chunks = (panels + chunk - 1) / chunk;
-  if (threads == 1 || job->chunks == 1) {
+  const int64_t chunks = (panels + chunk - 1) / chunk;
+  if (threads == 1 || chunks == 1) {
     fn(p, 0, panels);
     return;
   }
-  for (int64_t t = 1; t < std::min(threads, job->chunks); ++t) pool.Schedule([job] { job->work(); });
-  job->work();
-  // every chunk is claimed; wait for the ones helpers are finishing
-  std::unique_lock<std::mutex> lock(job->mu);
-  job->cv.wait(lock, [&] { return job->done.load() == job->chunks; });
+  jaxinfer_cpu::helpers().parallel(chunks, threads, [&](int64_t c) {
+    fn(p, c * chunk, std::min(panels, (c + 1) * chunk));
+  });
 }
 
 ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
