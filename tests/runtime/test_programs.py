@@ -312,3 +312,28 @@ def test_the_default_mode_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv("JAXINFER_COMPILE_MODE", "lazy")
     with pytest.raises(ValueError, match="JAXINFER_COMPILE_MODE"):
         compile_mode(EngineConfig())
+
+
+def test_frozen_keys_hash_once_and_compare_by_value():
+    """A program table's fixed-argument key: equal values are one key (engines sharing a
+    model's programs find each other's), and its hash is not recomputed per lookup."""
+    from jaxinfer.runtime.device.programs import Frozen
+
+    class Counted:
+        hashes = 0
+
+        def __hash__(self):
+            Counted.hashes += 1
+            return 7
+
+        def __eq__(self, other):
+            return isinstance(other, Counted)
+
+    a, b = Frozen((1, Counted())), Frozen((1, Counted()))
+    table = {(a, "sig"): "program"}
+    before = Counted.hashes
+    for _ in range(5):
+        assert table[(a, "sig")] == "program"
+    assert Counted.hashes == before  # looked up 5 times, hashed at construction only
+    assert table[(b, "sig")] == "program" and a == b and hash(a) == hash(b)
+    assert Frozen((2, Counted())) != a and a != (1, Counted())
