@@ -174,8 +174,10 @@ def cpu_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, n
                         soft_cap: float | None = None, sinks=None):
     """`xla_ragged_paged_attention`'s result (f32 [T, Hq, Dh]) from the CPU kernel: K and V
     read in place from their pages, each row over its own visible positions only."""
-    from jaxinfer.runtime.device.cpu_kernels import ATTENTION_TARGET
+    from jaxinfer.runtime.device.cpu_kernels import ATTENTION_TARGET, load
 
+    if load() is None:
+        raise RuntimeError("the CPU kernels are not available (see the log)")
     call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     i32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
     sk = jnp.zeros((0,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
