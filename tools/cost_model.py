@@ -165,6 +165,7 @@ def step_cost(shape: dict, batch: int, context: int, tp: int, layers: tuple[int,
     import jax
     import jax.numpy as jnp
 
+    from jaxinfer.runtime.device.attention import xla_attention_only
     from jaxinfer.runtime.device.kv_cache import init_cache
     from jaxinfer.runtime.device.model import init_params
     from jaxinfer.runtime.plan import STEP_GROUPS, fields_of
@@ -195,7 +196,8 @@ def step_cost(shape: dict, batch: int, context: int, tp: int, layers: tuple[int,
                                   filtered=False),
                 in_shardings=(param_shardings(params, mesh), cache_shardings(cache, mesh),
                               replicated(mesh)))
-    cost = f.lower(params, cache, arrays).compile().cost_analysis()
+    with xla_attention_only():  # XLA's attention ops, whose FLOPs count (not the CPU kernel)
+        cost = f.lower(params, cache, arrays).compile().cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     routers = sum(full.layer_has_experts(i) for i in idx) * full.hidden_size * full.num_experts
     return {"flops": float(cost.get("flops", 0.0)) + 2 * batch * routers,

@@ -9,6 +9,8 @@ over its "model" axis (runtime/device/sharding.py `shard_kv_heads`).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import jax
@@ -160,13 +162,27 @@ _TILE_GROUPS = 8  # tiles run in up to this many groups (more when the gathers w
 _GROUPED_FROM = 8  # ... when there are more tiles than this
 
 
-@functools.partial(jax.named_call, name="xla_ragged_paged_attention")
+_XLA_ONLY = contextvars.ContextVar("jaxinfer_xla_attention_only", default=False)
+
+
+@contextlib.contextmanager
+def xla_attention_only():
+    """Trace the "xla" backend as XLA ops only, never the CPU kernel: for what reads the
+    program rather than runs it (the cost model counts its FLOPs; a custom call counts none)."""
+    token = _XLA_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _XLA_ONLY.reset(token)
+
+
 def _cpu_kernel_takes(q, k_pages) -> bool:
     """Whether the CPU decode kernel (runtime/device/cpu_attention.cc) can run this call: f32
     queries and pages, and the kernel library built for this host."""
     from jaxinfer.runtime.device import cpu_kernels
 
-    return q.dtype == k_pages.dtype == jnp.float32 and cpu_kernels.available("cpu")
+    return not _XLA_ONLY.get() and q.dtype == k_pages.dtype == jnp.float32 \
+        and cpu_kernels.available("cpu")
 
 
 def cpu_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
@@ -186,6 +202,7 @@ def cpu_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, n
                 window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0))
 
 
+@functools.partial(jax.named_call, name="xla_ragged_paged_attention")
 def xla_ragged_paged_attention(
     q,  # [T, Hq, Dh]
     k_pages,  # [Hkv, N, ps, Dh]
