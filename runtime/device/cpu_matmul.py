@@ -115,14 +115,19 @@ class PackedWeight:
         """Integer kinds: the values [n, K] (int8) of channels `ids` (all if None)."""
         if self.kind in ("u5", "s5"):
             b = self.q.reshape(self.q.shape[0], -1, 20)  # [P, K / 2, 20]
+            if ids is None:  # every channel: [P, K / 2, 16] -> [P * 16, K / 2]
+                nib = jnp.swapaxes(b[..., :16], 1, 2).reshape(-1, b.shape[1])
+                lane = jnp.tile(jnp.arange(16, dtype=jnp.uint32), b.shape[0])
+                panel = jnp.repeat(jnp.arange(b.shape[0]), 16)
+            else:  # only the panels of `ids` (an embedding lookup reads a few rows)
+                b = b[ids // 16]  # [n, K / 2, 20]
+                nib = jnp.take_along_axis(b[..., :16], (ids % 16)[:, None, None], axis=2)[..., 0]
+                lane, panel = (ids % 16).astype(jnp.uint32), jnp.arange(b.shape[0])
             word = jnp.sum(b[..., 16:].astype(jnp.uint32) << (8 * jnp.arange(4, dtype=jnp.uint32)),
-                           axis=-1, dtype=jnp.uint32)  # [P, K / 2]
-            c = jnp.arange(16, dtype=jnp.uint32)
-            fifth = lambda shift: ((word[..., None] >> (c + shift)) & 1).astype(jnp.uint8)  # noqa: E731
-            nib = b[..., :16]
+                           axis=-1, dtype=jnp.uint32)[panel]  # [n, K / 2] the fifth bits' words
+            fifth = lambda shift: ((word >> (lane[:, None] + shift)) & 1).astype(jnp.uint8)  # noqa: E731
             v = jnp.stack([(nib & 0xF) | (fifth(0) << 4), (nib >> 4) | (fifth(16) << 4)], -1)
-            v = jnp.transpose(v, (0, 2, 1, 3)).reshape(-1, 2 * b.shape[1])  # [P * 16, K]
-            v = v if ids is None else v[ids]
+            v = v.reshape(v.shape[0], -1)  # [n, K]: input 2t, then 2t + 1
         else:
             v = self._channels(self.q, ids)
             if self.kind in ("u4", "s4"):
