@@ -69,7 +69,8 @@ inline const float* slot(const Attn& a, const float* pool, int64_t h, int64_t se
 }
 
 // Row `row`, KV head `h`: its G query heads over their visible positions.
-void item(const Attn& a, int64_t row, int64_t h, std::vector<float>& scores) {
+void item(const Attn& a, int64_t row, int64_t h) {
+  thread_local std::vector<float> scores;  // [G, n] scores, then [G] denominators
   const int64_t g = a.hq / a.hkv;
   float* out = a.out + (row * a.hq + h * g) * a.dh;
   const int32_t s = a.row_seq[row];
@@ -82,7 +83,7 @@ void item(const Attn& a, int64_t row, int64_t h, std::vector<float>& scores) {
   const int64_t hi = std::min<int64_t>(pos + 1, kv_len);
   const int64_t lo = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0;
   const int64_t n = std::max<int64_t>(0, hi - lo);
-  scores.resize(g * n);
+  scores.resize(g * n + g);
   for (int64_t i = 0; i < n; ++i) {
     const float* kr = slot(a, a.k, h, s, lo + i);
     for (int64_t j = 0; j < g; ++j) {
@@ -92,7 +93,7 @@ void item(const Attn& a, int64_t row, int64_t h, std::vector<float>& scores) {
     }
   }
   std::memset(out, 0, sizeof(float) * g * a.dh);
-  std::vector<float> den(g);
+  float* den = scores.data() + g * n;
   for (int64_t j = 0; j < g; ++j) {
     float* sc = scores.data() + j * n;
     float mx = -INFINITY;
@@ -173,15 +174,13 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   const int64_t items = a.t * a.hkv;
   const int64_t threads = work < kThreadedWork ? 1 : std::max<int64_t>(1, pool.num_threads());
   if (threads == 1 || items == 1) {
-    std::vector<float> scores;
-    for (int64_t i = 0; i < items; ++i) item(a, i / a.hkv, i % a.hkv, scores);
+    for (int64_t i = 0; i < items; ++i) item(a, i / a.hkv, i % a.hkv);
     return ffi::Error::Success();
   }
   const int64_t chunk = std::max<int64_t>(1, items / (threads * 4));
   jaxinfer_cpu::helpers().parallel((items + chunk - 1) / chunk, threads, [&](int64_t c) {
-    std::vector<float> scores;
     for (int64_t i = c * chunk; i < std::min(items, (c + 1) * chunk); ++i)
-      item(a, i / a.hkv, i % a.hkv, scores);
+      item(a, i / a.hkv, i % a.hkv);
   });
   return ffi::Error::Success();
 }
